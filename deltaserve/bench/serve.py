@@ -1,0 +1,481 @@
+"""`deltaserve bench serve`: a streaming load generator for OpenAI-compatible servers.
+
+Flags, request payloads, arrival process and metrics follow `vllm bench serve`, so a result from this
+client compares with one from vLLM's client against the same server. Run as
+`deltaserve bench serve ...` or `python -m deltaserve.bench.serve ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import platform
+import subprocess
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+from deltaserve.bench.datasets import (
+    QWEN35_BASE_VOCAB_SIZE,
+    BenchRequest,
+    load_custom_jsonl,
+    random_token_prompts,
+)
+from deltaserve.bench.metrics import (
+    METRIC_NAMES,
+    BenchResult,
+    RequestRecord,
+    compute_metrics,
+    format_report,
+    parse_goodput,
+)
+
+# One request may legitimately stream for a long time (long outputs under heavy load); vLLM's bound.
+_REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=6 * 60 * 60)
+_MAX_ERRORS_SHOWN = 10
+
+
+def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `vllm bench serve` that this client implements, with the same names and defaults."""
+    server = parser.add_argument_group("server")
+    server.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root URL")
+    server.add_argument(
+        "--endpoint",
+        default="/v1/completions",
+        choices=["/v1/completions", "/v1/chat/completions"],
+        help="API endpoint to stream from",
+    )
+    server.add_argument("--model", default=None, help="model name; default: the first id of GET /v1/models")
+    server.add_argument("--api-key", default=None, help="bearer token; default: $OPENAI_API_KEY if set")
+    server.add_argument(
+        "--ready-check-timeout-sec",
+        type=float,
+        default=600.0,
+        help="wait this long for GET /health to answer 200 before the run; 0 skips the check",
+    )
+
+    data = parser.add_argument_group("dataset")
+    data.add_argument("--dataset-name", default="random", choices=["random", "custom"])
+    data.add_argument(
+        "--dataset-path",
+        default=None,
+        help='custom dataset: JSONL lines {"prompt": str | list[int], "output_len": int}',
+    )
+    data.add_argument("--num-prompts", type=int, default=1000)
+    data.add_argument("--random-input-len", type=int, default=1024)
+    data.add_argument("--random-output-len", type=int, default=128)
+    data.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="lengths uniform in [len·(1−r), len·(1+r)]; 0 = fixed lengths",
+    )
+    data.add_argument("--random-token-id-low", type=int, default=0, help="smallest prompt token id")
+    data.add_argument(
+        "--random-token-id-high",
+        type=int,
+        default=QWEN35_BASE_VOCAB_SIZE,
+        help="prompt token ids stay below this (default: Qwen3.5's vocabulary without special tokens)",
+    )
+
+    traffic = parser.add_argument_group("traffic")
+    traffic.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="requests per second; inf sends all at once, otherwise gamma/Poisson arrivals",
+    )
+    traffic.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="gamma shape of inter-arrival times: 1 = Poisson, <1 burstier, >1 more uniform",
+    )
+    traffic.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    traffic.add_argument("--num-warmups", type=int, default=0, help="requests sent first and not measured")
+    traffic.add_argument("--seed", type=int, default=0)
+
+    sampling = parser.add_argument_group("sampling")
+    sampling.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="send ignore_eos so every request generates its full length (default: on for random)",
+    )
+    sampling.add_argument("--temperature", type=float, default=0.0)
+
+    report = parser.add_argument_group("report")
+    report.add_argument("--percentile-metrics", default=",".join(METRIC_NAMES))
+    report.add_argument("--metric-percentiles", default="50,90,99")
+    report.add_argument(
+        "--goodput",
+        nargs="+",
+        default=None,
+        metavar="NAME:MS",
+        help="SLOs a request must all meet to count as good, e.g. ttft:500 tpot:50 e2el:10000",
+    )
+    report.add_argument("--save-result", action="store_true", help="write the result JSON")
+    report.add_argument(
+        "--save-detailed", action="store_true", help="also write per-request lists (ttfts, itls, errors)"
+    )
+    report.add_argument("--result-dir", default=None)
+    report.add_argument("--result-filename", default=None)
+    report.add_argument(
+        "--metadata",
+        nargs="*",
+        default=None,
+        metavar="KEY=VALUE",
+        help="notes stored in the result JSON, e.g. gpu=H100 server_flags='--max-num-seqs 256'",
+    )
+
+
+def run_bench_serve(args: argparse.Namespace) -> BenchResult:
+    """Run one benchmark as `args` describe, print vLLM's report block, save JSON if asked."""
+    return asyncio.run(_bench(args))
+
+
+def arrival_offsets(
+    num_requests: int, request_rate: float, burstiness: float, rng: np.random.Generator
+) -> list[float]:
+    """Send time of each request in seconds after the start, as `vllm bench serve` schedules them.
+
+    Finite rates draw gamma inter-arrival gaps (shape = burstiness, mean = 1/rate) and rescale their
+    running sum so the last request starts at exactly num_requests/rate, so throughput does not drift by
+    the 1-2% sampling error between seeds.
+    """
+    if request_rate <= 0 or burstiness <= 0:
+        raise ValueError(f"--request-rate ({request_rate}) and --burstiness ({burstiness}) must be positive")
+    if request_rate == math.inf:
+        return [0.0] * num_requests
+    if burstiness == math.inf:
+        gaps = np.full(num_requests, 1.0 / request_rate)
+    else:
+        gaps = rng.gamma(shape=burstiness, scale=1.0 / (request_rate * burstiness), size=num_requests)
+    times = np.cumsum(gaps)
+    return (times * (num_requests / request_rate / times[-1])).tolist()
+
+
+@dataclass(slots=True)
+class _Endpoint:
+    session: aiohttp.ClientSession
+    url: str
+    headers: dict[str, str]
+    model: str
+    chat: bool
+    ignore_eos: bool
+    temperature: float
+
+
+async def _bench(args: argparse.Namespace) -> BenchResult:
+    _validate(args)
+    goodput = parse_goodput(args.goodput) if args.goodput else None
+    percentile_metrics = _parse_metric_names(args.percentile_metrics)
+    percentiles = _parse_percentiles(args.metric_percentiles)
+    requests = _load_requests(args)
+    chat = args.endpoint == "/v1/chat/completions"
+    if chat and any(isinstance(r.prompt, list) for r in requests):
+        raise ValueError(
+            f"{args.endpoint} takes text, but the prompts are token ids; "
+            "use --endpoint /v1/completions or a custom dataset with text prompts"
+        )
+    ignore_eos = args.ignore_eos if args.ignore_eos is not None else args.dataset_name == "random"
+    base_url = args.base_url.rstrip("/")
+    api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    offsets = arrival_offsets(
+        len(requests), args.request_rate, args.burstiness, np.random.default_rng(args.seed)
+    )
+
+    # limit=0 lifts aiohttp's default pool cap of 100 connections, which would silently cap concurrency.
+    connector = aiohttp.TCPConnector(limit=args.max_concurrency or 0)
+    async with aiohttp.ClientSession(connector=connector, timeout=_REQUEST_TIMEOUT) as session:
+        await _wait_for_health(session, base_url, args.ready_check_timeout_sec)
+        model = args.model or await _first_model(session, base_url, headers)
+        endpoint = _Endpoint(
+            session, base_url + args.endpoint, headers, model, chat, ignore_eos, args.temperature
+        )
+        if args.num_warmups > 0:
+            print(f"Warming up with {args.num_warmups} requests...")
+            await _send_all(endpoint, [requests[0]] * args.num_warmups, None, args.max_concurrency)
+        print(f"Traffic request rate: {args.request_rate}")
+        print(f"Burstiness factor: {args.burstiness}")
+        print(f"Maximum request concurrency: {args.max_concurrency}")
+        start = time.perf_counter()
+        records = await _send_all(endpoint, requests, offsets, args.max_concurrency)
+        duration = time.perf_counter() - start
+
+    result = compute_metrics(records, duration, percentile_metrics, percentiles, goodput)
+    result.config = _config(args, model, ignore_eos)
+    result.environment = _environment()
+    _print_errors(records)
+    print(format_report(result))
+    if args.save_result:
+        path = _result_path(args, model, result.environment["date"])
+        path.write_text(json.dumps(result.to_json(detailed=args.save_detailed), indent=2) + "\n")
+        print(f"Saved result to {path}")
+    return result
+
+
+async def _send_all(
+    endpoint: _Endpoint,
+    requests: list[BenchRequest],
+    offsets: list[float] | None,
+    max_concurrency: int | None,
+) -> list[RequestRecord]:
+    """Start request i at `offsets[i]` seconds (all at once if None); at most `max_concurrency` in flight.
+
+    A request waiting on the cap is sent (and its TTFT clock starts) only once it holds a slot, as in vLLM.
+    """
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
+
+    async def limited(request: BenchRequest) -> RequestRecord:
+        async with limit:
+            return await _send(endpoint, request)
+
+    start = time.perf_counter()
+    tasks = []
+    for i, request in enumerate(requests):
+        delay = start + offsets[i] - time.perf_counter() if offsets else 0.0
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(limited(request)))
+    return list(await asyncio.gather(*tasks))
+
+
+def _payload(endpoint: _Endpoint, request: BenchRequest) -> dict[str, Any]:
+    payload: dict[str, Any] = {"model": endpoint.model}
+    if endpoint.chat:
+        payload["messages"] = [{"role": "user", "content": request.prompt}]
+        payload["max_completion_tokens"] = request.output_len
+    else:
+        payload["prompt"] = request.prompt
+        payload["max_tokens"] = request.output_len
+    payload |= {
+        "temperature": endpoint.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if endpoint.ignore_eos:
+        payload["ignore_eos"] = True
+    return payload
+
+
+async def _send(endpoint: _Endpoint, request: BenchRequest) -> RequestRecord:
+    """Stream one request. Success needs HTTP 200, a `choices` chunk, a usage chunk and `[DONE]`."""
+    payload = _payload(endpoint, request)
+    chunk_times: list[float] = []
+    texts: list[str] = []
+    tokens: tuple[int, int] | None = None  # (prompt, completion) from the usage chunk
+    done = False
+    error = ""
+    send_time = time.perf_counter()
+    try:
+        async with endpoint.session.post(endpoint.url, json=payload, headers=endpoint.headers) as resp:
+            if resp.status != 200:
+                error = f"HTTP {resp.status}: {(await resp.text())[:2000]}"
+            else:
+                # SSE: "data: {...}" lines separated by blank lines; ":" lines are keep-alive comments.
+                async for raw in resp.content:
+                    line = raw.strip()
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[len(b"data:") :].strip()
+                    if data == b"[DONE]":
+                        done = True
+                        continue
+                    arrival = time.perf_counter()
+                    chunk = json.loads(data)
+                    if chunk.get("error"):
+                        error = f"error event in stream: {json.dumps(chunk['error'])[:2000]}"
+                        break
+                    if choices := chunk.get("choices"):
+                        chunk_times.append(arrival)
+                        texts.append(_chunk_text(choices[0], endpoint.chat))
+                    if (usage := chunk.get("usage")) and "completion_tokens" in usage:
+                        tokens = (usage.get("prompt_tokens", request.prompt_len), usage["completion_tokens"])
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    if not error:
+        error = _stream_error(done, len(chunk_times), tokens is not None)
+    text = "".join(texts)
+    if error or tokens is None:
+        return RequestRecord(False, error, send_time, chunk_times, request.prompt_len, 0, text)
+    return RequestRecord(True, "", send_time, chunk_times, tokens[0], tokens[1], text)
+
+
+def _stream_error(done: bool, num_chunks: int, has_usage: bool) -> str:
+    if not done:
+        return f"stream ended without [DONE] after {num_chunks} chunks with choices"
+    if num_chunks == 0:
+        return "stream had no chunk with choices"
+    if not has_usage:
+        return "stream had no usage chunk with completion_tokens; the server must honour stream_options.include_usage"
+    return ""
+
+
+def _chunk_text(choice: dict[str, Any], chat: bool) -> str:
+    if chat:
+        return (choice.get("delta") or {}).get("content") or ""
+    return choice.get("text") or ""
+
+
+async def _wait_for_health(session: aiohttp.ClientSession, base_url: str, timeout_s: float) -> None:
+    if timeout_s <= 0:
+        return
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    while True:
+        try:
+            async with session.get(f"{base_url}/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                if resp.status == 200:
+                    return
+                last = f"HTTP {resp.status}"
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            last = f"{type(exc).__name__}: {exc}"
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(
+                f"GET {base_url}/health did not answer 200 within {timeout_s:g} s (last: {last}); "
+                "start the server, check --base-url, or raise --ready-check-timeout-sec"
+            )
+        await asyncio.sleep(min(0.5, remaining))
+
+
+async def _first_model(session: aiohttp.ClientSession, base_url: str, headers: dict[str, str]) -> str:
+    async with session.get(f"{base_url}/v1/models", headers=headers) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"GET {base_url}/v1/models answered HTTP {resp.status}; pass --model")
+        models = (await resp.json()).get("data") or []
+    if not models:
+        raise RuntimeError(f"GET {base_url}/v1/models lists no models; pass --model")
+    return models[0]["id"]
+
+
+def _validate(args: argparse.Namespace) -> None:
+    if args.num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    if args.num_warmups < 0:
+        raise ValueError(f"--num-warmups must be >= 0, got {args.num_warmups}")
+
+
+def _load_requests(args: argparse.Namespace) -> list[BenchRequest]:
+    if args.dataset_name == "random":
+        if args.dataset_path:
+            raise ValueError(
+                "--dataset-path is read only with --dataset-name custom; the random set is generated"
+            )
+        return random_token_prompts(
+            args.num_prompts,
+            args.random_input_len,
+            args.random_output_len,
+            args.random_range_ratio,
+            args.seed,
+            args.random_token_id_low,
+            args.random_token_id_high,
+        )
+    if not args.dataset_path:
+        raise ValueError("--dataset-name custom needs --dataset-path FILE.jsonl")
+    return load_custom_jsonl(args.dataset_path, args.num_prompts)
+
+
+def _parse_metric_names(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in METRIC_NAMES]
+    if unknown:
+        raise ValueError(f"--percentile-metrics: unknown {unknown}; choose from {','.join(METRIC_NAMES)}")
+    return names
+
+
+def _parse_percentiles(text: str) -> tuple[float, ...]:
+    values = tuple(float(p) for p in text.split(",") if p.strip())
+    if not values or not all(0 <= p <= 100 for p in values):
+        raise ValueError(f"--metric-percentiles must be comma-separated numbers in [0, 100], got {text!r}")
+    return values
+
+
+def _config(args: argparse.Namespace, model: str, ignore_eos: bool) -> dict[str, Any]:
+    """The run's flags as resolved. The API key is left out; values that are not data (e.g. a subcommand
+    handler set by the main CLI) are dropped."""
+    plain = (str, int, float, bool, list, type(None))
+    config = {k: v for k, v in vars(args).items() if k != "api_key" and isinstance(v, plain)}
+    config |= {"model": model, "ignore_eos": ignore_eos, "metadata": _parse_metadata(args.metadata)}
+    return config
+
+
+def _parse_metadata(items: list[str] | None) -> dict[str, str]:
+    metadata = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--metadata {item!r}: expected KEY=VALUE")
+        metadata[key.strip()] = value.strip()
+    return metadata
+
+
+def _environment() -> dict[str, Any]:
+    return {
+        "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
+        "client_python": platform.python_version(),
+        "client_platform": platform.platform(),
+        "client_commit": _git_commit(),
+        "aiohttp": aiohttp.__version__,
+        "numpy": np.__version__,
+    }
+
+
+def _git_commit() -> str | None:
+    """The deltaserve checkout's commit, or None outside a git checkout."""
+    try:
+        proc = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return proc.stdout.strip() if proc.returncode == 0 else None
+
+
+def _result_path(args: argparse.Namespace, model: str, date: str) -> Path:
+    """vLLM's default name: `{label}-{rate}qps[-concurrency{c}]-{model}-{date}.json`."""
+    concurrency = f"-concurrency{args.max_concurrency}" if args.max_concurrency else ""
+    name = (
+        args.result_filename
+        or f"deltaserve-{args.request_rate}qps{concurrency}-{model.split('/')[-1]}-{date}.json"
+    )
+    directory = Path(args.result_dir or ".")
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory / name
+
+
+def _print_errors(records: list[RequestRecord]) -> None:
+    failed = [r for r in records if not r.success]
+    if failed:
+        print(f"Failed requests during benchmark run detected (capping to {_MAX_ERRORS_SHOWN}):")
+        for i, r in enumerate(failed[:_MAX_ERRORS_SHOWN]):
+            print(f"Error {i}: {r.error}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="deltaserve bench serve", description="Benchmark a running server with streaming requests."
+    )
+    add_bench_serve_arguments(parser)
+    run_bench_serve(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,324 @@
+"""The benchmark client against a stub OpenAI server that streams with known delays over a real socket."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from aiohttp import web
+
+from deltaserve.bench.datasets import load_custom_jsonl, random_token_prompts
+from deltaserve.bench.serve import add_bench_serve_arguments, arrival_offsets, main, run_bench_serve
+
+TTFT_S = 0.060  # stub delay before the first chunk
+ITL_S = 0.020  # stub delay between later chunks
+
+
+class StubServer:
+    """Streams `max_tokens` chunks "t0 ", "t1 ", ...: the first after TTFT_S, the rest ITL_S apart, then a
+    usage chunk and [DONE]. Prompt "bad" gets HTTP 400; prompt "cut" stops after two chunks without
+    [DONE]; prompt "nousage" omits the usage chunk. Counts concurrent streams and records every payload."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.reset()
+
+    def reset(self) -> None:
+        self.payloads: list[dict[str, Any]] = []
+        self.active = self.max_active = 0
+        self.unhealthy_polls = self.health_polls = 0
+
+    def start(self) -> None:
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(timeout=10)
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(timeout=10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+    async def _start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/completions", self._stream)
+        app.router.add_post("/v1/chat/completions", self._stream)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        await web.SockSite(self.runner, self.sock).start()
+
+    async def _health(self, request: web.Request) -> web.Response:
+        self.health_polls += 1
+        return web.Response(status=503 if self.health_polls <= self.unhealthy_polls else 200)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "stub-model", "object": "model"}]})
+
+    async def _stream(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.payloads.append(body)
+        chat = request.path == "/v1/chat/completions"
+        prompt = body["messages"][0]["content"] if chat else body["prompt"]
+        if prompt == "bad":
+            return web.json_response({"error": {"message": "prompt rejected by stub"}}, status=400)
+        self.active += 1
+        self.max_active = max(self.max_active, self.active)
+        try:
+            return await self._write_chunks(request, body, chat, prompt)
+        finally:
+            self.active -= 1
+
+    async def _write_chunks(
+        self, request: web.Request, body: dict[str, Any], chat: bool, prompt: str | list[int]
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+
+        async def event(data: object) -> None:
+            await resp.write(f"data: {json.dumps(data)}\n\n".encode())
+
+        num_tokens = body["max_completion_tokens" if chat else "max_tokens"]
+        await asyncio.sleep(TTFT_S)
+        if chat:  # OpenAI's first chat chunk carries the role and empty content
+            await event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+        for i in range(num_tokens):
+            if i or chat:
+                await asyncio.sleep(ITL_S)
+            choice = {"index": 0, "delta": {"content": f"t{i} "}} if chat else {"index": 0, "text": f"t{i} "}
+            await event({"choices": [choice]})
+            if prompt == "cut" and i == 1:
+                await resp.write_eof()
+                return resp
+        await resp.write(b": keep-alive comment\n\n")
+        if prompt != "nousage":
+            await event({"choices": [], "usage": self._usage(prompt, num_tokens)})
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    @staticmethod
+    def _usage(prompt: str | list[int], num_tokens: int) -> dict[str, int]:
+        prompt_tokens = len(prompt) if isinstance(prompt, list) else len(prompt.split())
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": num_tokens}
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[StubServer]:
+    stub = StubServer()
+    stub.start()
+    yield stub
+    stub.stop()
+
+
+@pytest.fixture
+def stub(server: StubServer) -> StubServer:
+    server.reset()
+    return server
+
+
+def _args(stub: StubServer, *flags: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_bench_serve_arguments(parser)
+    return parser.parse_args(["--base-url", stub.url, "--ready-check-timeout-sec", "5", *flags])
+
+
+def _jsonl(path: Path, rows: list[dict[str, Any]]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_random_run_measures_the_servers_delays_within_the_concurrency_cap(stub, tmp_path):
+    args = _args(
+        stub,
+        *("--num-prompts", "6", "--random-input-len", "8", "--random-output-len", "4"),
+        *(
+            "--max-concurrency",
+            "2",
+            "--save-result",
+            "--result-dir",
+            str(tmp_path),
+            "--result-filename",
+            "r.json",
+        ),
+    )
+    result = run_bench_serve(args)
+
+    assert (result.completed, result.failed) == (6, 0)
+    assert (result.total_input_tokens, result.total_output_tokens) == (6 * 8, 6 * 4)
+    assert stub.max_active == 2 and result.max_concurrent_requests == 2
+    # The stub cannot answer sooner than its sleeps; the upper bounds leave room for a slow CI box.
+    assert TTFT_S * 1000 <= result.latency["ttft"].mean_ms < TTFT_S * 1000 + 500
+    assert 0.75 * ITL_S * 1000 <= result.latency["itl"].median_ms < ITL_S * 1000 + 200
+    assert result.latency["e2el"].mean_ms >= (TTFT_S + 3 * ITL_S) * 1000
+    assert 0.75 * ITL_S * 1000 <= result.latency["tpot"].median_ms < ITL_S * 1000 + 200
+    assert all(len(r.chunk_times) == 4 and r.generated_text == "t0 t1 t2 t3 " for r in result.records)
+
+    for payload in stub.payloads:
+        assert payload["model"] == "stub-model"  # taken from GET /v1/models
+        assert len(payload["prompt"]) == 8 and all(0 <= t < 248044 for t in payload["prompt"])
+        assert payload["max_tokens"] == 4 and payload["ignore_eos"] is True and payload["temperature"] == 0.0
+        assert payload["stream"] is True and payload["stream_options"] == {"include_usage": True}
+
+    saved = json.loads((tmp_path / "r.json").read_text())
+    for key in ["completed", "failed", "duration", "total_input_tokens", "total_output_tokens"]:
+        assert saved[key] == getattr(result, key)
+    for key in [
+        "request_throughput",
+        "output_throughput",
+        "total_token_throughput",
+        "max_concurrent_requests",
+    ]:
+        assert key in saved
+    for metric in ["ttft", "tpot", "itl", "e2el"]:
+        for stat in ["mean", "median", "std", "p50", "p90", "p99"]:
+            assert f"{stat}_{metric}_ms" in saved
+    assert saved["request_rate"] == "inf" and saved["max_concurrency"] == 2
+    assert saved["config"]["random_input_len"] == 8 and "date" in saved["environment"]
+    assert "ttfts" not in saved  # only with --save-detailed
+
+
+def test_http_400_a_stream_without_done_or_usage_are_failures_with_their_error_text(stub, tmp_path):
+    rows = [
+        {"prompt": "hello world", "output_len": 3},
+        {"prompt": "bad", "output_len": 3},
+        {"prompt": "cut", "output_len": 3},
+        {"prompt": "nousage", "output_len": 3},
+    ]
+    args = _args(
+        stub,
+        *(
+            "--dataset-name",
+            "custom",
+            "--dataset-path",
+            _jsonl(tmp_path / "d.jsonl", rows),
+            "--num-prompts",
+            "4",
+        ),
+        *("--save-result", "--save-detailed", "--result-dir", str(tmp_path), "--result-filename", "r.json"),
+    )
+    result = run_bench_serve(args)
+
+    assert (result.completed, result.failed) == (1, 3)
+    assert (result.total_input_tokens, result.total_output_tokens) == (2, 3)
+    errors = json.loads((tmp_path / "r.json").read_text())["errors"]
+    assert errors[0] == ""
+    assert errors[1].startswith("HTTP 400") and "prompt rejected by stub" in errors[1]
+    assert errors[2] == "stream ended without [DONE] after 2 chunks with choices"
+    assert errors[3].startswith("stream had no usage chunk")
+    assert all("ignore_eos" not in p for p in stub.payloads)  # off by default for custom prompts
+
+
+def test_chat_ttft_counts_the_empty_role_chunk(stub, tmp_path):
+    rows = [{"prompt": "hi there", "output_len": 3}]
+    path = _jsonl(tmp_path / "d.jsonl", rows)
+    args = _args(
+        stub, "--endpoint", "/v1/chat/completions", "--dataset-name", "custom", "--dataset-path", path
+    )
+    args.num_prompts = 2
+    result = run_bench_serve(args)
+
+    assert (result.completed, result.total_output_tokens) == (2, 6)
+    assert stub.payloads[0]["messages"] == [{"role": "user", "content": "hi there"}]
+    assert stub.payloads[0]["max_completion_tokens"] == 3
+    record = result.records[0]
+    assert len(record.chunk_times) == 4 and record.generated_text == "t0 t1 t2 "
+    # The role chunk is the first of the 4 chunks with choices, so TTFT ends there.
+    assert TTFT_S * 1000 <= result.latency["ttft"].mean_ms < (TTFT_S + ITL_S) * 1000 + 500
+
+
+def test_warmups_run_first_and_are_not_measured(stub):
+    args = _args(stub, "--num-warmups", "2", "--num-prompts", "3", "--random-input-len", "4")
+    args.random_output_len = 2
+    result = run_bench_serve(args)
+
+    assert len(stub.payloads) == 5 and result.completed == 3 and len(result.records) == 3
+
+
+def test_finite_request_rate_spreads_sends_until_n_over_rate(stub):
+    args = _args(stub, "--request-rate", "20", "--num-prompts", "4", "--random-input-len", "4")
+    args.random_output_len = 1
+    result = run_bench_serve(args)
+
+    sends = [r.send_time for r in result.records]
+    assert sends == sorted(sends)
+    # The last request leaves 4/20 = 0.2 s after the start and still waits TTFT_S for its chunk.
+    assert result.duration >= 0.2 + TTFT_S
+    assert result.completed == 4 and result.latency["tpot"].mean_ms == 0.0  # 1-token outputs have no TPOT
+
+
+def test_waits_for_health_to_answer_200(stub):
+    stub.unhealthy_polls = 1
+    args = _args(stub, "--num-prompts", "1", "--random-input-len", "4", "--random-output-len", "1")
+    assert run_bench_serve(args).completed == 1
+    assert stub.health_polls == 2
+
+
+def test_health_timeout_names_the_flag():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead_url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    with pytest.raises(TimeoutError, match="--ready-check-timeout-sec"):
+        main(["--base-url", dead_url, "--ready-check-timeout-sec", "0.2", "--num-prompts", "1"])
+
+
+def test_chat_endpoint_refuses_token_id_prompts(stub):
+    with pytest.raises(ValueError, match="token ids"):
+        run_bench_serve(_args(stub, "--endpoint", "/v1/chat/completions", "--num-prompts", "1"))
+
+
+def test_arrival_offsets_follow_vllms_schedule():
+    rng = np.random.default_rng(0)
+    assert arrival_offsets(3, float("inf"), 1.0, rng) == [0.0, 0.0, 0.0]
+    assert arrival_offsets(4, 10.0, float("inf"), rng) == pytest.approx([0.1, 0.2, 0.3, 0.4])
+    poisson = arrival_offsets(50, 10.0, 1.0, np.random.default_rng(1))
+    assert poisson == sorted(poisson) and poisson[-1] == pytest.approx(5.0)
+    assert poisson == arrival_offsets(50, 10.0, 1.0, np.random.default_rng(1))
+    with pytest.raises(ValueError, match="--burstiness"):
+        arrival_offsets(2, 10.0, 0.0, rng)
+
+
+def test_random_prompts_are_consecutive_id_runs_of_the_drawn_lengths():
+    fixed = random_token_prompts(3, input_len=5, output_len=7, seed=0, token_id_low=100, token_id_high=110)
+    assert [(r.prompt_len, r.output_len) for r in fixed] == [(5, 7)] * 3
+    for r in fixed:
+        assert r.prompt == [100 + (r.prompt[0] - 100 + k) % 10 for k in range(5)]
+
+    ranged = random_token_prompts(200, input_len=10, output_len=4, range_ratio=0.25, seed=3)
+    # [floor(10·0.75), ceil(10·1.25)] = [7, 13] and [floor(4·0.75), ceil(4·1.25)] = [3, 5]
+    assert {r.prompt_len for r in ranged} == set(range(7, 14))
+    assert {r.output_len for r in ranged} == {3, 4, 5}
+    assert all(len(r.prompt) == r.prompt_len and max(r.prompt) < 248044 for r in ranged)
+    assert ranged == random_token_prompts(200, input_len=10, output_len=4, range_ratio=0.25, seed=3)
+    assert ranged != random_token_prompts(200, input_len=10, output_len=4, range_ratio=0.25, seed=4)
+
+
+def test_random_prompts_reject_ranges_that_can_draw_empty_prompts():
+    with pytest.raises(ValueError, match="--random-input-len 1"):
+        random_token_prompts(1, input_len=1, output_len=1, range_ratio=0.5)
+    with pytest.raises(ValueError, match="--random-range-ratio"):
+        random_token_prompts(1, input_len=8, output_len=1, range_ratio=1.0)
+
+
+def test_custom_jsonl_cycles_to_num_prompts_and_names_the_bad_line(tmp_path):
+    path = _jsonl(
+        tmp_path / "d.jsonl", [{"prompt": "Hello", "output_len": 2}, {"prompt": [1, 2, 3], "output_len": 1}]
+    )
+    got = load_custom_jsonl(path, 3)
+    assert [(r.prompt, r.prompt_len, r.output_len) for r in got] == [
+        ("Hello", 0, 2),
+        ([1, 2, 3], 3, 1),
+        ("Hello", 0, 2),
+    ]
+    bad = _jsonl(tmp_path / "bad.jsonl", [{"prompt": "ok", "output_len": 1}, {"prompt": "x"}])
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2: 'output_len'"):
+        load_custom_jsonl(bad, 1)
