@@ -1,0 +1,102 @@
+"""The one input shape the model runs: a flattened varlen batch of decode rows and prefill chunks.
+
+Row order is decode rows first (one token each, context > 0), then prefill chunks; a prefill chunk may
+start at any position (its context is already in the caches). Every tensor of a batch lives on the
+model's device; the `*_host` tuples mirror lengths so reference ops can loop without device syncs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64, absolute position of each token in its sequence
+    query_start_loc: torch.Tensor  # [B + 1] int32, cu_seqlens of the new tokens
+    context_lens: torch.Tensor  # [B] int32, tokens already cached before this step
+    seq_lens: torch.Tensor  # [B] int32, context + new tokens
+    block_tables: torch.Tensor  # [B, P] int32, KV page ids per sequence (padded with page 0)
+    slot_mapping: torch.Tensor  # [T] int64, flat KV position (page * page_size + offset) per token
+    state_slots: torch.Tensor  # [B] int64, GDN state slot per sequence
+    logits_indices: torch.Tensor  # [R] int64, token rows whose logits are computed
+    num_decodes: int  # the first num_decodes sequences are single-token decode rows
+    query_lens_host: tuple[int, ...]
+    context_lens_host: tuple[int, ...]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens_host)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+@dataclass(slots=True)
+class BatchRow:
+    """One sequence's share of a step: `token_ids` continue a sequence that already holds `context_len`."""
+
+    token_ids: Sequence[int]
+    context_len: int
+    pages: Sequence[int]  # the sequence's block table; covers context_len + len(token_ids) tokens
+    state_slot: int
+    need_logits: bool = True  # logits of the last token of this row
+
+
+def build_forward_batch(rows: Sequence[BatchRow], page_size: int, device: torch.device) -> ForwardBatch:
+    if not rows:
+        raise ValueError("a forward batch needs at least one row")
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slot_mapping: list[int] = []
+    query_start = [0]
+    logits_indices: list[int] = []
+    max_pages = max(len(r.pages) for r in rows)
+    block_tables: list[list[int]] = []
+    num_decodes = 0
+    decode_prefix = True
+    for row in rows:
+        n = len(row.token_ids)
+        end = row.context_len + n
+        if n < 1:
+            raise ValueError("a batch row needs at least one token")
+        if len(row.pages) * page_size < end:
+            raise ValueError(f"row covers {end} tokens but holds only {len(row.pages)} pages of {page_size}")
+        is_decode = n == 1 and row.context_len > 0
+        if is_decode and decode_prefix:
+            num_decodes += 1
+        else:
+            decode_prefix = False
+        input_ids.extend(row.token_ids)
+        for pos in range(row.context_len, end):
+            positions.append(pos)
+            slot_mapping.append(row.pages[pos // page_size] * page_size + pos % page_size)
+        query_start.append(query_start[-1] + n)
+        if row.need_logits:
+            logits_indices.append(query_start[-1] - 1)
+        block_tables.append(list(row.pages) + [0] * (max_pages - len(row.pages)))
+
+    def t(values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    context = [r.context_len for r in rows]
+    query = [len(r.token_ids) for r in rows]
+    return ForwardBatch(
+        input_ids=t(input_ids, torch.int64),
+        positions=t(positions, torch.int64),
+        query_start_loc=t(query_start, torch.int32),
+        context_lens=t(context, torch.int32),
+        seq_lens=t([c + q for c, q in zip(context, query, strict=True)], torch.int32),
+        block_tables=t(block_tables, torch.int32),
+        slot_mapping=t(slot_mapping, torch.int64),
+        state_slots=t([r.state_slot for r in rows], torch.int64),
+        logits_indices=t(logits_indices, torch.int64),
+        num_decodes=num_decodes,
+        query_lens_host=tuple(query),
+        context_lens_host=tuple(context),
+    )

@@ -1,0 +1,70 @@
+"""Gated full attention of Qwen3.5: q/k zero-centred RMSNorm, partial RoPE, paged GQA, sigmoid output gate."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deltaserve.config import ModelConfig
+from deltaserve.model.batch import ForwardBatch
+from deltaserve.model.layers.params import WeightRequirement, new_param, single, stacked
+from deltaserve.ops.attention import paged_attention, write_kv
+from deltaserve.ops.norm import rms_norm
+from deltaserve.ops.rotary import apply_rotary
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.eps = cfg.rms_norm_eps
+        self.scale = cfg.head_dim**-0.5
+        hidden = cfg.hidden_size
+        # q_proj rows are per head [query_h (head_dim) | gate_h (head_dim)]; then k, then v.
+        self.q_size = 2 * self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = new_param((self.q_size + 2 * self.kv_size, hidden), dtype, device)
+        self.o_proj = new_param((hidden, self.num_heads * self.head_dim), dtype, device)
+        self.q_norm = new_param((self.head_dim,), dtype, device)
+        self.k_norm = new_param((self.head_dim,), dtype, device)
+
+    def weight_requirements(self, prefix: str) -> list[WeightRequirement]:
+        return [
+            stacked(
+                self.qkv_proj,
+                [
+                    (f"{prefix}.q_proj.weight", self.q_size),
+                    (f"{prefix}.k_proj.weight", self.kv_size),
+                    (f"{prefix}.v_proj.weight", self.kv_size),
+                ],
+            ),
+            single(f"{prefix}.o_proj.weight", self.o_proj),
+            single(f"{prefix}.q_norm.weight", self.q_norm),
+            single(f"{prefix}.k_norm.weight", self.k_norm),
+        ]
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        tokens = x.shape[0]
+        qkv = F.linear(x, self.qkv_proj)
+        q_gate, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q_gate = q_gate.view(tokens, self.num_heads, 2 * self.head_dim)
+        q, gate = q_gate[..., : self.head_dim], q_gate[..., self.head_dim :]
+        q = rms_norm(q, self.q_norm, self.eps)
+        k = rms_norm(k.view(tokens, self.num_kv_heads, self.head_dim), self.k_norm, self.eps)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        cos, sin = rope
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        k_cache, v_cache = kv
+        write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        out = paged_attention(q, k_cache, v_cache, batch, self.scale)
+        out = out.reshape(tokens, -1) * torch.sigmoid(gate.reshape(tokens, -1))
+        return F.linear(out, self.o_proj)

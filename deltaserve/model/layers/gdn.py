@@ -1,0 +1,84 @@
+"""Gated DeltaNet (linear attention) layer of Qwen3.5.
+
+in_proj (fused: qkv | z | b | a) -> causal conv1d + SiLU over qkv -> gating in fp32 -> gated delta rule
+over the sequence's SSM state -> per-head gated RMSNorm with z -> out_proj.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deltaserve.config import ModelConfig
+from deltaserve.model.batch import ForwardBatch
+from deltaserve.model.layers.params import WeightRequirement, new_param, single, stacked
+from deltaserve.ops.conv1d import causal_conv1d
+from deltaserve.ops.gdn import gated_delta_rule
+from deltaserve.ops.norm import gated_rms_norm
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.num_k_heads = cfg.linear_num_key_heads
+        self.num_v_heads = cfg.linear_num_value_heads
+        self.head_k_dim = cfg.linear_key_head_dim
+        self.head_v_dim = cfg.linear_value_head_dim
+        self.key_dim = cfg.linear_key_dim
+        self.value_dim = cfg.linear_value_dim
+        self.conv_dim = cfg.conv_dim
+        self.eps = cfg.rms_norm_eps
+        hidden = cfg.hidden_size
+        self.in_proj = new_param(
+            (self.conv_dim + self.value_dim + 2 * self.num_v_heads, hidden), dtype, device
+        )
+        self.conv1d = new_param((self.conv_dim, cfg.linear_conv_kernel_dim), dtype, device)
+        # Decay parameters stay fp32 whatever the model dtype (A_log in bf16 loses the decay's precision).
+        self.A_log = new_param((self.num_v_heads,), torch.float32, device)
+        self.dt_bias = new_param((self.num_v_heads,), torch.float32, device)
+        self.norm = new_param((self.head_v_dim,), dtype, device)
+        self.out_proj = new_param((hidden, self.value_dim), dtype, device)
+
+    def weight_requirements(self, prefix: str) -> list[WeightRequirement]:
+        return [
+            stacked(
+                self.in_proj,
+                [
+                    (f"{prefix}.in_proj_qkv.weight", self.conv_dim),
+                    (f"{prefix}.in_proj_z.weight", self.value_dim),
+                    (f"{prefix}.in_proj_b.weight", self.num_v_heads),
+                    (f"{prefix}.in_proj_a.weight", self.num_v_heads),
+                ],
+            ),
+            single(f"{prefix}.conv1d.weight", self.conv1d.view(self.conv_dim, 1, -1)),
+            single(f"{prefix}.A_log", self.A_log),
+            single(f"{prefix}.dt_bias", self.dt_bias),
+            single(f"{prefix}.norm.weight", self.norm),
+            single(f"{prefix}.out_proj.weight", self.out_proj),
+        ]
+
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, state: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        tokens = x.shape[0]
+        conv_state, ssm_state = state
+        proj = F.linear(x, self.in_proj)
+        mixed, z, b, a = proj.split(
+            [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1
+        )
+        mixed = causal_conv1d(mixed, self.conv1d, conv_state, batch)
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        beta = b.sigmoid()
+        g = -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)
+        out = gated_delta_rule(
+            q.view(tokens, self.num_k_heads, self.head_k_dim),
+            k.view(tokens, self.num_k_heads, self.head_k_dim),
+            v.view(tokens, self.num_v_heads, self.head_v_dim),
+            g,
+            beta,
+            ssm_state,
+            batch,
+        )
+        out = gated_rms_norm(out, z.reshape(tokens, self.num_v_heads, self.head_v_dim), self.norm, self.eps)
+        return F.linear(out.reshape(tokens, self.value_dim), self.out_proj)

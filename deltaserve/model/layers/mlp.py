@@ -1,0 +1,78 @@
+"""Dense SwiGLU MLP and the sparse MoE block (routed experts + sigmoid-gated shared expert)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deltaserve.config import ModelConfig
+from deltaserve.model.layers.params import CheckpointTensor, WeightRequirement, new_param, single, stacked
+from deltaserve.ops.activation import silu_and_mul
+from deltaserve.ops.moe import fused_experts, route
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up_proj = new_param((2 * intermediate, hidden), dtype, device)
+        self.down_proj = new_param((hidden, intermediate), dtype, device)
+
+    def weight_requirements(self, prefix: str) -> list[WeightRequirement]:
+        return [
+            stacked(
+                self.gate_up_proj,
+                [
+                    (f"{prefix}.gate_proj.weight", self.intermediate),
+                    (f"{prefix}.up_proj.weight", self.intermediate),
+                ],
+            ),
+            single(f"{prefix}.down_proj.weight", self.down_proj),
+        ]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(silu_and_mul(F.linear(x, self.gate_up_proj)), self.down_proj)
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        hidden = cfg.hidden_size
+        self.num_experts = cfg.num_experts
+        self.top_k = cfg.num_experts_per_tok
+        self.renormalize = cfg.norm_topk_prob
+        self.expert_intermediate = cfg.moe_intermediate_size
+        self.gate = new_param((cfg.num_experts, hidden), dtype, device)
+        self.w13 = new_param((cfg.num_experts, 2 * cfg.moe_intermediate_size, hidden), dtype, device)
+        self.w2 = new_param((cfg.num_experts, hidden, cfg.moe_intermediate_size), dtype, device)
+        self.shared_expert = MLP(hidden, cfg.shared_expert_intermediate_size, dtype, device)
+        self.shared_expert_gate = new_param((1, hidden), dtype, device)
+
+    def weight_requirements(self, prefix: str) -> list[WeightRequirement]:
+        inter = self.expert_intermediate
+        experts = f"{prefix}.experts"
+        # Official checkpoints store experts fused in 3-D tensors; HF re-saves store them per expert.
+        fused = [
+            CheckpointTensor(f"{experts}.gate_up_proj", self.w13),
+            CheckpointTensor(f"{experts}.down_proj", self.w2),
+        ]
+        per_expert = []
+        for e in range(self.num_experts):
+            per_expert += [
+                CheckpointTensor(f"{experts}.{e}.gate_proj.weight", self.w13[e, :inter]),
+                CheckpointTensor(f"{experts}.{e}.up_proj.weight", self.w13[e, inter:]),
+                CheckpointTensor(f"{experts}.{e}.down_proj.weight", self.w2[e]),
+            ]
+        return [
+            single(f"{prefix}.gate.weight", self.gate),
+            WeightRequirement([fused, per_expert]),
+            *self.shared_expert.weight_requirements(f"{prefix}.shared_expert"),
+            single(f"{prefix}.shared_expert_gate.weight", self.shared_expert_gate),
+        ]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(F.linear(x, self.gate), self.top_k, self.renormalize)
+        routed = fused_experts(x, self.w13, self.w2, weights, ids)
+        shared = self.shared_expert(x) * torch.sigmoid(F.linear(x, self.shared_expert_gate))
+        return routed + shared

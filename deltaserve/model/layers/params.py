@@ -1,0 +1,46 @@
+"""Parameters and the checkpoint tensors that fill them.
+
+A module allocates its (possibly fused) parameters and declares, per parameter, which checkpoint
+tensors fill which views of it. The loader copies each checkpoint tensor straight into its view, so
+loading never holds a second copy of the model in host memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(slots=True)
+class CheckpointTensor:
+    name: str  # canonical checkpoint name (HF text layout, e.g. "layers.3.self_attn.k_proj.weight")
+    target: torch.Tensor  # a view of a parameter; the checkpoint tensor must have exactly its shape
+
+
+@dataclass(slots=True)
+class WeightRequirement:
+    """Filled when every tensor of any one alternative is loaded (e.g. fused or per-expert MoE files)."""
+
+    alternatives: list[list[CheckpointTensor]]
+
+
+def new_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def single(name: str, target: torch.Tensor) -> WeightRequirement:
+    return WeightRequirement([[CheckpointTensor(name, target)]])
+
+
+def stacked(param: torch.Tensor, parts: list[tuple[str, int]]) -> WeightRequirement:
+    """`param` is the row-wise concatenation of checkpoint tensors `parts` = [(name, rows), ...]."""
+    tensors = []
+    start = 0
+    for name, rows in parts:
+        tensors.append(CheckpointTensor(name, param[start : start + rows]))
+        start += rows
+    if start != param.shape[0]:
+        raise ValueError(f"fused parameter has {param.shape[0]} rows, parts cover {start}")
+    return WeightRequirement([tensors])

@@ -1,0 +1,125 @@
+"""Qwen3.5 text model (dense and MoE) over one flattened varlen batch.
+
+Layer i is Gated DeltaNet or gated full attention per `layer_types`; every layer is
+x += mixer(norm(x)); x += mlp(norm(x)), with the residual add fused into the next norm.
+Full-attention layers read/write the paged KV pool; GDN layers read/write the state slot pool.
+Logits are computed only for `batch.logits_indices` and only over the first `logits_vocab_size` ids
+(the tokenizer's id space; the checkpoint's vocab is padded).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deltaserve.cache.kv_pages import KVPagePool
+from deltaserve.cache.state_slots import StateSlotPool
+from deltaserve.config import FULL_ATTENTION, ModelConfig
+from deltaserve.model.batch import ForwardBatch
+from deltaserve.model.layers.attention import GatedAttention
+from deltaserve.model.layers.gdn import GatedDeltaNet
+from deltaserve.model.layers.mlp import MLP, SparseMoeBlock
+from deltaserve.model.layers.params import WeightRequirement, new_param, single
+from deltaserve.ops.norm import rms_norm
+from deltaserve.ops.rotary import inv_frequencies, rotary_cos_sin
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_type: str, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.is_full_attention = layer_type == FULL_ATTENTION
+        self.eps = cfg.rms_norm_eps
+        self.input_layernorm = new_param((cfg.hidden_size,), dtype, device)
+        self.post_attention_layernorm = new_param((cfg.hidden_size,), dtype, device)
+        self.mixer: GatedAttention | GatedDeltaNet = (
+            GatedAttention(cfg, dtype, device)
+            if self.is_full_attention
+            else GatedDeltaNet(cfg, dtype, device)
+        )
+        self.mlp: MLP | SparseMoeBlock = (
+            SparseMoeBlock(cfg, dtype, device)
+            if cfg.is_moe
+            else MLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
+        )
+
+    def weight_requirements(self, prefix: str) -> list[WeightRequirement]:
+        mixer = "self_attn" if self.is_full_attention else "linear_attn"
+        return [
+            single(f"{prefix}.input_layernorm.weight", self.input_layernorm),
+            single(f"{prefix}.post_attention_layernorm.weight", self.post_attention_layernorm),
+            *self.mixer.weight_requirements(f"{prefix}.{mixer}"),
+            *self.mlp.weight_requirements(f"{prefix}.mlp"),
+        ]
+
+
+class Qwen35ForCausalLM(nn.Module):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        logits_vocab_size: int | None = None,
+    ) -> None:
+        super().__init__()
+        if logits_vocab_size is not None and not 0 < logits_vocab_size <= cfg.vocab_size:
+            raise ValueError(
+                f"the tokenizer's id space ({logits_vocab_size}) must fit the model vocabulary ({cfg.vocab_size})"
+            )
+        self.config = cfg
+        self.dtype = dtype
+        self.device = device
+        self.logits_vocab_size = logits_vocab_size or cfg.vocab_size
+        self.embed_tokens = new_param((cfg.vocab_size, cfg.hidden_size), dtype, device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, t, dtype, device) for t in cfg.layer_types)
+        self.norm = new_param((cfg.hidden_size,), dtype, device)
+        self.lm_head = (
+            self.embed_tokens
+            if cfg.tie_word_embeddings
+            else new_param((cfg.vocab_size, cfg.hidden_size), dtype, device)
+        )
+        self.register_buffer(
+            "inv_freq", inv_frequencies(cfg.rotary_dim, cfg.rope_theta, device), persistent=False
+        )
+        # Index of each layer within its kind: the KV pool holds full-attention layers only, the state
+        # pool GDN layers only.
+        self.cache_index = [
+            cfg.full_attention_layers.index(i)
+            if t == FULL_ATTENTION
+            else cfg.linear_attention_layers.index(i)
+            for i, t in enumerate(cfg.layer_types)
+        ]
+
+    def weight_requirements(self) -> list[WeightRequirement]:
+        reqs = [single("embed_tokens.weight", self.embed_tokens), single("norm.weight", self.norm)]
+        if not self.config.tie_word_embeddings:
+            reqs.append(single("lm_head.weight", self.lm_head))
+        for i, layer in enumerate(self.layers):
+            reqs += layer.weight_requirements(f"layers.{i}")
+        return reqs
+
+    def forward(self, batch: ForwardBatch, kv: KVPagePool, states: StateSlotPool) -> torch.Tensor:
+        """Runs every new token of the batch; returns the final-normed hidden states of the
+        `batch.logits_indices` rows, [R, hidden]."""
+        h = F.embedding(batch.input_ids, self.embed_tokens)
+        rope = rotary_cos_sin(batch.positions, self.inv_freq, self.dtype)
+        residual: torch.Tensor | None = None
+        for layer, cache_index in zip(self.layers, self.cache_index, strict=True):
+            if residual is None:
+                residual = h
+                x = rms_norm(h, layer.input_layernorm, layer.eps)
+            else:
+                x, residual = rms_norm(h, layer.input_layernorm, layer.eps, residual)
+            if layer.is_full_attention:
+                h = layer.mixer(x, batch, rope, kv.layer(cache_index))
+            else:
+                h = layer.mixer(x, batch, states.layer(cache_index))
+            x, residual = rms_norm(h, layer.post_attention_layernorm, layer.eps, residual)
+            h = layer.mlp(x)
+        rows = batch.logits_indices
+        return rms_norm(h[rows], self.norm, self.config.rms_norm_eps, residual[rows])[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[R, hidden] -> [R, logits_vocab_size] float32."""
+        return F.linear(hidden, self.lm_head[: self.logits_vocab_size]).float()

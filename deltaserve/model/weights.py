@@ -1,0 +1,126 @@
+"""safetensors loader: official Qwen3.5 layout and HF text layout, plus random (dummy) weights.
+
+Checkpoint names are canonicalised to the HF text layout before matching:
+  model.language_model.X -> X  (official multimodal checkpoints)
+  model.X -> X                 (HF text-only checkpoints)
+  lm_head.weight -> lm_head.weight
+The vision tower (model.visual.*), the MTP head (mtp.*) and rotary buffers are skipped. Every tensor is
+copied straight into its parameter view (one checkpoint tensor in host memory at a time); a missing,
+unexpected or misshaped tensor fails with its name and both shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from deltaserve.errors import ConfigError
+from deltaserve.model.layers.params import CheckpointTensor
+from deltaserve.model.qwen35 import Qwen35ForCausalLM
+
+SKIPPED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
+
+
+def canonical_name(name: str) -> str | None:
+    """The HF-text-layout name of a checkpoint tensor, or None when the engine does not use it."""
+    if name.startswith(SKIPPED_PREFIXES) or name.endswith("rotary_emb.inv_freq"):
+        return None
+    for prefix in ("model.language_model.", "model."):
+        if name.startswith(prefix):
+            return name[len(prefix) :]
+    return name
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ConfigError(f"{index}: expected a 'weight_map' object")
+        files = sorted({model_dir / f for f in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ConfigError(f"{index} names shard files that do not exist: {missing}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"{model_dir}: no *.safetensors files (or model.safetensors.index.json) found")
+    return files
+
+
+def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, Path, object]]:
+    """Yields (name, file, handle) for every tensor; `handle.get_tensor(name)` reads one tensor."""
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open handles are not mappings
+                yield name, path, f
+
+
+@torch.inference_mode()
+def load_weights(model: Qwen35ForCausalLM, model_dir: str | Path) -> None:
+    model_dir = Path(model_dir)
+    requirements = model.weight_requirements()
+    by_name: dict[str, CheckpointTensor] = {}
+    for req in requirements:
+        for alternative in req.alternatives:
+            for tensor in alternative:
+                by_name[tensor.name] = tensor
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    tied = model.config.tie_word_embeddings
+    for name, path, handle in iter_checkpoint(model_dir):
+        canonical = canonical_name(name)
+        if canonical is None or (tied and canonical == "lm_head.weight"):
+            continue
+        spec = by_name.get(canonical)
+        if spec is None:
+            unexpected.append(name)
+            continue
+        tensor = handle.get_tensor(name)
+        if tuple(tensor.shape) != tuple(spec.target.shape):
+            raise ConfigError(
+                f"{path.name}: tensor {name} has shape {list(tensor.shape)}, "
+                f"the config implies {list(spec.target.shape)}"
+            )
+        spec.target.copy_(tensor)
+        loaded.add(canonical)
+    if unexpected:
+        shown = ", ".join(unexpected[:5]) + (
+            f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""
+        )
+        raise ConfigError(f"{model_dir}: checkpoint tensors the Qwen3.5 model does not have: {shown}")
+    missing: list[str] = []
+    for req in requirements:
+        if any(all(t.name in loaded for t in alt) for alt in req.alternatives):
+            continue
+        # Report the alternative the checkpoint got furthest with (the official one when none started).
+        best = max(req.alternatives, key=lambda alt: sum(t.name in loaded for t in alt))
+        missing += [t.name for t in best if t.name not in loaded]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ConfigError(f"{model_dir}: checkpoint is missing tensors: {shown}")
+
+
+@torch.inference_mode()
+def init_dummy_weights(model: Qwen35ForCausalLM, seed: int = 0) -> None:
+    """Random weights of the right shapes (for benchmarks): linears N(0, 0.02), norm weights N(0, 0.1)
+    (zero-centred norms) or 1 + N(0, 0.1) (the GDN gated norm), A_log = log U(1, 16), dt_bias = 1."""
+    gen = torch.Generator(device=model.device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf == "A_log":
+            param.uniform_(1.0, 16.0, generator=gen).log_()
+        elif leaf == "dt_bias":
+            param.fill_(1.0)
+        elif param.dim() == 1:
+            param.normal_(0.0, 0.1, generator=gen)
+            if name.endswith("mixer.norm"):
+                param.add_(1.0)
+        else:
+            std = 0.02 if name != "embed_tokens" else 1.0 / math.sqrt(param.shape[1])
+            param.normal_(0.0, std, generator=gen)

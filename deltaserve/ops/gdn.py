@@ -1,0 +1,77 @@
+"""Gated delta rule over varlen sequences with per-sequence SSM state slots (torch reference).
+
+Per value head h (key head h // (HV / HK)), state S in R^{dk x dv}, all in fp32:
+    q, k <- l2norm(q), l2norm(k);  q <- q * dk^-0.5
+    S <- exp(g_t) S;  u = beta_t (v_t - S^T k_t);  S <- S + k_t u^T;  o_t = S^T q_t
+A sequence with context 0 starts from S = 0; otherwise from its slot. The final S is written back to the
+slot (cast to the pool's dtype).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deltaserve.model.batch import ForwardBatch
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_state: torch.Tensor,
+    batch: ForwardBatch,
+) -> torch.Tensor:
+    """q, k: [T, HK, dk]; v: [T, HV, dv]; g, beta: [T, HV]; ssm_state: [slots, HV, dk, dv].
+    Returns o: [T, HV, dv] in v's dtype."""
+    num_v_heads = v.shape[1]
+    group = num_v_heads // q.shape[1]
+    qf = l2norm(q.float().repeat_interleave(group, dim=1))
+    kf = l2norm(k.float().repeat_interleave(group, dim=1))
+    qf = qf * qf.shape[-1] ** -0.5
+    vf, gf, bf = v.float(), g.float(), beta.float()
+    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+
+    # Decode rows: one vectorised step for all of them.
+    nd = batch.num_decodes
+    if nd:
+        slots = batch.state_slots[:nd]
+        state = ssm_state[slots].float()
+        state, out[:nd] = _step(state, qf[:nd], kf[:nd], vf[:nd], gf[:nd], bf[:nd])
+        ssm_state[slots] = state.to(ssm_state.dtype)
+    start = nd
+    for i in range(nd, batch.num_seqs):
+        n, ctx = batch.query_lens_host[i], batch.context_lens_host[i]
+        slot = batch.state_slots[i]
+        if ctx > 0:
+            state = ssm_state[slot].float()[None]
+        else:
+            state = vf.new_zeros(1, num_v_heads, kf.shape[-1], vf.shape[-1])
+        for t in range(start, start + n):
+            state, out[t : t + 1] = _step(
+                state, qf[t : t + 1], kf[t : t + 1], vf[t : t + 1], gf[t : t + 1], bf[t : t + 1]
+            )
+        ssm_state[slot] = state[0].to(ssm_state.dtype)
+        start += n
+    return out.to(v.dtype)
+
+
+def _step(
+    state: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token for N independent rows. state: [N, H, dk, dv]; q, k: [N, H, dk]; v: [N, H, dv]; g, beta: [N, H]."""
+    state = state * g.exp()[..., None, None]
+    kv_mem = (state * k[..., None]).sum(dim=-2)
+    delta = (v - kv_mem) * beta[..., None]
+    state = state + k[..., None] * delta[..., None, :]
+    return state, (state * q[..., None]).sum(dim=-2)
