@@ -1,0 +1,167 @@
+"""Per-request sampling parameters: vLLM's names and defaults, every field validated.
+
+Construction only normalises (`stop` and `stop_token_ids` become lists); `validate()` and
+`validate_token_ids()` are the checks the engine runs at admission, before a request can reach the sampler.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from deltaserve.errors import RequestValidationError, UnsupportedRequestError
+
+# Any temperature below this is greedy decoding, as in vLLM: dividing logits by it overflows the useful
+# float32 range, and the distribution it describes is the argmax up to rounding.
+GREEDY_TEMPERATURE = 1e-5
+MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0
+SEED_LIMIT = 2**63
+
+_BOOL_FIELDS = (
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
+)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _invalid(field: str, expected: str, found: object) -> RequestValidationError:
+    return RequestValidationError(field, f"{field} must be {expected}, got {found!r}")
+
+
+# (field, predicate on a real number, expected) for the float-valued fields.
+_REAL_RANGES = (
+    ("temperature", lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),
+    ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("min_p", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("presence_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]"),
+    ("frequency_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]"),
+    ("repetition_penalty", lambda v: math.isfinite(v) and v > 0, "a finite number > 0"),
+)
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = None  # None: the rest of the context window (the scheduler resolves it)
+    min_tokens: int = 0
+    stop: str | list[str] | None = None  # always a list after construction
+    stop_token_ids: list[int] | None = None  # always a list after construction
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top alternatives per output token; 0 = only the sampled token's logprob
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif isinstance(self.stop, tuple):
+            self.stop = list(self.stop)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+
+    @property
+    def is_greedy(self) -> bool:
+        """Argmax decoding: temperature 0, or below GREEDY_TEMPERATURE (vLLM's rule)."""
+        return self.temperature < GREEDY_TEMPERATURE
+
+    def validate(self) -> None:
+        """Raises RequestValidationError (UnsupportedRequestError for refused features) naming the field,
+        the expected and the found value. Checks fields in declaration order; the first fault wins."""
+        self._validate_n()
+        for field, in_range, expected in _REAL_RANGES:
+            value = getattr(self, field)
+            if not (_is_real(value) and in_range(value)):
+                raise _invalid(field, expected, value)
+        if not (_is_int(self.top_k) and self.top_k >= -1):
+            raise _invalid("top_k", "an integer: -1 or 0 (disabled) or >= 1", self.top_k)
+        if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < SEED_LIMIT):
+            raise _invalid("seed", "None or an integer in [0, 2**63)", self.seed)
+        self._validate_lengths()
+        self._validate_stops()
+        if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise _invalid("logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]", self.logprobs)
+        if self.prompt_logprobs is not None:
+            raise UnsupportedRequestError(
+                "prompt_logprobs", f"prompt_logprobs is not supported, got {self.prompt_logprobs!r}; omit it"
+            )
+        self._validate_logit_bias()
+        for field in _BOOL_FIELDS:
+            if not isinstance(getattr(self, field), bool):
+                raise _invalid(field, "a boolean", getattr(self, field))
+
+    def validate_token_ids(self, vocab_size: int) -> None:
+        """Every id in stop_token_ids and the logit_bias keys lies in the tokenizer's [0, vocab_size)."""
+        for tok in self.stop_token_ids or ():
+            if not 0 <= tok < vocab_size:
+                raise _invalid("stop_token_ids", f"token ids in [0, {vocab_size})", tok)
+        for tok in self.logit_bias or {}:
+            if not 0 <= tok < vocab_size:
+                raise _invalid("logit_bias", f"keyed by token ids in [0, {vocab_size})", tok)
+
+    def _validate_n(self) -> None:
+        if not (_is_int(self.n) and self.n >= 1):
+            raise _invalid("n", "1", self.n)
+        if self.n > 1:
+            raise UnsupportedRequestError(
+                "n", f"n > 1 is not supported (one completion per request), got {self.n}; send n requests"
+            )
+
+    def _validate_lengths(self) -> None:
+        if self.max_tokens is not None and not (_is_int(self.max_tokens) and self.max_tokens >= 1):
+            raise _invalid("max_tokens", "None or an integer >= 1", self.max_tokens)
+        if not (_is_int(self.min_tokens) and self.min_tokens >= 0):
+            raise _invalid("min_tokens", "an integer >= 0", self.min_tokens)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise RequestValidationError(
+                "min_tokens",
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}; "
+                "lower min_tokens or raise max_tokens",
+            )
+
+    def _validate_stops(self) -> None:
+        if not isinstance(self.stop, list):
+            raise _invalid("stop", "a string or a list of strings", self.stop)
+        for s in self.stop:
+            if not (isinstance(s, str) and s):
+                raise _invalid("stop", "a list of non-empty strings", s)
+        if not isinstance(self.stop_token_ids, list):
+            raise _invalid("stop_token_ids", "a list of token ids", self.stop_token_ids)
+        for tok in self.stop_token_ids:
+            if not _is_int(tok):
+                raise _invalid("stop_token_ids", "a list of integer token ids", tok)
+
+    def _validate_logit_bias(self) -> None:
+        if self.logit_bias is None:
+            return
+        if not isinstance(self.logit_bias, dict):
+            raise _invalid("logit_bias", "a mapping of token id to bias", self.logit_bias)
+        for tok, bias in self.logit_bias.items():
+            if not _is_int(tok):
+                raise _invalid("logit_bias", "keyed by integer token ids", tok)
+            if not (_is_real(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+                raise RequestValidationError(
+                    "logit_bias", f"logit_bias[{tok}] must be a number in [-100, 100], got {bias!r}"
+                )
