@@ -1,0 +1,257 @@
+"""The tokenizer as the server and engine see it: HF `tokenizers` for text <-> ids, a jinja2 chat template,
+and an incremental detokenizer for streaming."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jinja2.ext
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
+
+from deltaserve.errors import ConfigError, RequestValidationError
+
+
+class _TemplateRaised(TemplateError):
+    """Raised by the template's raise_exception(): its message is written for the client as-is."""
+
+
+def _raise_exception(message: str) -> None:
+    raise _TemplateRaised(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # Unlike jinja2's own tojson: keeps non-ASCII and '<', '>', '&' as they are, and keeps key order.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _template_environment() -> ImmutableSandboxedEnvironment:
+    # The settings transformers' apply_chat_template uses, so official templates render identically.
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    return env
+
+
+def _load_chat_template(model_dir: Path) -> tuple[str | None, Path | None]:
+    """(template, file it came from): chat_template.jinja wins over tokenizer_config.json's chat_template."""
+    jinja_file = model_dir / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8"), jinja_file
+    config_file = model_dir / "tokenizer_config.json"
+    if not config_file.is_file():
+        return None, None
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{config_file}: not valid JSON ({exc})") from exc
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}, ...]
+        named = {entry.get("name"): entry.get("template") for entry in template if isinstance(entry, dict)}
+        if "default" not in named:
+            raise ConfigError(
+                f"{config_file}: chat_template is a list without a 'default' entry (found {sorted(map(str, named))})"
+            )
+        template = named["default"]
+    if template is not None and not isinstance(template, str):
+        raise ConfigError(f"{config_file}: chat_template must be a string, found {type(template).__name__}")
+    return template, config_file
+
+
+def _dense_vocab_size(tokenizer: HFTokenizer, source: str) -> int:
+    """Number of ids, checked to be exactly 0..N-1 (the engine samples only ids < N)."""
+    ids = tokenizer.get_vocab(with_added_tokens=True).values()
+    size = len(ids)
+    if size == 0:
+        raise ConfigError(f"{source}: the vocabulary is empty")
+    if len(set(ids)) != size or min(ids) != 0 or max(ids) != size - 1:
+        raise ConfigError(
+            f"{source}: token ids must be dense 0..{size - 1}, found {len(set(ids))} distinct ids in "
+            f"{min(ids)}..{max(ids)}"
+        )
+    return size
+
+
+def _parse_tool_call_arguments(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """OpenAI sends tool_calls[].function.arguments as a JSON string; templates iterate it as a mapping.
+    Returns new message dicts where that changes; the caller's messages are never mutated."""
+    parsed: list[Mapping[str, Any]] = []
+    for i, message in enumerate(messages):
+        calls = message.get("tool_calls") if isinstance(message, Mapping) else None
+        if not calls:
+            parsed.append(message)
+            continue
+        new_calls = []
+        for j, call in enumerate(calls):
+            function = call.get("function") if isinstance(call, Mapping) else None
+            arguments = function.get("arguments") if isinstance(function, Mapping) else None
+            if isinstance(arguments, str):
+                try:
+                    arguments = json.loads(arguments) if arguments.strip() else {}
+                except json.JSONDecodeError as exc:
+                    raise RequestValidationError(
+                        "messages",
+                        f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON ({exc}); "
+                        "send a JSON object as a string",
+                    ) from exc
+                call = {**call, "function": {**function, "arguments": arguments}}
+            new_calls.append(call)
+        parsed.append({**message, "tool_calls": new_calls})
+    return parsed
+
+
+class Tokenizer:
+    """Text <-> token ids for one model, plus its chat template."""
+
+    def __init__(
+        self,
+        tokenizer: HFTokenizer,
+        chat_template: str | None,
+        *,
+        source: str = "<memory>",
+        template_source: str | None = None,
+    ) -> None:
+        """`source` names where the tokenizer came from and `template_source` the template (default:
+        `source`), for error messages."""
+        self._tokenizer = tokenizer
+        self._template_source = template_source or source
+        self._vocab_size = _dense_vocab_size(tokenizer, source)
+        self.special_token_ids: frozenset[int] = frozenset(
+            i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special
+        )
+        self._chat_template = chat_template
+        self._template: jinja2.Template | None = None
+        if chat_template is not None:
+            try:
+                self._template = _template_environment().from_string(chat_template)
+            except TemplateError as exc:
+                raise ConfigError(
+                    f"{self._template_source}: the chat template does not parse ({exc})"
+                ) from exc
+
+    @classmethod
+    def from_dir(cls, model_dir: str | os.PathLike[str]) -> Tokenizer:
+        """Loads tokenizer.json and the chat template (chat_template.jinja, else tokenizer_config.json)."""
+        model_dir = Path(model_dir)
+        tokenizer_file = model_dir / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise ConfigError(f"{tokenizer_file}: not found; the model directory must contain tokenizer.json")
+        try:
+            tokenizer = HFTokenizer.from_file(str(tokenizer_file))
+        except Exception as exc:  # the Rust side raises a bare Exception for any parse failure
+            raise ConfigError(f"{tokenizer_file}: cannot be loaded ({exc})") from exc
+        template, template_file = _load_chat_template(model_dir)
+        return cls(
+            tokenizer, template, source=str(tokenizer_file), template_source=str(template_file or model_dir)
+        )
+
+    @property
+    def chat_template(self) -> str | None:
+        """The template source text, or None when the model has none (chat requests are then refused)."""
+        return self._chat_template
+
+    @property
+    def vocab_size(self) -> int:
+        """Size of the dense id space (base vocab + added tokens); the model's logits may be wider."""
+        return self._vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of `text`. No BOS/EOS is added; added-token strings in the text match as single tokens."""
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`. Ids >= vocab_size (padding of the logit width) decode as empty text."""
+        limit = self._vocab_size
+        return self._tokenizer.decode([i for i in ids if i < limit], skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tokenizer.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tokenizer.id_to_token(token_id)
+
+    def new_detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self, skip_special_tokens)
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> str:
+        """Renders OpenAI-shaped messages (plain dicts) to the prompt text. Extra keyword arguments reach
+        the template (e.g. enable_thinking=False). Messages the template rejects raise
+        RequestValidationError(field="messages")."""
+        if self._template is None:
+            raise RequestValidationError(
+                "messages",
+                f"this model has no chat template (none in {self._template_source}); use the completions API",
+            )
+        messages = _parse_tool_call_arguments(messages)
+        try:
+            return self._template.render(
+                messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **template_kwargs
+            )
+        except _TemplateRaised as exc:
+            raise RequestValidationError("messages", str(exc)) from exc
+        except (TemplateError, TypeError, ValueError) as exc:
+            raise RequestValidationError(
+                "messages", f"the chat template cannot render these messages: {exc}"
+            ) from exc
+
+
+class IncrementalDetokenizer:
+    """Streams the text of a growing id sequence, one push of new ids at a time.
+
+    `tokenizers`' DecodeStream decodes a window of the last emitted ids plus the new ones and returns only
+    text that does not end in U+FFFD, so a UTF-8 character split across tokens is held back until it
+    completes (O(new ids) per push). Invariant: `_held` are the ids pushed since the last emitted text;
+    the emitted text ended on a whole character, and ByteLevel decoding is concatenative at such a
+    boundary, so flush() = decode(_held) completes the stream exactly: the pushes plus flush() equal
+    decode(all ids).
+    """
+
+    __slots__ = ("_tokenizer", "_backend", "_stream", "_held", "_skip_special_tokens")
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._backend = tokenizer._tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._held: list[int] = []
+
+    def push(self, token_ids: list[int]) -> str:
+        """Adds ids; returns the text they complete (possibly empty)."""
+        pieces = []
+        for token_id in token_ids:  # one id per step: list steps need tokenizers >= 0.22
+            text = self._stream.step(self._backend, token_id)
+            if text is None:
+                self._held.append(token_id)
+            else:
+                self._held.clear()
+                pieces.append(text)
+        return "".join(pieces)
+
+    def flush(self) -> str:
+        """Ends the stream: returns held-back text, with U+FFFD for a character that never completed."""
+        text = self._tokenizer.decode(self._held, skip_special_tokens=self._skip_special_tokens)
+        self._held.clear()
+        return text
