@@ -12,14 +12,14 @@ import binascii
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from importlib import metadata, resources
 from pathlib import Path
 
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE
+
+from deltaserve.cachedir import build_once
 
 RECIPE_VERSION = 1
 
@@ -211,25 +211,6 @@ def _cache_key() -> str:
 
 
 def cached_tokenizer_dir() -> Path:
-    """A directory holding tokenizer.json + tokenizer_config.json, built once per cache key under
-    $DELTASERVE_CACHE_DIR (default ~/.cache/deltaserve).
-
-    Invariant: the keyed directory only ever appears by atomic rename of a fully written temporary
-    directory, so a directory that exists is complete; concurrent builders race harmlessly (identical bytes).
-    """
-    root = Path(os.environ.get("DELTASERVE_CACHE_DIR") or Path.home() / ".cache" / "deltaserve")
-    final = root / _cache_key()
-    if final.is_dir():
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
-    try:
-        write_tokenizer_files(staging)
-        try:
-            staging.rename(final)
-        except OSError:
-            if not final.is_dir():  # not a lost race: a real failure
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return final
+    """A directory holding tokenizer.json + tokenizer_config.json, built once per cache key (see
+    deltaserve.cachedir: a directory that exists is complete)."""
+    return build_once(_cache_key(), write_tokenizer_files)
