@@ -365,7 +365,6 @@ def _check_consistency(cfg: ModelConfig, k: _Keys) -> None:
             raise ConfigError(f"{k.where}: eos_token_id {e} is outside the vocabulary [0, {cfg.vocab_size})")
 
 
-SCHEDULER_POLICIES = ("fcfs", "auto")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
@@ -386,10 +385,13 @@ class EngineConfig:
     kv_cache_memory_gb: float | None = None  # CPU: KV budget; GPU: see gpu_memory_utilization
     gpu_memory_utilization: float = 0.9
     scheduler_policy: str = "fcfs"
+    prefill_overlap: bool = False
     enforce_eager: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
+        from deltaserve.engine.scheduler.plan import policy_error  # the scheduler package imports config
+
         def fail(flag: str, expected: str, found: Any) -> ConfigError:
             return ConfigError(f"--{flag.replace('_', '-')} must be {expected}, got {found!r}")
 
@@ -399,8 +401,9 @@ class EngineConfig:
             raise fail("device", "'auto', 'cpu', 'cuda' or 'cuda:N'", self.device)
         if self.load_format not in LOAD_FORMATS:
             raise fail("load_format", f"one of {list(LOAD_FORMATS)}", self.load_format)
-        if self.scheduler_policy not in SCHEDULER_POLICIES:
-            raise fail("scheduler_policy", f"one of {list(SCHEDULER_POLICIES)}", self.scheduler_policy)
+        policy = policy_error(self.scheduler_policy, self.prefill_overlap)
+        if policy is not None:
+            raise ConfigError(policy)
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

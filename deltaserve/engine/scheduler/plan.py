@@ -1,0 +1,188 @@
+"""Pure scheduling policy: admission, prefill budget, chunk planning, preemption, plan kind.
+
+Nothing here touches torch, the caches or a request object: every function maps plain numbers (views of
+the scheduler's state) to a decision, so each rule is tested with hand-computed expectations.
+
+KV policy: optimistic admission with recompute preemption. A request is admitted when its prompt fits
+the pages not already promised to other prompts; decode growth takes pages one at a time, and when a
+step cannot get them, the newest requests are preempted (their pages and state slot freed, their tokens
+recomputed later). The oldest request always makes progress, and every admitted request fits the pool
+alone (`KV_BUDGET` rejects the rest), so nothing livelocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+SCHEDULER_POLICIES = ("fcfs", "auto")
+# Under the `auto` policy a tick whose decoders include one this close to its max_tokens runs decode only.
+DECODE_FINISH_WINDOW_TOKENS = 4
+
+
+def pages_for(num_tokens: int, page_size: int) -> int:
+    return -(-num_tokens // page_size)
+
+
+def max_kv_tokens(prompt_len: int, max_tokens: int) -> int:
+    """KV positions a request can ever occupy: the last sampled token is never fed back."""
+    return prompt_len + max_tokens - 1
+
+
+class RejectReason(Enum):
+    CONTEXT_LENGTH = "context_length"
+    KV_BUDGET = "kv_budget"
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    reason: RejectReason
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class PendingView:
+    prompt_len: int  # the request's prompt
+    max_tokens: int  # resolved: never None here
+    num_output: int = 0  # tokens generated before a preemption; recomputed with the prompt
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionCapacity:
+    max_model_len: int
+    page_size: int
+    capacity_pages: int  # pages the pool can ever hand out
+    free_pages: int
+    committed_pages: int  # pages admitted prompts will still take for their prefill
+    decode_headroom_pages: int  # pages running decoders may take next step (one each at most)
+    free_slots: int
+    num_active: int  # requests holding a slot (prefilling or decoding)
+    max_num_seqs: int
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionDecision:
+    admitted: tuple[int, ...]  # indices into the pending list, FIFO order
+    rejected: tuple[tuple[int, Rejection], ...]
+    # every other pending request stays queued, in order
+
+
+def admit_pending_requests(pending: Sequence[PendingView], cap: AdmissionCapacity) -> AdmissionDecision:
+    """FCFS admission. Impossible requests are rejected whatever their position and never block later
+    ones; the first request that cannot be admitted now blocks every later one (strict FCFS)."""
+    admitted: list[int] = []
+    rejected: list[tuple[int, Rejection]] = []
+    page_budget = cap.free_pages - cap.committed_pages - cap.decode_headroom_pages
+    slot_budget = min(cap.free_slots, cap.max_num_seqs - cap.num_active)
+    blocked = False
+    for i, req in enumerate(pending):
+        rejection = _impossible(req, cap)
+        if rejection is not None:
+            rejected.append((i, rejection))
+            continue
+        if blocked:
+            continue
+        need = pages_for(req.prompt_len + req.num_output, cap.page_size)
+        if len(admitted) >= slot_budget or need > page_budget:
+            blocked = True
+            continue
+        admitted.append(i)
+        page_budget -= need
+    return AdmissionDecision(tuple(admitted), tuple(rejected))
+
+
+def _impossible(req: PendingView, cap: AdmissionCapacity) -> Rejection | None:
+    total = req.prompt_len + req.max_tokens
+    if total > cap.max_model_len:
+        return Rejection(
+            RejectReason.CONTEXT_LENGTH,
+            f"prompt ({req.prompt_len} tokens) + max_tokens ({req.max_tokens}) = {total} exceeds the context "
+            f"window of {cap.max_model_len} tokens; lower max_tokens or shorten the prompt",
+        )
+    lifetime = pages_for(max_kv_tokens(req.prompt_len, req.max_tokens), cap.page_size)
+    if lifetime > cap.capacity_pages:
+        return Rejection(
+            RejectReason.KV_BUDGET,
+            f"prompt ({req.prompt_len} tokens) + max_tokens ({req.max_tokens}) needs {lifetime} KV pages of "
+            f"{cap.page_size} tokens, more than this instance holds ({cap.capacity_pages}); lower max_tokens",
+        )
+    return None
+
+
+def choose_prefill_budget(
+    *,
+    policy: str,
+    max_num_batched_tokens: int,
+    num_decode_rows: int,
+    decode_tokens_left: Sequence[int],
+    front_remaining: int | None,
+) -> int:
+    """Prefill tokens for this step. Decode rows are always scheduled and count against the token budget.
+    `auto` runs a decode-only tick when a decoder is within DECODE_FINISH_WINDOW_TOKENS of max_tokens (so
+    it finishes without a prefill stall) and otherwise never plans more than the front request needs."""
+    budget = max(0, max_num_batched_tokens - num_decode_rows)
+    if policy == "fcfs" or num_decode_rows == 0 or front_remaining is None:
+        return budget
+    if any(left <= DECODE_FINISH_WINDOW_TOKENS for left in decode_tokens_left):
+        return 0
+    return min(front_remaining, budget)
+
+
+def plan_prefill_chunks(remaining: Sequence[int], budget: int) -> list[int]:
+    """Chunk lengths for the prefilling FIFO: whole prompts are packed front to back; only the last
+    scheduled request may be partial, and planning stops there."""
+    chunks: list[int] = []
+    left = budget
+    for rem in remaining:
+        if left <= 0:
+            break
+        take = min(rem, left)
+        chunks.append(take)
+        left -= take
+        if take < rem:
+            break
+    return chunks
+
+
+def preemptions_needed(free_pages: int, demands: Sequence[tuple[int, int]]) -> int:
+    """`demands` lists, oldest first, each page-holding request's (pages held, pages it needs this step).
+    Returns how many requests to preempt from the newest end so the rest get their pages: the smallest k
+    with sum(need of the first n-k) <= free_pages + sum(held of the last k)."""
+    need = sum(n for _, n in demands)
+    freed = 0
+    k = 0
+    while need > free_pages + freed and k < len(demands):
+        held, n = demands[len(demands) - 1 - k]
+        need -= n
+        freed += held
+        k += 1
+    return k
+
+
+class PlanKind(Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    UNIFIED = "unified"
+
+
+def build_next_plan(num_decode_rows: int, num_chunks: int) -> PlanKind | None:
+    if num_decode_rows and num_chunks:
+        return PlanKind.UNIFIED
+    if num_chunks:
+        return PlanKind.PREFILL
+    if num_decode_rows:
+        return PlanKind.DECODE
+    return None
+
+
+def policy_error(policy: str, prefill_overlap: bool) -> str | None:
+    """Why a scheduling policy / flag combination is refused at start, or None when it is valid."""
+    if policy not in SCHEDULER_POLICIES:
+        return f"--scheduler-policy must be one of {list(SCHEDULER_POLICIES)}, got {policy!r}"
+    if policy == "auto" and prefill_overlap:
+        return (
+            "--scheduler-policy auto cannot be combined with --prefill-overlap: the overlap path already keeps "
+            "decode running while a prefill is in flight; choose one"
+        )
+    return None

@@ -1,0 +1,182 @@
+"""Pure scheduling policy, against hand-computed expectations."""
+
+from __future__ import annotations
+
+import pytest
+
+from deltaserve.engine.scheduler.plan import (
+    AdmissionCapacity,
+    PendingView,
+    PlanKind,
+    RejectReason,
+    admit_pending_requests,
+    build_next_plan,
+    choose_prefill_budget,
+    max_kv_tokens,
+    pages_for,
+    plan_prefill_chunks,
+    preemptions_needed,
+)
+
+
+def cap(**kw) -> AdmissionCapacity:
+    base = dict(
+        max_model_len=1000,
+        page_size=16,
+        capacity_pages=100,
+        free_pages=100,
+        committed_pages=0,
+        decode_headroom_pages=0,
+        free_slots=8,
+        num_active=0,
+        max_num_seqs=8,
+    )
+    base.update(kw)
+    return AdmissionCapacity(**base)
+
+
+@pytest.mark.parametrize(("tokens", "pages"), [(0, 0), (1, 1), (15, 1), (16, 1), (17, 2), (32, 2), (33, 3)])
+def test_pages_round_up_at_page_boundaries(tokens, pages):
+    assert pages_for(tokens, 16) == pages
+
+
+def test_the_last_sampled_token_never_occupies_kv():
+    assert max_kv_tokens(prompt_len=10, max_tokens=1) == 10
+    assert max_kv_tokens(prompt_len=10, max_tokens=7) == 16
+
+
+def test_admission_is_fcfs_and_stops_at_the_first_request_that_does_not_fit():
+    # 100 pages: 640 tokens take 40; 1000 tokens need 63 > the 60 left, so the small third waits too.
+    pending = [PendingView(640, 10), PendingView(1000, 10), PendingView(16, 10)]
+    decision = admit_pending_requests(pending, cap(max_model_len=2000))
+    assert decision.admitted == (0,)
+    assert decision.rejected == ()
+
+
+def test_context_length_rejection_takes_precedence_and_does_not_block():
+    pending = [PendingView(990, 20), PendingView(16, 10)]  # 1010 > 1000 context window
+    decision = admit_pending_requests(pending, cap(free_pages=0))  # even with no pages free
+    assert [i for i, _ in decision.rejected] == [0]
+    assert decision.rejected[0][1].reason is RejectReason.CONTEXT_LENGTH
+    assert "prompt (990 tokens) + max_tokens (20) = 1010 exceeds the context window of 1000" in (
+        decision.rejected[0][1].message
+    )
+    assert decision.admitted == ()  # the second waits for pages, it is not rejected
+
+
+def test_a_request_that_can_never_fit_the_pool_is_rejected_and_later_ones_are_admitted():
+    # lifetime = 500 + 400 - 1 = 899 tokens -> 57 pages > 50 capacity
+    pending = [PendingView(500, 400), PendingView(100, 10)]
+    decision = admit_pending_requests(pending, cap(capacity_pages=50, free_pages=50))
+    assert decision.rejected[0][0] == 0
+    assert decision.rejected[0][1].reason is RejectReason.KV_BUDGET
+    assert (
+        "needs 57 KV pages of 16 tokens, more than this instance holds (50)"
+        in decision.rejected[0][1].message
+    )
+    assert decision.admitted == (1,)
+
+
+def test_committed_and_headroom_pages_are_not_available_to_new_prompts():
+    # 20 free - 12 committed - 3 headroom = 5 pages = 80 tokens
+    assert admit_pending_requests(
+        [PendingView(80, 5)], cap(free_pages=20, committed_pages=12, decode_headroom_pages=3)
+    ).admitted == (0,)
+    assert (
+        admit_pending_requests(
+            [PendingView(81, 5)], cap(free_pages=20, committed_pages=12, decode_headroom_pages=3)
+        ).admitted
+        == ()
+    )
+
+
+def test_slots_and_max_num_seqs_bound_admission():
+    pending = [PendingView(10, 5)] * 5
+    assert admit_pending_requests(pending, cap(free_slots=8, num_active=6, max_num_seqs=8)).admitted == (0, 1)
+    assert admit_pending_requests(pending, cap(free_slots=3, num_active=0, max_num_seqs=8)).admitted == (
+        0,
+        1,
+        2,
+    )
+
+
+def test_preempted_request_readmits_with_its_outputs_recomputed():
+    # 100 prompt + 40 outputs = 140 tokens to recompute = 9 pages
+    assert admit_pending_requests([PendingView(100, 50, num_output=40)], cap(free_pages=9)).admitted == (0,)
+    assert admit_pending_requests([PendingView(100, 50, num_output=40)], cap(free_pages=8)).admitted == ()
+
+
+def test_chunks_pack_short_prompts_and_only_the_last_is_partial():
+    assert plan_prefill_chunks([5, 3, 10, 4], budget=12) == [5, 3, 4]
+    assert plan_prefill_chunks([5, 3], budget=100) == [5, 3]
+    assert plan_prefill_chunks([50, 3], budget=7) == [7]
+    assert plan_prefill_chunks([5, 3], budget=0) == []
+    assert plan_prefill_chunks([5, 3], budget=5) == [5]
+
+
+def test_fcfs_budget_subtracts_decode_rows():
+    kw = dict(decode_tokens_left=[3, 100], front_remaining=500)
+    assert choose_prefill_budget(policy="fcfs", max_num_batched_tokens=64, num_decode_rows=2, **kw) == 62
+    assert choose_prefill_budget(policy="fcfs", max_num_batched_tokens=1, num_decode_rows=2, **kw) == 0
+
+
+def test_auto_budget_skips_prefill_when_a_decoder_is_about_to_finish():
+    assert (
+        choose_prefill_budget(
+            policy="auto",
+            max_num_batched_tokens=64,
+            num_decode_rows=2,
+            decode_tokens_left=[4, 90],
+            front_remaining=500,
+        )
+        == 0
+    )
+    assert (
+        choose_prefill_budget(
+            policy="auto",
+            max_num_batched_tokens=64,
+            num_decode_rows=2,
+            decode_tokens_left=[5, 90],
+            front_remaining=500,
+        )
+        == 62
+    )
+    # shrinks to what the front request needs, never above the base budget
+    assert (
+        choose_prefill_budget(
+            policy="auto",
+            max_num_batched_tokens=64,
+            num_decode_rows=2,
+            decode_tokens_left=[5, 90],
+            front_remaining=20,
+        )
+        == 20
+    )
+    # with no decoder there is nothing to protect
+    assert (
+        choose_prefill_budget(
+            policy="auto",
+            max_num_batched_tokens=64,
+            num_decode_rows=0,
+            decode_tokens_left=[],
+            front_remaining=500,
+        )
+        == 64
+    )
+
+
+def test_preemption_takes_the_fewest_newest_requests():
+    # three decoders each holding 4 pages needing 1 more; one free page
+    demands = [(4, 1), (4, 1), (4, 1)]
+    assert preemptions_needed(3, demands) == 0
+    assert preemptions_needed(1, demands) == 1  # newest frees 4 and drops its own need: 2 <= 1 + 4
+    assert preemptions_needed(0, [(4, 1), (2, 1)]) == 1  # the victim's own need goes with it: 1 <= 0 + 2
+    assert preemptions_needed(0, [(4, 1), (0, 1)]) == 2  # a victim holding nothing frees nothing
+    assert preemptions_needed(0, [(1, 1)]) == 1  # the oldest alone can be preempted (caller requeues it)
+
+
+def test_plan_kind_follows_what_is_scheduled():
+    assert build_next_plan(3, 2) is PlanKind.UNIFIED
+    assert build_next_plan(0, 2) is PlanKind.PREFILL
+    assert build_next_plan(3, 0) is PlanKind.DECODE
+    assert build_next_plan(0, 0) is None
