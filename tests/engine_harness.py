@@ -36,7 +36,7 @@ class Harness:
 
     def step(self, items: list[tuple[SequenceCache, list[int]]]) -> torch.Tensor:
         """One forward; returns log-probs [len(items), vocab] of each item's last token."""
-        logits = self.backend.forward([StepItem(seq, toks) for seq, toks in items])
+        logits = self.backend.forward([StepItem(seq, toks) for seq, toks in items], all_logits=True)
         return logits.log_softmax(-1)
 
     def prefill(self, seq: SequenceCache, prompt: list[int], chunk: int) -> torch.Tensor:

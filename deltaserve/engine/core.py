@@ -1,0 +1,183 @@
+"""EngineCore: owns the scheduler and every device tensor.
+
+`EngineCore(config)` validates the flags, loads the model and sizes the caches (failing before serving,
+with the numbers and the flag to change); `start(publish)` runs the scheduler loop on its own thread.
+The offline LLM runs it in-process; the API server runs it in its own process (engine/process.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from deltaserve.cache.manager import build_cache
+from deltaserve.config import EngineConfig, ModelConfig
+from deltaserve.engine.backend import Backend
+from deltaserve.engine.protocol import ClientMessage, Shutdown, StepOutputs
+from deltaserve.engine.scheduler import Scheduler, SchedulerConfig, start_scheduler
+from deltaserve.errors import ConfigError
+from deltaserve.model.qwen35 import Qwen35ForCausalLM
+from deltaserve.model.weights import init_dummy_weights, load_weights
+from deltaserve.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_GB = 0.25
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """What clients need to know about a started engine."""
+
+    model_dir: str
+    max_model_len: int
+    vocab_size: int  # the tokenizer's id space
+    eos_token_ids: tuple[int, ...]
+    kv_pages: int
+    page_size: int
+    kv_capacity_tokens: int
+    max_num_seqs: int
+    device: str
+    dtype: str
+
+
+def resolve_model_dir(model: str | None) -> Path:
+    if model is None:
+        from deltaserve.tiny import default_model_dir
+
+        return default_model_dir()
+    path = Path(model)
+    if not (path / "config.json").is_file():
+        raise ConfigError(
+            f"--model {model}: not a checkpoint directory (no config.json); model weights are never downloaded"
+        )
+    return path
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        config.validate()
+        self.config = config
+        self.model_dir = resolve_model_dir(config.model)
+        self.model_config = ModelConfig.from_dir(self.model_dir)
+        self.tokenizer_vocab = Tokenizer.from_dir(self.model_dir).vocab_size
+        device = config.resolved_device()
+        dtype = config.resolved_dtype(device)
+        started = time.monotonic()
+        self.model = Qwen35ForCausalLM(
+            self.model_config, dtype=dtype, device=device, logits_vocab_size=self.tokenizer_vocab
+        )
+        if config.load_format == "dummy":
+            init_dummy_weights(self.model, seed=config.seed)
+        else:
+            load_weights(self.model, self.model_dir)
+        logger.info(
+            "model loaded from %s in %.1f s (%s, %s)",
+            self.model_dir,
+            time.monotonic() - started,
+            device,
+            dtype,
+        )
+        num_pages = self._plan_kv_pages(device, dtype)
+        cache = build_cache(
+            self.model_config,
+            num_pages=num_pages,
+            page_size=config.page_size,
+            num_slots=config.max_num_seqs + 1,
+            dtype=dtype,
+            device=device,
+        )
+        self.backend = Backend(self.model, cache)
+        capacity_tokens = cache.kv.capacity * config.page_size
+        max_model_len = self._resolve_max_model_len(capacity_tokens)
+        self.scheduler_config = SchedulerConfig(
+            max_model_len=max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            vocab_size=self.tokenizer_vocab,
+            eos_token_ids=self.model_config.eos_token_ids,
+            policy=config.scheduler_policy,
+            prefill_overlap=config.prefill_overlap,
+        )
+        self.info = EngineInfo(
+            model_dir=str(self.model_dir),
+            max_model_len=max_model_len,
+            vocab_size=self.tokenizer_vocab,
+            eos_token_ids=self.model_config.eos_token_ids,
+            kv_pages=cache.kv.capacity,
+            page_size=config.page_size,
+            kv_capacity_tokens=capacity_tokens,
+            max_num_seqs=config.max_num_seqs,
+            device=str(device),
+            dtype=str(dtype).removeprefix("torch."),
+        )
+        logger.info(
+            "KV cache: %d pages x %d tokens = %d tokens (full-attention layers only: %d of %d layers); "
+            "state slots for %d sequences; max_model_len %d",
+            cache.kv.capacity,
+            config.page_size,
+            capacity_tokens,
+            len(self.model_config.full_attention_layers),
+            self.model_config.num_hidden_layers,
+            config.max_num_seqs,
+            max_model_len,
+        )
+        self.scheduler: Scheduler | None = None
+        self.thread: threading.Thread | None = None
+
+    def _plan_kv_pages(self, device: torch.device, dtype: torch.dtype) -> int:
+        cfg = self.config
+        if cfg.num_kv_pages is not None:
+            return cfg.num_kv_pages
+        page_bytes = self.model_config.kv_bytes_per_token(dtype) * cfg.page_size
+        if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            states = (cfg.max_num_seqs + 1) * self.model_config.state_bytes_per_sequence(dtype)
+            # Activations of the largest step, a generous bound: hidden-sized tensors per batched token.
+            scratch = cfg.max_num_batched_tokens * self.model_config.hidden_size * 64 + (512 << 20)
+            budget = free - (1 - cfg.gpu_memory_utilization) * total - states - scratch
+            where = f"GPU free {free / 2**30:.1f} GiB of {total / 2**30:.1f} GiB, state slots {states / 2**30:.2f} GiB"
+            flag = "--gpu-memory-utilization or lower --max-num-seqs"
+        else:
+            budget = (cfg.kv_cache_memory_gb or CPU_DEFAULT_KV_GB) * 2**30
+            where = f"--kv-cache-memory-gb {cfg.kv_cache_memory_gb or CPU_DEFAULT_KV_GB}"
+            flag = "--kv-cache-memory-gb"
+        pages = int(budget // page_bytes) + 1  # + the reserved page
+        if pages < 2:
+            raise ConfigError(f"no memory left for the KV cache ({where}); raise {flag}")
+        return pages
+
+    def _resolve_max_model_len(self, capacity_tokens: int) -> int:
+        limit = self.model_config.max_position_embeddings
+        asked = self.config.max_model_len
+        if asked is None:
+            return min(limit, capacity_tokens)
+        if asked > limit:
+            raise ConfigError(
+                f"--max-model-len {asked} exceeds the model's max_position_embeddings ({limit})"
+            )
+        if asked > capacity_tokens:
+            raise ConfigError(
+                f"--max-model-len {asked} exceeds the KV cache capacity of {capacity_tokens} tokens; "
+                "lower --max-model-len or give the KV cache more memory"
+            )
+        return asked
+
+    def start(self, publish: Callable[[StepOutputs], None]) -> None:
+        self.scheduler, self.thread = start_scheduler(self.scheduler_config, self.backend, publish)
+
+    def submit(self, msg: ClientMessage) -> None:
+        assert self.scheduler is not None, "start() the engine first"
+        self.scheduler.submit(msg)
+
+    def shutdown(self, reason: str = "engine shutdown", timeout: float = 30.0) -> None:
+        if self.scheduler is None or self.thread is None:
+            return
+        self.scheduler.submit(Shutdown(reason))
+        self.thread.join(timeout)

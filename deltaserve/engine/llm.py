@@ -1,0 +1,112 @@
+"""Offline API, in the shape vLLM users know:
+
+    llm = LLM(model=DIR, dtype="float32", device="cpu")
+    outs = llm.generate(["Hello", {"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0.0))
+
+Requests run through the same EngineCore and scheduler the server uses, in-process on a thread.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from deltaserve.config import EngineConfig
+from deltaserve.engine.core import EngineCore
+from deltaserve.engine.output import OutputState, RequestOutput
+from deltaserve.engine.protocol import AbortRequest, AddRequest, StepOutputs
+from deltaserve.errors import RequestValidationError
+from deltaserve.sampling_params import SamplingParams
+from deltaserve.tokenizer import Tokenizer
+
+Prompt = str | dict[str, Any]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
+        """`engine_kwargs` are the engine flags by their vLLM names (dtype, device, max_model_len,
+        max_num_seqs, max_num_batched_tokens, scheduler_policy, load_format, seed, ...)."""
+        known = set(EngineConfig.__dataclass_fields__) - {"model", "extra"}
+        unknown = sorted(set(engine_kwargs) - known)
+        if unknown:
+            raise TypeError(f"LLM() got unknown engine arguments {unknown}; known: {sorted(known)}")
+        self.engine = EngineCore(EngineConfig(model=model, **engine_kwargs))
+        self.tokenizer = Tokenizer.from_dir(self.engine.model_dir)
+        self._outputs: queue.SimpleQueue[StepOutputs] = queue.SimpleQueue()
+        self.engine.start(self._outputs.put)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.info.max_model_len
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order. Invalid prompts or parameters raise before anything
+        is submitted; a request the engine rejects or fails comes back with `error` set."""
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = (
+            [sampling_params] * len(prompts)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
+        states: dict[str, OutputState] = {}
+        order: list[str] = []
+        for prompt, params in zip(prompts, params_list, strict=True):
+            text, token_ids = self._tokenize(prompt)
+            params.validate()
+            params.validate_token_ids(self.engine.info.vocab_size)
+            rid = uuid.uuid4().hex
+            states[rid] = OutputState(rid, text, token_ids, params, self.tokenizer)
+            order.append(rid)
+        now = time.monotonic()
+        for rid in order:
+            st = states[rid]
+            self.engine.submit(AddRequest(rid, st.prompt_token_ids, st.params, arrival_time=now))
+        pending = set(order)
+        while pending:
+            for update in self._outputs.get().updates:
+                st = states.get(update.request_id)
+                if st is None or st.finished:
+                    continue
+                delta = st.apply(update)
+                if delta.abort_engine:
+                    self.engine.submit(AbortRequest(update.request_id))
+                if st.finished:
+                    pending.discard(update.request_id)
+        return [states[rid].to_output() for rid in order]
+
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in ids
+            ):
+                raise RequestValidationError(
+                    "prompt_token_ids", f"prompt_token_ids must be a list of ints, got {ids!r}"
+                )
+            return None, list(ids)
+        raise RequestValidationError(
+            "prompt", f"a prompt must be a string or {{'prompt_token_ids': [...]}}, got {prompt!r}"
+        )
+
+    def shutdown(self) -> None:
+        self.engine.shutdown("LLM shut down")
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -1,0 +1,155 @@
+"""Client-side output processing: incremental detokenization, stop strings, and the RequestOutput shape.
+
+Engine updates carry token ids; the client turns them into text. A stop string is matched across token
+boundaries in the accumulated text; when one is found the request finishes with finish_reason "stop"
+and stop_reason the string, the text is cut before it (unless include_stop_str_in_output), and the
+client aborts the engine request. While streaming, the last len(longest stop) - 1 characters are held
+back, since they could be the start of a stop string.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from deltaserve.engine.protocol import RequestUpdate, TokenLogprobs
+from deltaserve.sampling_params import SamplingParams
+from deltaserve.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None
+    finish_reason: str | None = None  # stop | length | abort | rejected | error
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    error: str | None = None  # set when finish_reason is rejected or error
+    error_field: str | None = None
+
+
+@dataclass(slots=True)
+class OutputDelta:
+    """What one engine update added to a request, after detokenization and stop strings."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    error_field: str | None = None
+    abort_engine: bool = False  # a stop string ended it: the engine must be told to stop generating
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class OutputState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    tokenizer: Tokenizer | None
+    text: str = ""  # all text decoded so far (stop strings already cut)
+    sent: int = 0  # characters of `text` already handed out as deltas
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    error_field: str | None = None
+    _detok: IncrementalDetokenizer | None = field(default=None, init=False, repr=False)
+    _holdback: int = field(default=0, init=False, repr=False)  # length of the longest stop string
+
+    def __post_init__(self) -> None:
+        if self.tokenizer is not None:
+            self._detok = self.tokenizer.new_detokenizer(skip_special_tokens=self.params.skip_special_tokens)
+        self._holdback = max((len(s) for s in self.params.stop or ()), default=0)
+        if self.params.logprobs is not None:
+            self.logprobs = []
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def apply(self, update: RequestUpdate) -> OutputDelta:
+        if self.finished:  # a stop string already ended it; late engine updates are dropped
+            return OutputDelta("", [], None)
+        self.token_ids.extend(update.new_token_ids)
+        if self.logprobs is not None and update.new_logprobs:
+            self.logprobs.extend(update.new_logprobs)
+        finish, stop_reason = update.finish_reason, update.stop_reason
+        abort = False
+        if self._detok is not None and update.new_token_ids:
+            start = max(0, len(self.text) - self._holdback + 1)
+            self.text += self._detok.push(update.new_token_ids)
+            if finish is not None:
+                self.text += self._detok.flush()
+            matched = self._match_stop(start)
+            if matched is not None and finish not in ("rejected", "error"):
+                finish, stop_reason = "stop", matched
+                abort = update.finish_reason is None
+        self.finish_reason, self.stop_reason = finish, stop_reason
+        self.error, self.error_field = update.error, update.error_field
+        end = (
+            len(self.text)
+            if finish is not None
+            else max(self.sent, len(self.text) - max(self._holdback - 1, 0))
+        )
+        delta = OutputDelta(
+            text=self.text[self.sent : end],
+            token_ids=list(update.new_token_ids),
+            logprobs=list(update.new_logprobs) if update.new_logprobs else None,
+            finish_reason=finish,
+            stop_reason=stop_reason,
+            error=update.error,
+            error_field=update.error_field,
+            abort_engine=abort,
+            num_prompt_tokens=update.num_prompt_tokens or len(self.prompt_token_ids),
+            num_output_tokens=len(self.token_ids),
+        )
+        self.sent = end
+        return delta
+
+    def _match_stop(self, start: int) -> str | None:
+        """Finds the earliest stop string starting at or after `start`; cuts the text there."""
+        best: tuple[int, str] | None = None
+        for stop in self.params.stop or ():
+            pos = self.text.find(stop, start)
+            if pos >= 0 and (best is None or pos < best[0]):
+                best = (pos, stop)
+        if best is None:
+            return None
+        pos, stop = best
+        self.text = (
+            self.text[: pos + len(stop)] if self.params.include_stop_str_in_output else self.text[:pos]
+        )
+        return stop
+
+    def to_output(self) -> RequestOutput:
+        completion = CompletionOutput(
+            0, self.text, list(self.token_ids), self.logprobs, self.finish_reason, self.stop_reason
+        )
+        return RequestOutput(
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            [completion],
+            finished=self.finished,
+            error=self.error,
+            error_field=self.error_field,
+        )

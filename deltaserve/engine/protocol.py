@@ -1,0 +1,111 @@
+"""Messages between an engine client (the offline LLM or the API server) and the EngineCore.
+
+The same dataclasses travel in-process (queues) and between processes (msgpack via msgspec). Each
+request gets exactly one terminal update: finish_reason in FINISH_REASONS, with `error` set for
+"rejected" and "error".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+
+from deltaserve.sampling_params import SamplingParams
+
+FINISH_REASONS = ("stop", "length", "abort", "rejected", "error")
+
+
+@dataclass(slots=True)
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = 0.0  # monotonic seconds, set by the client
+    echo: bool = False  # a contract the engine refuses (fail-closed) rather than degrades
+
+
+@dataclass(slots=True)
+class AbortRequest:
+    """The client is gone (or cancelled): the request is pruned at the next tick, before admission."""
+
+    request_id: str
+
+
+@dataclass(slots=True)
+class Shutdown:
+    reason: str = "engine shutdown"
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    logprob: float  # of the sampled token, from the unmodified distribution
+    rank: int  # 1 = the most likely token
+    top: list[tuple[int, float]]  # (token id, logprob), most likely first
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None  # None while the request runs; one of FINISH_REASONS at its end
+    stop_reason: int | None = None  # the stop_token_id that finished it
+    error: str | None = None  # rejected/error: what went wrong, naming the field where one is at fault
+    error_field: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # total so far
+    num_preemptions: int = 0
+    queued_time: float | None = None  # monotonic: first scheduled minus arrival, set on the first token
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True, frozen=True)
+class LoadSnapshot:
+    running: int = 0  # requests holding a state slot: prefilling, in flight or decoding
+    waiting: int = 0
+    kv_pages_used: int = 0
+    kv_pages_total: int = 0
+    state_slots_free: int = 0
+    state_slots_total: int = 0
+    num_preemptions: int = 0  # since start
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_pages_used / self.kv_pages_total if self.kv_pages_total else 0.0
+
+
+@dataclass(slots=True)
+class StepOutputs:
+    """Everything one scheduler tick produced, delivered as one message."""
+
+    updates: list[RequestUpdate]
+    load: LoadSnapshot
+
+
+ClientMessage = AddRequest | AbortRequest | Shutdown
+
+_encoder = msgspec.msgpack.Encoder()
+_envelope = msgspec.msgpack.Decoder(tuple[str, msgspec.Raw])
+_client_decoders = {t.__name__: msgspec.msgpack.Decoder(t) for t in (AddRequest, AbortRequest, Shutdown)}
+_output_decoder = msgspec.msgpack.Decoder(StepOutputs)
+
+
+def encode_client_message(msg: ClientMessage) -> bytes:
+    return _encoder.encode((type(msg).__name__, msg))
+
+
+def decode_client_message(data: bytes) -> ClientMessage:
+    name, payload = _envelope.decode(data)
+    return _client_decoders[name].decode(payload)
+
+
+def encode_outputs(outputs: StepOutputs) -> bytes:
+    return _encoder.encode(outputs)
+
+
+def decode_outputs(data: bytes) -> StepOutputs:
+    return _output_decoder.decode(data)

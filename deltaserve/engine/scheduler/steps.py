@@ -1,0 +1,350 @@
+"""Step drivers: admission, batch prefill, overlap launch, unified prefill+decode, pure decode, token
+dispatch and retirement, and the chunk vocabulary (ScheduledChunk, InflightPrefill, take_prefill_chunks,
+promote_or_requeue).
+
+Every step is ONE backend forward over a flattened batch: decode rows first, then prefill chunks. A
+chunk that reaches the end of its request's tokens samples the request's next token there ("promote");
+a partial chunk goes back to the front of the prefilling FIFO ("requeue"). Only the last chunk of a
+step may be partial.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from deltaserve.engine.backend import PendingStep, StepItem, StepResult
+from deltaserve.engine.protocol import RequestUpdate, TokenLogprobs
+from deltaserve.engine.sampler import SamplingRow
+from deltaserve.engine.scheduler import emit, telemetry
+from deltaserve.engine.scheduler.plan import (
+    AdmissionCapacity,
+    PendingView,
+    PlanKind,
+    admit_pending_requests,
+    build_next_plan,
+    choose_prefill_budget,
+    pages_for,
+    plan_prefill_chunks,
+    preemptions_needed,
+)
+
+if TYPE_CHECKING:
+    from deltaserve.engine.scheduler import Request, Scheduler
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    request: Request
+    start: int  # position of the chunk's first token (== the request's cursor when scheduled)
+    length: int
+
+    @property
+    def completes(self) -> bool:
+        """The chunk feeds the request's last pending token, so its logits give the next token."""
+        return self.start + self.length == self.request.num_tokens
+
+
+@dataclass(slots=True)
+class InflightPrefill:
+    """A prefill launched asynchronously. It owns its requests until `finish_async_prefill`: they are in
+    no other queue, and their caches are released only after the step's result was waited for."""
+
+    chunks: list[ScheduledChunk]
+    pending: PendingStep
+
+    @property
+    def requests(self) -> list[Request]:
+        return [c.request for c in self.chunks]
+
+
+# ---- admission ---------------------------------------------------------------------------------
+
+
+def admit(sched: Scheduler) -> None:
+    if not sched.waiting:
+        return
+    from deltaserve.engine.scheduler import Phase
+
+    cache = sched.cache
+    page_size = cache.page_size
+    holders = list(sched.prefilling) + (sched.inflight.requests if sched.inflight else [])
+    committed = sum(max(0, pages_for(r.num_tokens, page_size) - len(r.seq.pages)) for r in holders)
+    capacity = AdmissionCapacity(
+        max_model_len=sched.config.max_model_len,
+        page_size=page_size,
+        capacity_pages=cache.kv.capacity,
+        free_pages=cache.kv.num_free,
+        committed_pages=committed,
+        decode_headroom_pages=len(sched.running),
+        free_slots=cache.states.num_free,
+        num_active=len(sched.running) + len(holders),
+        max_num_seqs=sched.config.max_num_seqs,
+    )
+    waiting = list(sched.waiting)
+    views = [PendingView(len(r.prompt_token_ids), r.max_tokens, len(r.output_token_ids)) for r in waiting]
+    decision = admit_pending_requests(views, capacity)
+    gone = set(decision.admitted)
+    for index, rejection in decision.rejected:
+        gone.add(index)
+        emit.send_rejection(sched, waiting[index], rejection.message, "max_tokens")
+    for index in decision.admitted:
+        req = waiting[index]
+        req.seq = cache.open()
+        req.phase = Phase.PREFILLING
+        req.admitted_order = sched._admitted
+        sched._admitted += 1
+        sched.prefilling.append(req)
+    if gone:
+        sched.waiting = type(sched.waiting)(r for i, r in enumerate(waiting) if i not in gone)
+
+
+# ---- one step ----------------------------------------------------------------------------------
+
+
+def run_step(sched: Scheduler) -> None:
+    started = time.monotonic() if telemetry.ITL_DEBUG else 0.0
+    decode_pages = _ensure_decode_pages(sched)
+    decode = list(sched.running)
+    chunks: list[ScheduledChunk] = []
+    if sched.inflight is None and sched.prefilling:
+        budget = choose_prefill_budget(
+            policy=sched.config.policy,
+            max_num_batched_tokens=sched.config.max_num_batched_tokens,
+            num_decode_rows=len(decode),
+            decode_tokens_left=[r.max_tokens - len(r.output_token_ids) for r in decode],
+            front_remaining=sched.prefilling[0].num_pending,
+        )
+        chunks = take_prefill_chunks(sched, budget, sched.cache.kv.num_free - decode_pages)
+    kind = build_next_plan(len(decode), len(chunks))
+    label = kind.value if kind else "idle"
+    if kind is None:
+        if sched.inflight is not None:
+            label = "overlap_wait"  # nothing to decode: wait for the prefill instead of parking
+            finish_async_prefill(sched)
+        elif sched.prefilling:
+            _relieve_page_deadlock(sched)
+    elif sched.config.prefill_overlap and chunks and decode:
+        launch_overlap_step(sched, chunks)
+        _execute(sched, decode, [])
+        label = "overlap_launch"
+    elif kind is PlanKind.DECODE and sched.inflight is not None:
+        _execute(sched, decode, [])
+        label = "overlap_decode"
+    else:
+        _execute(sched, decode, chunks)
+    if telemetry.ITL_DEBUG:
+        prefill_tokens = sum(c.length for c in chunks)
+        telemetry.log_itl_step(label, prefill_tokens, len(chunks), len(decode), started, time.monotonic())
+
+
+def _execute(sched: Scheduler, decode: list[Request], chunks: list[ScheduledChunk]) -> None:
+    """Pure decode, batch prefill or unified prefill+decode: one forward over decode rows then chunks."""
+    items = [StepItem(r.seq, [r.output_token_ids[-1]], _sampling_row(sched, r)) for r in decode]
+    for c in chunks:
+        req = c.request
+        items.append(
+            StepItem(
+                req.seq,
+                req.token_slice(c.start, c.length),
+                _sampling_row(sched, req) if c.completes else None,
+            )
+        )
+    try:
+        result = sched.backend.execute(items)
+    except (torch.OutOfMemoryError, MemoryError) as exc:
+        emit.fail_requests(sched, decode + [c.request for c in chunks], f"step failed: out of memory ({exc})")
+        return
+    dispatch_decode_tokens(sched, decode, result)
+    promote_or_requeue(sched, chunks, result, offset=len(decode))
+
+
+def launch_overlap_step(sched: Scheduler, chunks: list[ScheduledChunk]) -> None:
+    """Launches the chunks asynchronously; the loop keeps decoding and finishes them at a later tick.
+    At most one is in flight, and no prefill is planned while it is."""
+    from deltaserve.engine.scheduler import Phase
+
+    assert sched.inflight is None, "one async prefill at a time"
+    items = [
+        StepItem(
+            c.request.seq,
+            c.request.token_slice(c.start, c.length),
+            _sampling_row(sched, c.request) if c.completes else None,
+        )
+        for c in chunks
+    ]
+    for c in chunks:
+        c.request.phase = Phase.INFLIGHT
+    sched.inflight = InflightPrefill(chunks, sched.backend.launch(items))
+
+
+def finish_async_prefill(sched: Scheduler) -> None:
+    """Waits for the in-flight prefill (if any) and promotes or requeues its requests."""
+    inflight = sched.inflight
+    if inflight is None:
+        return
+    result = inflight.pending.wait()
+    sched.inflight = None
+    promote_or_requeue(sched, inflight.chunks, result, offset=0)
+
+
+# ---- chunk vocabulary --------------------------------------------------------------------------
+
+
+def take_prefill_chunks(sched: Scheduler, budget: int, free_pages: int) -> list[ScheduledChunk]:
+    """Takes chunks off the front of the prefilling FIFO within the token budget and the free pages;
+    the requests leave the FIFO (promote_or_requeue puts unfinished ones back at its front)."""
+    page_size = sched.cache.page_size
+    lengths = plan_prefill_chunks([r.num_pending for r in sched.prefilling], budget)
+    chunks: list[ScheduledChunk] = []
+    for req, length in zip(list(sched.prefilling), lengths, strict=False):
+        fits = (len(req.seq.pages) + free_pages) * page_size - req.num_computed
+        length = min(length, fits)
+        if length <= 0:
+            break
+        free_pages -= sched.cache.pages_needed(req.seq, req.num_computed + length)
+        chunks.append(ScheduledChunk(req, req.num_computed, length))
+        if length < req.num_pending:
+            break
+    for _ in chunks:
+        sched.prefilling.popleft()
+    return chunks
+
+
+def promote_or_requeue(
+    sched: Scheduler, chunks: list[ScheduledChunk], result: StepResult, offset: int
+) -> None:
+    """After a prefill forward: a completed chunk's request gets its sampled token and joins the decoders
+    (or finishes); a partial chunk's request returns to the FRONT of the prefilling FIFO."""
+    from deltaserve.engine.scheduler import Phase
+
+    sampled = offset
+    requeue: list[Request] = []
+    for c in chunks:
+        req = c.request
+        if req.closed:
+            if c.completes:
+                sampled += 1
+            emit.retire(sched, req, finish_reason="abort")
+            continue
+        if not c.completes:
+            req.phase = Phase.PREFILLING
+            requeue.append(req)
+            continue
+        token, logprobs = result.token_ids[sampled], result.logprobs[sampled]
+        sampled += 1
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.monotonic()
+        if not _append_token(sched, req, token, logprobs):
+            req.phase = Phase.RUNNING
+            sched.running.append(req)
+    sched.prefilling.extendleft(reversed(requeue))
+
+
+# ---- token dispatch / retirement ---------------------------------------------------------------
+
+
+def dispatch_decode_tokens(sched: Scheduler, decode: list[Request], result: StepResult) -> None:
+    finished = []
+    for i, req in enumerate(decode):
+        if _append_token(sched, req, result.token_ids[i], result.logprobs[i]):
+            finished.append(req)
+    if finished:
+        done = set(map(id, finished))
+        sched.running = [r for r in sched.running if id(r) not in done]
+
+
+def _append_token(sched: Scheduler, req: Request, token: int, logprobs: TokenLogprobs | None) -> bool:
+    """Appends a sampled token, emits it, and retires the request if it stopped. True if it finished."""
+    req.output_token_ids.append(token)
+    reason, stop_reason = _check_stop(sched, req, token)
+    update = RequestUpdate(
+        req.request_id,
+        [token],
+        [logprobs] if logprobs is not None else None,
+        num_prompt_tokens=len(req.prompt_token_ids),
+        num_output_tokens=len(req.output_token_ids),
+        num_preemptions=req.num_preemptions,
+    )
+    if len(req.output_token_ids) == 1 and req.first_scheduled_time is not None:
+        update.queued_time = req.first_scheduled_time - req.arrival_time
+    if reason is None:
+        sched.updates.append(update)
+        return False
+    update.finish_reason, update.stop_reason = reason, stop_reason
+    emit.retire(sched, req, update=update)
+    return True
+
+
+def _check_stop(sched: Scheduler, req: Request, token: int) -> tuple[str | None, int | None]:
+    params = req.params
+    produced = len(req.output_token_ids)
+    if produced >= params.min_tokens:
+        if not params.ignore_eos and token in sched.config.eos_token_ids:
+            return "stop", None
+        if params.stop_token_ids and token in params.stop_token_ids:
+            return "stop", token
+    if produced >= req.max_tokens:
+        return "length", None
+    return None, None
+
+
+def _sampling_row(sched: Scheduler, req: Request) -> SamplingRow:
+    params = req.params
+    step = len(req.output_token_ids)
+    suppressed: tuple[int, ...] = ()
+    if step < params.min_tokens:
+        eos = () if params.ignore_eos else sched.config.eos_token_ids
+        suppressed = tuple(eos) + tuple(params.stop_token_ids or ())
+    return SamplingRow(params, req.seed, step, req.prompt_token_ids, req.output_token_ids, suppressed)
+
+
+# ---- preemption ----------------------------------------------------------------------------------
+
+
+def _ensure_decode_pages(sched: Scheduler) -> int:
+    """Makes sure every decoder can write its next position, preempting the newest page holders when
+    the pool cannot; returns the pages the decode rows will take this step."""
+    cache = sched.cache
+    holders = sorted(list(sched.running) + list(sched.prefilling), key=lambda r: r.admitted_order)
+    running = set(map(id, sched.running))
+    demands = [
+        (len(r.seq.pages), cache.pages_needed(r.seq, r.num_computed + 1) if id(r) in running else 0)
+        for r in holders
+    ]
+    victims = preemptions_needed(cache.kv.num_free, demands)
+    for req in reversed(holders[len(holders) - victims :]):
+        preempt(sched, req)
+    return sum(cache.pages_needed(r.seq, r.num_computed + 1) for r in sched.running)
+
+
+def preempt(sched: Scheduler, req: Request) -> None:
+    """Recompute preemption: frees the request's pages and state slot; it goes back to the front of the
+    waiting queue and later recomputes prompt + outputs (the state transaction restarts at zero)."""
+    from deltaserve.engine.scheduler import Phase
+
+    sched.cache.release(req.seq)
+    req.seq = None
+    req.phase = Phase.WAITING
+    req.num_preemptions += 1
+    sched.num_preemptions += 1
+    sched.running = [r for r in sched.running if r is not req]
+    if req in sched.prefilling:
+        sched.prefilling.remove(req)
+    sched.waiting.appendleft(req)
+
+
+def _relieve_page_deadlock(sched: Scheduler) -> None:
+    """No decoders, nothing in flight, and the prefilling FIFO could not get a page: the newest
+    prefilling request gives its pages back so the older ones proceed (recomputed later)."""
+    holders = sorted(sched.prefilling, key=lambda r: r.admitted_order)
+    if len(holders) > 1 and holders[-1].seq.pages:
+        preempt(sched, holders[-1])
+        return
+    raise RuntimeError(
+        f"prefill cannot progress: {sched.cache.kv.num_free} free KV pages for a chunk of request "
+        f"{holders[0].request_id} ({holders[0].num_pending} tokens pending)"
+    )
