@@ -1,0 +1,211 @@
+"""Asyncio client of an EngineCore running in its own process (what the API server uses).
+
+`AsyncEngineClient.start(config)` spawns the engine process and returns once the engine is ready (model
+loaded, caches sized). `generate()` submits one request and yields its RequestUpdates until the terminal
+one; leaving the iterator early (client disconnect, cancellation) aborts the engine request. If the
+engine process dies, every in-flight request gets an "error" terminal, `dead` turns true and
+`on_dead` is called (the server turns /health 503 and exits non-zero): never a zombie that accepts work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import os
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable
+
+import zmq
+import zmq.asyncio
+
+from deltaserve.config import EngineConfig
+from deltaserve.engine.core import EngineInfo
+from deltaserve.engine.process import run_engine_process
+from deltaserve.engine.protocol import (
+    AbortRequest,
+    AddRequest,
+    ClientMessage,
+    LoadSnapshot,
+    RequestUpdate,
+    Shutdown,
+    decode_outputs,
+    encode_client_message,
+)
+from deltaserve.errors import ConfigError
+from deltaserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+WATCHDOG_INTERVAL_S = 0.2
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class AsyncEngineClient:
+    def __init__(
+        self,
+        info: EngineInfo,
+        process: multiprocessing.process.BaseProcess,
+        ctx: zmq.asyncio.Context,
+        push: zmq.asyncio.Socket,
+        pull: zmq.asyncio.Socket,
+        sock_dir: str,
+    ) -> None:
+        self.info = info
+        self.load = LoadSnapshot(
+            kv_pages_total=info.kv_pages,
+            state_slots_free=info.max_num_seqs,
+            state_slots_total=info.max_num_seqs,
+        )
+        self.dead = False
+        self.dead_reason: str | None = None
+        self.on_dead: Callable[[str], None] | None = None
+        self.on_outputs: Callable[[list[RequestUpdate]], None] | None = None  # metrics hook
+        self._process = process
+        self._ctx = ctx
+        self._push = push
+        self._pull = pull
+        self._sock_dir = sock_dir
+        self._queues: dict[str, asyncio.Queue[RequestUpdate]] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._closing = False
+
+    @classmethod
+    async def start(cls, config: EngineConfig, *, startup_timeout_s: float = 1800.0) -> AsyncEngineClient:
+        sock_dir = tempfile.mkdtemp(prefix="deltaserve-")
+        input_addr = f"ipc://{os.path.join(sock_dir, 'input')}"
+        output_addr = f"ipc://{os.path.join(sock_dir, 'output')}"
+        ctx = zmq.asyncio.Context()
+        push = ctx.socket(zmq.PUSH)
+        push.bind(input_addr)
+        pull = ctx.socket(zmq.PULL)
+        pull.bind(output_addr)
+        mp = multiprocessing.get_context("spawn")
+        parent_end, child_end = mp.Pipe(duplex=False)
+        process = mp.Process(
+            target=run_engine_process,
+            args=(config, input_addr, output_addr, child_end),
+            name="deltaserve-engine",
+            daemon=True,
+        )
+        process.start()
+        child_end.close()
+        loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + startup_timeout_s
+
+        def wait_ready() -> tuple[str, object]:
+            while time.monotonic() < deadline:
+                if parent_end.poll(0.2):
+                    return parent_end.recv()
+                if not process.is_alive():
+                    return (
+                        "error",
+                        f"the engine process exited during start-up (exit code {process.exitcode})",
+                    )
+            return ("error", f"the engine did not become ready within {startup_timeout_s:.0f} s")
+
+        status, payload = await loop.run_in_executor(None, wait_ready)
+        if status != "ready":
+            process.kill()
+            push.close(0)
+            pull.close(0)
+            ctx.term()
+            raise ConfigError(str(payload))
+        client = cls(EngineInfo(**payload), process, ctx, push, pull, sock_dir)
+        client._tasks = [asyncio.create_task(client._receive()), asyncio.create_task(client._watchdog())]
+        return client
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestUpdate]:
+        if self.dead:
+            raise EngineDeadError(self.dead_reason or "the engine is not running")
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        q: asyncio.Queue[RequestUpdate] = asyncio.Queue()
+        self._queues[request_id] = q
+        finished = False
+        try:
+            await self._send(
+                AddRequest(request_id, list(prompt_token_ids), params, arrival_time=time.monotonic())
+            )
+            while True:
+                update = await q.get()
+                finished = update.finished
+                yield update
+                if finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished and not self.dead:
+                await self.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        if not self.dead:
+            await self._send(AbortRequest(request_id))
+
+    async def _send(self, msg: ClientMessage) -> None:
+        await self._push.send(encode_client_message(msg))
+
+    # ---- background tasks ----------------------------------------------------------------------
+
+    async def _receive(self) -> None:
+        while True:
+            data = await self._pull.recv()
+            outputs = decode_outputs(data)
+            self.load = outputs.load
+            if self.on_outputs is not None:
+                self.on_outputs(outputs.updates)
+            for update in outputs.updates:
+                q = self._queues.get(update.request_id)
+                if q is not None:
+                    q.put_nowait(update)
+
+    async def _watchdog(self) -> None:
+        while self._process.is_alive():
+            await asyncio.sleep(WATCHDOG_INTERVAL_S)
+        await asyncio.sleep(WATCHDOG_INTERVAL_S)  # let the engine's last outputs arrive
+        if not self._closing:
+            self._mark_dead(f"the engine process exited (exit code {self._process.exitcode})")
+
+    def _mark_dead(self, reason: str) -> None:
+        if self.dead:
+            return
+        self.dead = True
+        self.dead_reason = reason
+        logger.error("%s; failing %d in-flight requests", reason, len(self._queues))
+        for rid, q in list(self._queues.items()):
+            q.put_nowait(RequestUpdate(rid, finish_reason="error", error=reason))
+        if self.on_dead is not None:
+            self.on_dead(reason)
+
+    async def shutdown(self, reason: str = "server shutting down", timeout_s: float = 30.0) -> None:
+        """Asks the engine to give every in-flight request its terminal, then stops it."""
+        self._closing = True
+        if self._process.is_alive():
+            await self._send(Shutdown(reason))
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, self._process.join, timeout_s)
+            await asyncio.sleep(0.1)  # outputs sent just before exit
+        if self._process.is_alive():
+            self._process.kill()
+        for task in self._tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for rid, q in list(self._queues.items()):
+            q.put_nowait(RequestUpdate(rid, finish_reason="error", error=reason))
+        self._push.close(0)
+        self._pull.close(0)
+        self._ctx.term()
+        with contextlib.suppress(OSError):
+            for name in ("input", "output"):
+                os.unlink(os.path.join(self._sock_dir, name))
+            os.rmdir(self._sock_dir)
