@@ -1,0 +1,195 @@
+"""`deltaserve serve | generate | bench serve | make-tiny`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from deltaserve.config import LOAD_FORMATS, EngineConfig
+from deltaserve.errors import ConfigError, RequestValidationError
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Engine flags, with vLLM's names. Defaults live in EngineConfig."""
+    d = EngineConfig()
+    g = parser.add_argument_group("engine")
+    g.add_argument(
+        "--model", default=None, help="checkpoint directory (default: the embedded tiny random model)"
+    )
+    g.add_argument(
+        "--dtype",
+        default=d.dtype,
+        help="auto | float32 | bfloat16 | float16 (auto: bf16 on GPU, fp32 on CPU)",
+    )
+    g.add_argument("--device", default=d.device, help="auto | cpu | cuda | cuda:N")
+    g.add_argument(
+        "--load-format",
+        default=d.load_format,
+        choices=LOAD_FORMATS,
+        help="dummy: random weights of the right shapes",
+    )
+    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context window (default: the model's, capped by KV capacity)",
+    )
+    g.add_argument(
+        "--max-num-seqs", type=int, default=d.max_num_seqs, help="requests decoded at once (state slots)"
+    )
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=d.max_num_batched_tokens,
+        help="tokens per step (decode rows + prefill chunks)",
+    )
+    g.add_argument(
+        "--page-size", type=int, default=d.page_size, help="KV page size in tokens (a power of two)"
+    )
+    g.add_argument("--num-kv-pages", type=int, default=None, help="KV pages (default: sized from memory)")
+    g.add_argument("--kv-cache-memory-gb", type=float, default=None, help="CPU: memory for the KV cache")
+    g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+    g.add_argument(
+        "--scheduler-policy", default=d.scheduler_policy, help="fcfs | auto (decode priority near a finish)"
+    )
+    g.add_argument(
+        "--prefill-overlap",
+        action="store_true",
+        help="launch prefill chunks asynchronously while decode continues",
+    )
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    config = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        load_format=args.load_format,
+        seed=args.seed,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        page_size=args.page_size,
+        num_kv_pages=args.num_kv_pages,
+        kv_cache_memory_gb=args.kv_cache_memory_gb,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        scheduler_policy=args.scheduler_policy,
+        prefill_overlap=args.prefill_overlap,
+        enforce_eager=args.enforce_eager,
+    )
+    config.validate()
+    return config
+
+
+def _cmd_make_tiny(args: argparse.Namespace) -> int:
+    from deltaserve.tiny import make_tiny
+
+    out = make_tiny(args.dir, args.preset, args.seed)
+    print(f"wrote a {args.preset} checkpoint with random weights to {out}")
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from deltaserve.engine.llm import LLM
+    from deltaserve.sampling_params import SamplingParams
+
+    config = engine_config_from_args(args)
+    kwargs = {k: v for k, v in vars(config).items() if k not in ("model", "extra")}
+    if args.model is None:
+        print(
+            "note: no --model given; using the embedded tiny checkpoint, whose weights are RANDOM",
+            file=sys.stderr,
+        )
+    with LLM(args.model, **kwargs) as llm:
+        params = SamplingParams(
+            temperature=args.temperature,
+            top_p=args.top_p,
+            max_tokens=args.max_tokens,
+            seed=args.sampling_seed,
+            ignore_eos=args.ignore_eos,
+        )
+        prompt = args.prompt
+        if args.chat:
+            prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        out = llm.generate([prompt], params)[0]
+    if out.error:
+        print(f"error: {out.error}", file=sys.stderr)
+        return 1
+    completion = out.outputs[0]
+    print(completion.text)
+    print(f"[{len(completion.token_ids)} tokens, finish_reason={completion.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from deltaserve.server.app import run_server
+
+    return run_server(args, engine_config_from_args(args))
+
+
+def _cmd_bench_serve(args: argparse.Namespace) -> int:
+    from deltaserve.bench.serve import run_bench_serve
+
+    result = run_bench_serve(args)
+    return 0 if result.completed > 0 else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="deltaserve", description="Serve Qwen3.5 hybrid models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_engine_arguments(serve)
+    from deltaserve.server.args import add_server_arguments
+
+    add_server_arguments(serve)
+    serve.set_defaults(func=_cmd_serve)
+
+    gen = sub.add_parser("generate", help="complete one prompt offline")
+    add_engine_arguments(gen)
+    gen.add_argument("prompt")
+    gen.add_argument(
+        "--chat", action="store_true", help="wrap the prompt in the chat template as a user turn"
+    )
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.set_defaults(func=_cmd_generate, max_num_seqs=16)
+
+    tiny = sub.add_parser("make-tiny", help="write a checkpoint with random weights and the real tokenizer")
+    tiny.add_argument("dir")
+    tiny.add_argument("--preset", default="tiny", choices=["tiny", "tiny-moe", "0.8b-shape"])
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(func=_cmd_make_tiny)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    bench_serve = bench_sub.add_parser("serve", help="load a running server like `vllm bench serve`")
+    from deltaserve.bench.serve import add_bench_serve_arguments
+
+    add_bench_serve_arguments(bench_serve)
+    bench_serve.set_defaults(func=_cmd_bench_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(
+        level=os.environ.get("DELTASERVE_LOG_LEVEL", "INFO"),
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, RequestValidationError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
