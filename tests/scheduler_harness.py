@@ -1,0 +1,95 @@
+"""A scheduler over a small random HF-format model, driven tick by tick, with every update recorded."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from deltaserve.cache.manager import build_cache
+from deltaserve.config import ModelConfig
+from deltaserve.engine.backend import Backend
+from deltaserve.engine.protocol import AbortRequest, AddRequest, RequestUpdate, StepOutputs
+from deltaserve.engine.scheduler import Scheduler, SchedulerConfig
+from deltaserve.model.qwen35 import Qwen35ForCausalLM
+from deltaserve.model.weights import load_weights
+from deltaserve.sampling_params import SamplingParams
+
+VOCAB = 512
+
+
+def load_model(model_dir: Path) -> Qwen35ForCausalLM:
+    model = Qwen35ForCausalLM(
+        ModelConfig.from_dir(model_dir), dtype=torch.float32, device=torch.device("cpu")
+    )
+    load_weights(model, model_dir)
+    return model
+
+
+class Run:
+    def __init__(
+        self,
+        model: Qwen35ForCausalLM,
+        *,
+        max_num_seqs: int = 16,
+        max_num_batched_tokens: int = 4096,
+        num_pages: int = 1024,
+        page_size: int = 4,
+        max_model_len: int = 2048,
+        policy: str = "fcfs",
+        prefill_overlap: bool = False,
+        eos: tuple[int, ...] = (),
+    ) -> None:
+        cache = build_cache(
+            model.config,
+            num_pages=num_pages,
+            page_size=page_size,
+            num_slots=max_num_seqs + 1,
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+        )
+        config = SchedulerConfig(
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            vocab_size=VOCAB,
+            eos_token_ids=eos,
+            policy=policy,
+            prefill_overlap=prefill_overlap,
+        )
+        self.updates: dict[str, list[RequestUpdate]] = defaultdict(list)
+        self.loads = []
+        self.sched = Scheduler(config, Backend(model, cache), self._publish)
+
+    def _publish(self, out: StepOutputs) -> None:
+        self.loads.append(out.load)
+        for u in out.updates:
+            self.updates[u.request_id].append(u)
+
+    def add(self, rid: str, prompt: list[int], params: SamplingParams | None = None) -> None:
+        self.sched.submit(AddRequest(rid, prompt, params or SamplingParams(temperature=0.0, max_tokens=8)))
+
+    def abort(self, rid: str) -> None:
+        self.sched.submit(AbortRequest(rid))
+
+    def tick(self, n: int = 1) -> None:
+        for _ in range(n):
+            self.sched.tick()
+
+    def run_until_idle(self, limit: int = 100_000) -> None:
+        for _ in range(limit):
+            if not self.sched.tick():
+                return
+        raise AssertionError("scheduler did not go idle")
+
+    def tokens(self, rid: str) -> list[int]:
+        return [t for u in self.updates[rid] for t in u.new_token_ids]
+
+    def terminals(self, rid: str) -> list[RequestUpdate]:
+        return [u for u in self.updates[rid] if u.finished]
+
+    def terminal(self, rid: str) -> RequestUpdate:
+        ends = self.terminals(rid)
+        assert len(ends) == 1, f"{rid}: {len(ends)} terminal updates"
+        return ends[0]

@@ -1,0 +1,342 @@
+"""The scheduler on a small random model: batching invariance, seeded sampling, lifecycle, bad input."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import hf_oracle
+import pytest
+from scheduler_harness import VOCAB, Run, load_model
+
+from deltaserve.engine.scheduler import Phase, telemetry
+from deltaserve.sampling_params import SamplingParams
+
+GREEDY8 = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory):
+    out = tmp_path_factory.mktemp("sched_model")
+    hf_oracle.save_text_layout(hf_oracle.build_hf_causal_lm(seed=11, layers=4, tied=True), out)
+    return load_model(Path(out))
+
+
+def prompts_mixed(n: int = 16, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    lengths = [1, 300, 2, 17, 64, 65, 3, 150, 31, 5, 200, 8, 99, 1, 40, 250][:n]
+    return [[rng.randrange(VOCAB) for _ in range(L)] for L in lengths]
+
+
+@pytest.fixture(scope="module")
+def alone(model) -> list[list[int]]:
+    """Each prompt's greedy output when it runs alone."""
+    outs = []
+    for i, p in enumerate(prompts_mixed()):
+        run = Run(model)
+        run.add(f"r{i}", p, GREEDY8)
+        run.run_until_idle()
+        outs.append(run.tokens(f"r{i}"))
+    return outs
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 3, 16])
+@pytest.mark.parametrize("budget", [1, 7, 64, 4096])
+def test_batched_outputs_equal_each_prompt_alone(model, alone, budget, max_num_seqs):
+    """Requests arrive while others decode; chunking, packing and batch composition change nothing."""
+    run = Run(model, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
+    prompts = prompts_mixed()
+    for i, p in enumerate(prompts[:8]):
+        run.add(f"r{i}", p, GREEDY8)
+    run.tick(40)
+    for i, p in enumerate(prompts[8:], start=8):
+        run.add(f"r{i}", p, GREEDY8)
+        run.tick(3)
+    run.run_until_idle()
+    for i in range(len(prompts)):
+        assert run.terminal(f"r{i}").finish_reason == "length"
+        assert run.tokens(f"r{i}") == alone[i], f"request {i} (prompt {len(prompts[i])} tokens)"
+    assert run.sched.load.kv_pages_used == 0 and run.sched.load.running == 0
+
+
+def test_unified_step_is_one_forward_over_decode_rows_and_chunks(model):
+    run = Run(model, max_num_batched_tokens=16)
+    calls = []
+    execute = run.sched.backend.execute
+    run.sched.backend.execute = lambda items: (
+        calls.append([len(i.token_ids) for i in items]) or execute(items)
+    )
+    run.add("a", [1, 2, 3], GREEDY8)
+    run.tick()  # prefill a
+    run.add("b", list(range(40)), GREEDY8)
+    run.tick()  # a decodes while b's first chunk prefills: one call, decode row first
+    assert calls[-1] == [1, 15]
+
+
+def test_seeded_sampling_is_independent_of_batch_companions(model):
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=12, ignore_eos=True)
+    alone_run = Run(model)
+    alone_run.add("s", [5, 6, 7, 8], params)
+    alone_run.run_until_idle()
+    busy = Run(model, max_num_batched_tokens=9)
+    busy.add("x", list(range(30)), SamplingParams(temperature=0.7, max_tokens=20, ignore_eos=True))
+    busy.add("g", [9, 9, 9], GREEDY8)
+    busy.tick(2)
+    busy.add("s", [5, 6, 7, 8], params)
+    busy.add(
+        "y", list(range(50, 70)), SamplingParams(temperature=1.3, seed=99, max_tokens=5, ignore_eos=True)
+    )
+    busy.run_until_idle()
+    assert busy.tokens("s") == alone_run.tokens("s")
+    other = Run(model)
+    other.add(
+        "s",
+        [5, 6, 7, 8],
+        SamplingParams(temperature=1.0, top_p=0.9, seed=4321, max_tokens=12, ignore_eos=True),
+    )
+    other.run_until_idle()
+    assert other.tokens("s") != alone_run.tokens("s")
+
+
+def test_eos_stop_ids_min_tokens_and_max_tokens(model):
+    run = Run(model, eos=(7,))
+    probe = Run(model)
+    probe.add("p", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    probe.run_until_idle()
+    greedy = probe.tokens("p")
+    # make the 3rd greedy token an EOS id: the request stops there (the EOS id is the last token)
+    run = Run(model, eos=(greedy[2],))
+    run.add("eos", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=6))
+    run.add("ignore", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    run.add(
+        "stop_id",
+        [1, 2, 3],
+        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, stop_token_ids=[greedy[1]]),
+    )
+    run.run_until_idle()
+    assert run.tokens("eos") == greedy[:3] and run.terminal("eos").finish_reason == "stop"
+    assert run.tokens("ignore") == greedy and run.terminal("ignore").finish_reason == "length"
+    end = run.terminal("stop_id")
+    assert run.tokens("stop_id") == greedy[:2] and (end.finish_reason, end.stop_reason) == ("stop", greedy[1])
+    # min_tokens suppresses the stop id until enough tokens exist
+    mt = Run(model, eos=(greedy[0],))
+    mt.add("m", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=6, min_tokens=3))
+    mt.run_until_idle()
+    toks = mt.tokens("m")
+    assert len(toks) >= 3 and greedy[0] not in toks[:3]
+
+
+def test_disconnect_while_queued_prefilling_and_decoding_frees_pages_and_slot_same_tick(model):
+    run = Run(model, max_num_seqs=2, max_num_batched_tokens=8)
+    run.add("decoding", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))
+    run.add("prefilling", list(range(100)), SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))
+    run.add("queued", list(range(10)), SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))
+    run.tick(3)
+    phases = {rid: run.sched.by_id[rid].phase for rid in ("decoding", "prefilling", "queued")}
+    assert phases == {"decoding": Phase.RUNNING, "prefilling": Phase.PREFILLING, "queued": Phase.WAITING}
+    for rid in ("decoding", "prefilling", "queued"):
+        run.abort(rid)
+    run.tick()
+    assert run.sched.load.kv_pages_used == 0
+    assert (
+        run.sched.load.state_slots_free == 2 and run.sched.load.running == 0 and run.sched.load.waiting == 0
+    )
+    for rid in ("decoding", "prefilling", "queued"):
+        assert run.terminal(rid).finish_reason == "abort"
+
+
+def test_disconnect_during_inflight_async_prefill_drains_it_then_frees_in_the_same_tick(model):
+    run = Run(model, max_num_batched_tokens=16, prefill_overlap=True)
+    run.add("dec", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))
+    run.tick()
+    run.add("long", list(range(60)), SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))
+    run.tick()  # launches long's first chunk asynchronously while "dec" decodes
+    inflight = run.sched.inflight
+    assert inflight is not None and [r.request_id for r in inflight.requests] == ["long"]
+    req = run.sched.by_id["long"]
+    assert req.phase is Phase.INFLIGHT and req not in run.sched.prefilling and req not in run.sched.running
+    run.abort("long")
+    run.tick()
+    assert run.sched.inflight is None
+    assert "long" not in run.sched.by_id and run.terminal("long").finish_reason == "abort"
+    assert run.sched.load.running == 1  # only "dec"; long's pages and slot are free
+    assert run.sched.load.kv_pages_used == run.sched.cache.kv.pages_for(run.sched.by_id["dec"].num_computed)
+
+
+def test_overlap_path_gives_the_same_tokens(model, alone):
+    run = Run(model, max_num_batched_tokens=32, prefill_overlap=True)
+    prompts = prompts_mixed()
+    for i, p in enumerate(prompts):
+        run.add(f"r{i}", p, GREEDY8)
+        run.tick()
+    run.run_until_idle()
+    for i in range(len(prompts)):
+        assert run.tokens(f"r{i}") == alone[i]
+
+
+def test_shutdown_gives_every_owned_request_exactly_one_terminal(model):
+    from deltaserve.engine.protocol import Shutdown
+
+    run = Run(model, max_num_seqs=3, max_num_batched_tokens=8, prefill_overlap=True)
+    for i in range(6):
+        run.add(
+            f"r{i}",
+            list(range(1, 3 + 20 * i)),
+            SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True),
+        )
+    run.tick(4)
+    phases = {r.phase for r in run.sched.by_id.values()}
+    assert {Phase.WAITING, Phase.RUNNING} <= phases
+    run.add("late", [1, 2, 3])  # still in the inbox when the shutdown is drained
+    run.sched.submit(Shutdown("test shutdown"))
+    run.add("after", [1, 2, 3])
+    run.tick()
+    for rid in [f"r{i}" for i in range(6)] + ["late", "after"]:
+        end = run.terminal(rid)
+        assert end.finish_reason == "error" and "test shutdown" in end.error
+    assert run.loads[-1].running == 0 and run.loads[-1].kv_pages_used == 0
+    assert run.sched.cache.kv.num_used == 0 and run.sched.cache.states.num_free == 3
+
+
+def test_fatal_error_fans_out_one_error_per_request_and_zero_load(model):
+    run = Run(model)
+    for i in range(4):
+        run.add(
+            f"r{i}", list(range(1, 10 + i)), SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+        )
+    run.tick(2)
+
+    def broken(items):
+        raise RuntimeError("device lost")
+
+    run.sched.backend.execute = broken
+    with pytest.raises(RuntimeError, match="device lost"):
+        run.sched.run()
+    for i in range(4):
+        end = run.terminal(f"r{i}")
+        assert end.finish_reason == "error" and "device lost" in end.error
+    assert run.loads[-1].running == 0 and run.loads[-1].kv_pages_used == 0
+
+
+def test_kv_pressure_every_request_finishes_or_is_rejected_and_outputs_match(model):
+    """64 requests with large max_tokens on a pool far too small for all at once: recompute preemption
+    lets each finish with the same tokens as an unpressured run; impossible ones are rejected."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randrange(1, 24))] for _ in range(64)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=rng.randrange(20, 48), ignore_eos=True) for _ in prompts
+    ]
+    params[10] = SamplingParams(
+        temperature=0.0, max_tokens=600, ignore_eos=True
+    )  # can never fit: 128 pages x 4
+    free = Run(model, max_num_seqs=64, num_pages=4096)
+    tight = Run(model, max_num_seqs=32, num_pages=129, max_num_batched_tokens=64)
+    for run in (free, tight):
+        for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+            run.add(f"r{i}", p, sp)
+        run.run_until_idle()
+    assert tight.sched.num_preemptions > 0
+    for i in range(64):
+        end = tight.terminal(f"r{i}")
+        if i == 10:
+            assert end.finish_reason == "rejected" and "more than this instance holds (128)" in end.error
+            continue
+        assert end.finish_reason == "length", end
+        assert tight.tokens(f"r{i}") == free.tokens(f"r{i}"), f"request {i}"
+    assert tight.sched.cache.kv.num_used == 0
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "field", "message"),
+    [
+        ([], SamplingParams(max_tokens=4), "prompt", "at least one token"),
+        (
+            list(range(100)),
+            SamplingParams(max_tokens=2000),
+            "max_tokens",
+            "exceeds the context window of 2048",
+        ),
+        ([1, 2], SamplingParams(temperature=-1.0), "temperature", "got -1.0"),
+        ([1, 2], SamplingParams(temperature=float("nan")), "temperature", "got nan"),
+        ([1, 2], SamplingParams(top_p=0.0), "top_p", "in (0, 1], got 0.0"),
+        ([1, 2], SamplingParams(top_p=1.5), "top_p", "got 1.5"),
+        ([1, VOCAB + 3], SamplingParams(max_tokens=4), "prompt", f"in [0, {VOCAB}), got {VOCAB + 3}"),
+        ([1, 2], SamplingParams(stop_token_ids=[VOCAB]), "stop_token_ids", str(VOCAB)),
+    ],
+)
+def test_bad_input_is_rejected_naming_the_field_and_others_are_served(model, prompt, params, field, message):
+    run = Run(model)
+    run.add("good1", [1, 2, 3], GREEDY8)
+    run.add("bad", prompt, params)
+    run.add("good2", [4, 5, 6], GREEDY8)
+    run.run_until_idle()
+    end = run.terminal("bad")
+    assert end.finish_reason == "rejected" and end.error_field == field and message in end.error
+    ref = Run(model)
+    ref.add("good1", [1, 2, 3], GREEDY8)
+    ref.add("good2", [4, 5, 6], GREEDY8)
+    ref.run_until_idle()
+    assert run.tokens("good1") == ref.tokens("good1") and run.tokens("good2") == ref.tokens("good2")
+
+
+def test_unsupported_contracts_are_rejected_fail_closed(model):
+    from deltaserve.engine.protocol import AddRequest
+
+    run = Run(model)
+    run.sched.submit(AddRequest("echo", [1, 2], GREEDY8, echo=True))
+    run.add("n2", [1, 2], SamplingParams(n=2))
+    run.add("plp", [1, 2], SamplingParams(prompt_logprobs=1))
+    run.run_until_idle()
+    assert "echo=true is not supported" in run.terminal("echo").error
+    assert run.terminal("n2").error_field == "n" and run.terminal("plp").error_field == "prompt_logprobs"
+
+
+def test_auto_policy_runs_decode_only_ticks_near_a_finish(model):
+    run = Run(model, policy="auto", max_num_batched_tokens=64)
+    calls = []
+    execute = run.sched.backend.execute
+    run.sched.backend.execute = lambda items: (
+        calls.append([len(i.token_ids) for i in items]) or execute(items)
+    )
+    run.add("short", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    run.tick()  # prefill "short": 1 token out, 2 left (<= 4: within the finish window)
+    run.add("long", list(range(100)), GREEDY8)
+    run.tick()
+    assert calls[-1] == [1]  # decode only: the finishing request is not stalled by a prefill
+    run.run_until_idle()
+    assert run.terminal("long").finish_reason == "length"
+
+
+def test_itl_telemetry_is_free_when_off_and_one_line_per_step_when_on(model, monkeypatch, caplog):
+    import deltaserve.engine.scheduler.steps as steps
+
+    clock_reads = []
+    real = steps.time.monotonic
+    monkeypatch.setattr(steps.time, "monotonic", lambda: clock_reads.append(1) or real())
+    monkeypatch.setattr(telemetry, "ITL_DEBUG", False)
+    run = Run(model)
+    run.add("a", [1, 2, 3], GREEDY8)
+    run.tick()  # prefill: first-token timestamp is the step's own clock read
+    clock_reads.clear()
+    run.tick(3)  # pure decode steps
+    assert clock_reads == []
+    monkeypatch.setattr(telemetry, "ITL_DEBUG", True)
+    with caplog.at_level("INFO", logger="deltaserve.itl"):
+        run.tick(2)
+    lines = [r.getMessage() for r in caplog.records if "ITL_STEP" in r.getMessage()]
+    assert len(lines) == 2 and "kind=decode" in lines[0] and "decode_rows=1" in lines[0]
+
+
+def test_invalid_policy_combinations_are_refused_before_the_model_loads(tmp_path):
+    from deltaserve.config import EngineConfig
+    from deltaserve.engine.core import EngineCore
+    from deltaserve.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="cannot be combined with --prefill-overlap"):
+        EngineCore(
+            EngineConfig(
+                model=str(tmp_path / "does-not-exist"), scheduler_policy="auto", prefill_overlap=True
+            )
+        )
+    with pytest.raises(ConfigError, match="--scheduler-policy must be one of"):
+        EngineCore(EngineConfig(model=str(tmp_path / "does-not-exist"), scheduler_policy="sjf"))
