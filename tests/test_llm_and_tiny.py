@@ -1,0 +1,116 @@
+"""The embedded default checkpoint (make-tiny) and the offline LLM API, end to end on CPU."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from deltaserve import LLM, SamplingParams
+from deltaserve.errors import RequestValidationError
+from deltaserve.tiny import default_model_dir, make_tiny
+
+
+@pytest.fixture(scope="module")
+def tiny_dir() -> Path:
+    return default_model_dir()
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dir: Path):
+    with LLM(str(tiny_dir), dtype="float32", device="cpu", max_num_seqs=8, max_model_len=4096) as engine:
+        yield engine
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_make_tiny_writes_the_official_layout_deterministically(tmp_path, tiny_dir):
+    out = make_tiny(tmp_path / "again", "tiny", 0)
+    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert digest(out / name) == digest(tiny_dir / name), name
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "qwen3_5" and config["text_config"]["model_type"] == "qwen3_5_text"
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == [248046, 248044]
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+        assert any(n.startswith("mtp.") for n in names)
+        assert all(n.startswith(("model.language_model.", "mtp.")) for n in names)
+        norm = f.get_tensor("model.language_model.layers.0.input_layernorm.weight")
+        assert norm.float().std() > 0.05  # norm weights are randomised too
+    other = make_tiny(tmp_path / "seed1", "tiny", 1)
+    assert digest(other / "model.safetensors") != digest(out / "model.safetensors")
+
+
+def test_tiny_moe_preset_loads_and_matches_hf(tmp_path):
+    """HF reads our official-layout MoE checkpoint (fused experts, mtp tensors) to the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    from deltaserve.engine.core import EngineCore
+
+    out = make_tiny(tmp_path / "moe", "tiny-moe", 3)
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    prompt = [9419, 11, 821, 803, 369, 17]
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([prompt])).logits[0, -1, :248077].log_softmax(-1)
+    from deltaserve.config import EngineConfig
+
+    core = EngineCore(EngineConfig(model=str(out), dtype="float32", device="cpu", max_num_seqs=2, max_model_len=256))
+    seq = core.backend.cache.open()
+    from deltaserve.engine.backend import StepItem
+
+    ours = core.backend.forward([StepItem(seq, prompt)], all_logits=True)[0].log_softmax(-1)
+    assert ours.shape == ref.shape == (248077,)  # logits only over the tokenizer's id space
+    assert (ours - ref).abs().max() < 1e-3
+
+
+def test_generate_returns_one_output_per_prompt_in_order(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outs = llm.generate(["Hello, my name is", {"prompt_token_ids": [1, 2, 3]}, "The capital of France"], params)
+    assert [o.prompt for o in outs] == ["Hello, my name is", None, "The capital of France"]
+    assert outs[0].prompt_token_ids == llm.tokenizer.encode("Hello, my name is")
+    assert outs[1].prompt_token_ids == [1, 2, 3]
+    for out in outs:
+        completion = out.outputs[0]
+        assert len(completion.token_ids) == 6 and completion.finish_reason == "length"
+        assert completion.text == llm.tokenizer.decode(completion.token_ids)
+        assert all(t < llm.tokenizer.vocab_size for t in completion.token_ids)
+    # batching changes nothing: the same prompt alone gives the same tokens
+    alone = llm.generate(["The capital of France"], params)[0]
+    assert alone.outputs[0].token_ids == outs[2].outputs[0].token_ids
+
+
+def test_stop_strings_cut_the_text_and_end_the_request(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    full = llm.generate(["Once upon a time"], params)[0].outputs[0]
+    # a stop string made of the middle of the greedy text, spanning a token boundary
+    stop = full.text[len(full.text) // 3 : len(full.text) // 3 + 3]
+    cut = llm.generate(["Once upon a time"], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop=[stop]))
+    completion = cut[0].outputs[0]
+    assert completion.finish_reason == "stop" and completion.stop_reason == stop
+    assert completion.text == full.text[: full.text.index(stop)]
+
+
+def test_invalid_parameters_raise_before_anything_runs(llm):
+    with pytest.raises(RequestValidationError, match="temperature"):
+        llm.generate(["hi"], SamplingParams(temperature=-0.5))
+    with pytest.raises(RequestValidationError, match="prompt_token_ids"):
+        llm.generate([{"prompt_token_ids": "abc"}])
+
+
+def test_cli_generate_runs_on_the_embedded_default():
+    result = subprocess.run(
+        [sys.executable, "-m", "deltaserve.cli", "generate", "--device", "cpu", "--max-tokens", "4", "Hello"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "weights are RANDOM" in result.stderr and "[4 tokens, finish_reason=length]" in result.stderr
