@@ -3,13 +3,16 @@
 Per value head h (key head h // (HV / HK)), state S in R^{dk x dv}, all in fp32:
     q, k <- l2norm(q), l2norm(k);  q <- q * dk^-0.5
     S <- exp(g_t) S;  u = beta_t (v_t - S^T k_t);  S <- S + k_t u^T;  o_t = S^T q_t
-A sequence with context 0 starts from S = 0; otherwise from its slot. The final S is written back to the
+with the gating g = -exp(A_log) * softplus(a + dt_bias) in fp32 and beta = sigmoid(b) in the
+activation dtype (as HF rounds it). A sequence with context 0 starts from S = 0 (its slot's old
+contents, possibly stale, are never read); otherwise from its slot. The final S is written back to the
 slot (cast to the pool's dtype).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from deltaserve.model.batch import ForwardBatch
 
@@ -18,17 +21,28 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
+def gdn_gating(
+    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g, beta): log-decay in fp32, and beta = sigmoid(b) rounded to b's dtype."""
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return g, b.sigmoid()
+
+
 def gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
     ssm_state: torch.Tensor,
     batch: ForwardBatch,
 ) -> torch.Tensor:
-    """q, k: [T, HK, dk]; v: [T, HV, dv]; g, beta: [T, HV]; ssm_state: [slots, HV, dk, dv].
-    Returns o: [T, HV, dv] in v's dtype."""
+    """q, k: [T, HK, dk]; v: [T, HV, dv]; a, b: [T, HV] (decay and beta inputs); A_log, dt_bias: [HV];
+    ssm_state: [slots, HV, dk, dv]. Returns o: [T, HV, dv] in v's dtype."""
+    g, beta = gdn_gating(a, b, A_log, dt_bias)
     num_v_heads = v.shape[1]
     group = num_v_heads // q.shape[1]
     qf = l2norm(q.float().repeat_interleave(group, dim=1))

@@ -13,8 +13,8 @@ from torch import nn
 from deltaserve.config import ModelConfig
 from deltaserve.model.batch import ForwardBatch
 from deltaserve.model.layers.params import WeightRequirement, new_param, single, stacked
+from deltaserve.ops import gated_delta_rule
 from deltaserve.ops.conv1d import causal_conv1d
-from deltaserve.ops.gdn import gated_delta_rule
 from deltaserve.ops.norm import gated_rms_norm
 
 
@@ -69,14 +69,14 @@ class GatedDeltaNet(nn.Module):
         )
         mixed = causal_conv1d(mixed, self.conv1d, conv_state, batch)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        beta = b.sigmoid()
-        g = -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)
         out = gated_delta_rule(
             q.view(tokens, self.num_k_heads, self.head_k_dim),
             k.view(tokens, self.num_k_heads, self.head_k_dim),
             v.view(tokens, self.num_v_heads, self.head_v_dim),
-            g,
-            beta,
+            a,
+            b,
+            self.A_log,
+            self.dt_bias,
             ssm_state,
             batch,
         )

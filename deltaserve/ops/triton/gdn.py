@@ -1,0 +1,198 @@
+"""Gated delta rule on the GPU.
+
+Decode rows (one token each, state from the slot pool): a Triton kernel that fuses the gating
+(g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b) rounded to the activation dtype), the q/k
+L2 norms, the state update and the readout, reading and writing each row's SSM state IN PLACE at its
+slot. Its grid depends only on tensor shapes, so it is CUDA-graph capturable.
+
+Prefill chunks: fla's chunked kernel over the varlen batch (cu_seqlens), initial states gathered from
+the slots (zero where the sequence has no context: a stale slot is never read), final states scattered
+back. Same math as deltaserve/ops/gdn.py, which is the oracle.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deltaserve.model.batch import ForwardBatch
+
+
+@triton.jit
+def _gdn_decode_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    a_ptr,
+    b_ptr,
+    a_log_ptr,
+    dt_bias_ptr,
+    state_ptr,
+    slots_ptr,
+    out_ptr,
+    stride_qk_row,
+    stride_v_row,
+    stride_ab_row,
+    stride_state_slot,
+    scale,
+    HK: tl.constexpr,
+    HV: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BV: tl.constexpr,
+):
+    row = tl.program_id(0)
+    hv = tl.program_id(1)
+    vb = tl.program_id(2)
+    hk = hv // (HV // HK)
+    offs_k = tl.arange(0, DK)
+    offs_v = vb * BV + tl.arange(0, BV)
+    row64 = row.to(tl.int64)
+
+    q = tl.load(q_ptr + row64 * stride_qk_row + hk * DK + offs_k).to(tl.float32)
+    k = tl.load(k_ptr + row64 * stride_qk_row + hk * DK + offs_k).to(tl.float32)
+    v = tl.load(v_ptr + row64 * stride_v_row + hv * DV + offs_v).to(tl.float32)
+    q = q / tl.sqrt(tl.sum(q * q) + 1e-6) * scale
+    k = k / tl.sqrt(tl.sum(k * k) + 1e-6)
+
+    a = tl.load(a_ptr + row64 * stride_ab_row + hv).to(tl.float32)
+    b_raw = tl.load(b_ptr + row64 * stride_ab_row + hv)
+    beta = tl.sigmoid(b_raw.to(tl.float32)).to(b_raw.dtype).to(tl.float32)
+    x = a + tl.load(dt_bias_ptr + hv).to(tl.float32)
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
+    decay = tl.exp(-tl.exp(tl.load(a_log_ptr + hv).to(tl.float32)) * softplus)
+
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    s_ptrs = state_ptr + slot * stride_state_slot + hv * DK * DV + offs_k[:, None] * DV + offs_v[None, :]
+    s = tl.load(s_ptrs).to(tl.float32) * decay
+    kv_mem = tl.sum(s * k[:, None], axis=0)
+    delta = (v - kv_mem) * beta
+    s = s + k[:, None] * delta[None, :]
+    o = tl.sum(s * q[:, None], axis=0)
+    tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty))
+    tl.store(out_ptr + row64 * HV * DV + hv * DV + offs_v, o.to(out_ptr.dtype.element_ty))
+
+
+def gdn_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    ssm_state: torch.Tensor,
+    slots: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """One token per row. q, k: [N, HK, DK] and v: [N, HV, DV] (rows may be strided views); a, b: [N, HV];
+    ssm_state: [slots, HV, DK, DV] updated in place at `slots` [N]; writes out [N, HV, DV]."""
+    n, hk, dk = q.shape
+    hv, dv = v.shape[1:]
+    if n == 0:
+        return
+    assert q.stride(1) == dk and q.stride(2) == 1 and k.stride() == q.stride()
+    assert v.stride(1) == dv and v.stride(2) == 1 and a.stride(1) == 1 and b.stride() == a.stride()
+    assert ssm_state.is_contiguous() and out.is_contiguous()
+    block_v = min(dv, 32)
+    _gdn_decode_kernel[(n, hv, triton.cdiv(dv, block_v))](
+        q,
+        k,
+        v,
+        a,
+        b,
+        A_log,
+        dt_bias,
+        ssm_state,
+        slots,
+        out,
+        q.stride(0),
+        v.stride(0),
+        a.stride(0),
+        ssm_state.stride(0),
+        dk**-0.5,
+        HK=hk,
+        HV=hv,
+        DK=dk,
+        DV=dv,
+        BV=block_v,
+    )
+
+
+def gdn_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    ssm_state: torch.Tensor,
+    batch: ForwardBatch,
+    first: int,
+) -> torch.Tensor:
+    """Sequences first..B-1 of the batch (tokens from query_start_loc[first] on), any lengths, through
+    fla's chunked kernel. Returns o for those tokens."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    from deltaserve.ops.gdn import gdn_gating
+
+    host_lens = batch.query_lens_host[first:]
+    start = sum(batch.query_lens_host[:first])
+    cu_host = [0]
+    for n in host_lens:
+        cu_host.append(cu_host[-1] + n)
+    cu_cpu = torch.tensor(cu_host, dtype=torch.int64)
+    cu = cu_cpu.to(q.device, non_blocking=True)
+    slots = batch.state_slots[first:]
+    has_context = (batch.context_lens[first:] > 0)[:, None, None, None]
+    initial = torch.where(has_context, ssm_state[slots].float(), 0.0)
+    g, beta = gdn_gating(a[start:], b[start:], A_log, dt_bias)
+    out, final = chunk_gated_delta_rule(
+        q[start:].unsqueeze(0),
+        k[start:].unsqueeze(0),
+        v[start:].unsqueeze(0),
+        g.unsqueeze(0),
+        beta.unsqueeze(0),
+        initial_state=initial,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+        cu_seqlens=cu,
+        cu_seqlens_cpu=cu_cpu,
+    )
+    ssm_state[slots] = final.to(ssm_state.dtype)
+    return out[0]
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    ssm_state: torch.Tensor,
+    batch: ForwardBatch,
+) -> torch.Tensor:
+    """The GPU path of deltaserve.ops.gdn.gated_delta_rule (same signature and semantics)."""
+    tokens = q.shape[0]
+    out = torch.empty(tokens, v.shape[1], v.shape[2], dtype=v.dtype, device=v.device)
+    nd = batch.num_decodes
+    if nd:
+        gdn_decode(
+            q[:nd],
+            k[:nd],
+            v[:nd],
+            a[:nd],
+            b[:nd],
+            A_log,
+            dt_bias,
+            ssm_state,
+            batch.state_slots[:nd],
+            out[:nd],
+        )
+    if nd < batch.num_seqs:
+        out[nd:] = gdn_prefill(q, k, v, a, b, A_log, dt_bias, ssm_state, batch, nd)
+    return out
