@@ -15,6 +15,7 @@ import torch
 
 from deltaserve.cache.manager import CacheManager, SequenceCache
 from deltaserve.engine.protocol import TokenLogprobs
+from deltaserve.engine.runner import CudaGraphRunner
 from deltaserve.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from deltaserve.model.batch import BatchRow, build_forward_batch
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
@@ -48,10 +49,17 @@ class PendingStep:
 
 
 class Backend:
-    def __init__(self, model: Qwen35ForCausalLM, cache: CacheManager, sampler: Sampler | None = None) -> None:
+    def __init__(
+        self,
+        model: Qwen35ForCausalLM,
+        cache: CacheManager,
+        sampler: Sampler | None = None,
+        graph_runner: CudaGraphRunner | None = None,
+    ) -> None:
         self.model = model
         self.cache = cache
         self.sampler = sampler or Sampler()
+        self.graph_runner = graph_runner
         self.device = model.device
 
     @torch.inference_mode()
@@ -64,11 +72,15 @@ class Backend:
             self.cache.reserve(seq, seq.num_computed + len(item.token_ids))
             need = all_logits or item.sampling is not None
             rows.append(BatchRow(item.token_ids, seq.num_computed, seq.pages, seq.slot, need))
-        batch = build_forward_batch(rows, self.cache.page_size, self.device)
-        hidden = self.model(batch, self.cache.kv, self.cache.states)
+        graphs = self.graph_runner
+        if graphs is not None and all(r.need_logits for r in rows) and graphs.can_run(rows):
+            logits = graphs.run(rows)
+        else:
+            batch = build_forward_batch(rows, self.cache.page_size, self.device)
+            logits = self.model.compute_logits(self.model(batch, self.cache.kv, self.cache.states))
         for item in items:
             self.cache.advance(item.seq, len(item.token_ids))
-        return self.model.compute_logits(hidden)
+        return logits
 
     @torch.inference_mode()
     def execute(self, items: Sequence[StepItem]) -> StepResult:

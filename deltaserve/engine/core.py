@@ -20,6 +20,7 @@ from deltaserve.cache.manager import build_cache
 from deltaserve.config import EngineConfig, ModelConfig
 from deltaserve.engine.backend import Backend
 from deltaserve.engine.protocol import ClientMessage, Shutdown, StepOutputs
+from deltaserve.engine.runner import CudaGraphRunner, WarmupReport, warm_up
 from deltaserve.engine.scheduler import Scheduler, SchedulerConfig, start_scheduler
 from deltaserve.errors import ConfigError
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
@@ -29,6 +30,7 @@ from deltaserve.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_GB = 0.25
+GRAPH_RESERVE_BYTES = 256 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +86,10 @@ class EngineCore:
             device,
             dtype,
         )
-        num_pages = self._plan_kv_pages(device, dtype)
+        warmup = None
+        if device.type == "cuda":
+            warmup = self._warm_up(dtype, device)
+        num_pages = self._plan_kv_pages(device, dtype, warmup)
         cache = build_cache(
             self.model_config,
             num_pages=num_pages,
@@ -93,9 +98,24 @@ class EngineCore:
             dtype=dtype,
             device=device,
         )
-        self.backend = Backend(self.model, cache)
         capacity_tokens = cache.kv.capacity * config.page_size
         max_model_len = self._resolve_max_model_len(capacity_tokens)
+        graphs = None
+        if device.type == "cuda" and not config.enforce_eager:
+            if self.model_config.is_moe:
+                logger.info(
+                    "CUDA graphs are off for MoE models until the fused MoE kernel lands (eager decode)"
+                )
+            else:
+                graphs = CudaGraphRunner(self.model, cache, config.max_num_seqs, max_model_len)
+                seconds = graphs.capture()
+                logger.info(
+                    "captured %d decode graphs (batch buckets up to %d) in %.1f s",
+                    len(graphs.buckets),
+                    config.max_num_seqs,
+                    seconds,
+                )
+        self.backend = Backend(self.model, cache, graph_runner=graphs)
         self.scheduler_config = SchedulerConfig(
             max_model_len=max_model_len,
             max_num_seqs=config.max_num_seqs,
@@ -118,8 +138,8 @@ class EngineCore:
             dtype=str(dtype).removeprefix("torch."),
         )
         logger.info(
-            "KV cache: %d pages x %d tokens = %d tokens (full-attention layers only: %d of %d layers); "
-            "state slots for %d sequences; max_model_len %d",
+            "KV cache: %d pages x %d tokens = %d tokens (only the %d full-attention layers of %d hold KV); "
+            "state slots for %d sequences; max_model_len %d; at most %d requests of max_model_len tokens at once",
             cache.kv.capacity,
             config.page_size,
             capacity_tokens,
@@ -127,30 +147,57 @@ class EngineCore:
             self.model_config.num_hidden_layers,
             config.max_num_seqs,
             max_model_len,
+            min(config.max_num_seqs, capacity_tokens // max_model_len),
         )
         self.scheduler: Scheduler | None = None
         self.thread: threading.Thread | None = None
 
-    def _plan_kv_pages(self, device: torch.device, dtype: torch.dtype) -> int:
+    def _warm_up(self, dtype: torch.dtype, device: torch.device) -> WarmupReport:
+        """Kernels compile and autotune at the real chunk shapes on a throwaway two-page KV pool."""
+        cfg = self.config
+        scratch = build_cache(
+            self.model_config,
+            num_pages=2,
+            page_size=cfg.page_size,
+            num_slots=cfg.max_num_seqs + 1,
+            dtype=dtype,
+            device=device,
+        )
+        report = warm_up(self.model, scratch, cfg.max_num_batched_tokens, cfg.max_num_seqs)
+        del scratch
+        torch.cuda.empty_cache()
+        logger.info(
+            "warm-up at the real chunk shapes: %.1f s, activation peak %.2f GiB",
+            report.seconds,
+            report.peak_activation_bytes / 2**30,
+        )
+        return report
+
+    def _plan_kv_pages(self, device: torch.device, dtype: torch.dtype, warmup: WarmupReport | None) -> int:
         cfg = self.config
         if cfg.num_kv_pages is not None:
             return cfg.num_kv_pages
         page_bytes = self.model_config.kv_bytes_per_token(dtype) * cfg.page_size
+        state_bytes = (cfg.max_num_seqs + 1) * self.model_config.state_bytes_per_sequence(dtype)
         if device.type == "cuda":
+            assert warmup is not None
             free, total = torch.cuda.mem_get_info(device)
-            states = (cfg.max_num_seqs + 1) * self.model_config.state_bytes_per_sequence(dtype)
-            # Activations of the largest step, a generous bound: hidden-sized tensors per batched token.
-            scratch = cfg.max_num_batched_tokens * self.model_config.hidden_size * 64 + (512 << 20)
-            budget = free - (1 - cfg.gpu_memory_utilization) * total - states - scratch
-            where = f"GPU free {free / 2**30:.1f} GiB of {total / 2**30:.1f} GiB, state slots {states / 2**30:.2f} GiB"
-            flag = "--gpu-memory-utilization or lower --max-num-seqs"
+            # The state pool is allocated after this; graph capture needs a little room of its own.
+            reserve = state_bytes + warmup.peak_activation_bytes + GRAPH_RESERVE_BYTES
+            budget = cfg.gpu_memory_utilization * total - (total - free) - reserve
+            where = (
+                f"GPU {total / 2**30:.1f} GiB x {cfg.gpu_memory_utilization} utilization, "
+                f"{(total - free) / 2**30:.1f} GiB in use (weights, context), state slots {state_bytes / 2**30:.2f} GiB, "
+                f"activations {warmup.peak_activation_bytes / 2**30:.2f} GiB"
+            )
+            flag = "raise --gpu-memory-utilization, or lower --max-num-seqs or --max-num-batched-tokens"
         else:
             budget = (cfg.kv_cache_memory_gb or CPU_DEFAULT_KV_GB) * 2**30
             where = f"--kv-cache-memory-gb {cfg.kv_cache_memory_gb or CPU_DEFAULT_KV_GB}"
-            flag = "--kv-cache-memory-gb"
+            flag = "raise --kv-cache-memory-gb"
         pages = int(budget // page_bytes) + 1  # + the reserved page
         if pages < 2:
-            raise ConfigError(f"no memory left for the KV cache ({where}); raise {flag}")
+            raise ConfigError(f"no memory left for the KV cache ({where}); {flag}")
         return pages
 
     def _resolve_max_model_len(self, capacity_tokens: int) -> int:

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -53,17 +54,31 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, Path, object]]:
-    """Yields (name, file, handle) for every tensor; `handle.get_tensor(name)` reads one tensor."""
+def iter_checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, str, Callable[[], torch.Tensor]]]:
+    """(name, file name, read) for every tensor of a checkpoint; read() loads that one tensor."""
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open handles are not mappings
-                yield name, path, f
+                yield name, path.name, partial(f.get_tensor, name)
 
 
 @torch.inference_mode()
 def load_weights(model: Qwen35ForCausalLM, model_dir: str | Path) -> None:
     model_dir = Path(model_dir)
+    load_tensors(model, iter_checkpoint_tensors(model_dir), str(model_dir))
+
+
+@torch.inference_mode()
+def load_state_dict(
+    model: Qwen35ForCausalLM, state: dict[str, torch.Tensor], source: str = "state dict"
+) -> None:
+    """Loads an in-memory HF state dict (e.g. a transformers model's), same rules as a checkpoint."""
+    load_tensors(model, ((name, source, partial(state.__getitem__, name)) for name in state), source)
+
+
+def load_tensors(
+    model: Qwen35ForCausalLM, tensors: Iterable[tuple[str, str, Callable[[], torch.Tensor]]], source: str
+) -> None:
     requirements = model.weight_requirements()
     by_name: dict[str, CheckpointTensor] = {}
     for req in requirements:
@@ -73,7 +88,7 @@ def load_weights(model: Qwen35ForCausalLM, model_dir: str | Path) -> None:
     loaded: set[str] = set()
     unexpected: list[str] = []
     tied = model.config.tie_word_embeddings
-    for name, path, handle in iter_checkpoint(model_dir):
+    for name, where, read in tensors:
         canonical = canonical_name(name)
         if canonical is None or (tied and canonical == "lm_head.weight"):
             continue
@@ -81,11 +96,10 @@ def load_weights(model: Qwen35ForCausalLM, model_dir: str | Path) -> None:
         if spec is None:
             unexpected.append(name)
             continue
-        tensor = handle.get_tensor(name)
+        tensor = read()
         if tuple(tensor.shape) != tuple(spec.target.shape):
             raise ConfigError(
-                f"{path.name}: tensor {name} has shape {list(tensor.shape)}, "
-                f"the config implies {list(spec.target.shape)}"
+                f"{where}: tensor {name} has shape {list(tensor.shape)}, the config implies {list(spec.target.shape)}"
             )
         spec.target.copy_(tensor)
         loaded.add(canonical)
@@ -93,7 +107,7 @@ def load_weights(model: Qwen35ForCausalLM, model_dir: str | Path) -> None:
         shown = ", ".join(unexpected[:5]) + (
             f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""
         )
-        raise ConfigError(f"{model_dir}: checkpoint tensors the Qwen3.5 model does not have: {shown}")
+        raise ConfigError(f"{source}: checkpoint tensors the Qwen3.5 model does not have: {shown}")
     missing: list[str] = []
     for req in requirements:
         if any(all(t.name in loaded for t in alt) for alt in req.alternatives):
@@ -103,7 +117,7 @@ def load_weights(model: Qwen35ForCausalLM, model_dir: str | Path) -> None:
         missing += [t.name for t in best if t.name not in loaded]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise ConfigError(f"{model_dir}: checkpoint is missing tensors: {shown}")
+        raise ConfigError(f"{source}: checkpoint is missing tensors: {shown}")
 
 
 @torch.inference_mode()

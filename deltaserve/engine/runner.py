@@ -1,0 +1,188 @@
+"""GPU-only execution support: start-up warm-up, memory planning, and CUDA-graph decode.
+
+Start-up order (EngineCore): weights -> state slots -> warm-up forwards at the real chunk shapes (every
+Triton kernel compiles and autotunes here, never on a user request; the activation peak is measured)
+-> KV pages from what is left under --gpu-memory-utilization -> decode graphs captured at batch
+buckets up to --max-num-seqs.
+
+Decode graphs: one graph per bucket over static input buffers. Padding rows (bucket > live rows) point
+at the reserved KV page 0 and the reserved state slot 0, so they never touch a live sequence.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from deltaserve.cache.manager import CacheManager
+from deltaserve.model.batch import BatchRow, ForwardBatch, build_forward_batch
+from deltaserve.model.qwen35 import Qwen35ForCausalLM
+
+logger = logging.getLogger(__name__)
+
+DUMMY_SLOT = 0  # reserved in the state pool
+DUMMY_PAGE = 0  # reserved in the KV pool
+
+
+def graph_buckets(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then multiples of 8 (16 past 128, 32 past 256) up to max_num_seqs (always included)."""
+    buckets = [b for b in (1, 2, 4) if b < max_num_seqs]
+    b = 8
+    while b < max_num_seqs:
+        buckets.append(b)
+        b += 8 if b < 128 else 16 if b < 256 else 32
+    buckets.append(max_num_seqs)
+    return buckets
+
+
+def dummy_rows(num_seqs: int, tokens_each: int, page_size: int, *, context: int = 0) -> list[BatchRow]:
+    """Rows that write only the reserved page and slot: for warm-up and graph capture."""
+    pages = [DUMMY_PAGE] * -(-(context + tokens_each) // page_size)
+    return [BatchRow([0] * tokens_each, context, pages, DUMMY_SLOT) for _ in range(num_seqs)]
+
+
+@dataclass(slots=True)
+class WarmupReport:
+    peak_activation_bytes: int
+    seconds: float
+
+
+@torch.inference_mode()
+def warm_up(
+    model: Qwen35ForCausalLM, cache: CacheManager, max_batched_tokens: int, max_num_seqs: int
+) -> WarmupReport:
+    """Runs prefill and decode forwards at the shapes serving will use, on the reserved page and slot,
+    and measures the activation peak above the resident weights and caches."""
+    device = model.device
+    torch.cuda.synchronize(device)
+    started = time.monotonic()
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    page = cache.page_size
+    shapes = [(1, max_batched_tokens), (1, 64), (1, 17), (4, max(1, min(64, max_batched_tokens // 4)))]
+    for seqs, tokens in shapes:
+        batch = build_forward_batch(dummy_rows(seqs, tokens, page), page, device)
+        model.compute_logits(model(batch, cache.kv, cache.states))
+    for seqs in sorted({1, min(8, max_num_seqs), max_num_seqs}):
+        batch = build_forward_batch(dummy_rows(seqs, 1, page, context=page + 1), page, device)
+        model.compute_logits(model(batch, cache.kv, cache.states))
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    return WarmupReport(peak_activation_bytes=peak, seconds=time.monotonic() - started)
+
+
+class CudaGraphRunner:
+    """Replays captured decode forwards. `run(rows)` takes pure-decode rows (one token each, context >
+    0) and returns float32 logits [len(rows), vocab]; the caller advances the caches as usual."""
+
+    def __init__(
+        self, model: Qwen35ForCausalLM, cache: CacheManager, max_num_seqs: int, max_model_len: int
+    ) -> None:
+        self.model = model
+        self.cache = cache
+        self.device = model.device
+        self.buckets = graph_buckets(max_num_seqs)
+        self.max_rows = self.buckets[-1]
+        self.max_pages = -(-max_model_len // cache.page_size)
+        if cache.states.capacity < max_num_seqs:
+            raise ValueError(
+                f"the state pool holds {cache.states.capacity} slots, fewer than the largest decode graph "
+                f"bucket ({max_num_seqs}); every captured row needs its own slot"
+            )
+        n, dev = self.max_rows, self.device
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self.context_lens = torch.zeros(n, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
+        self.block_tables = torch.zeros(n, self.max_pages, dtype=torch.int32, device=dev)
+        self.slot_mapping = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.state_slots = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.logits_indices = torch.arange(n, dtype=torch.int64, device=dev)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+
+    def _batch(self, rows: int) -> ForwardBatch:
+        return ForwardBatch(
+            input_ids=self.input_ids[:rows],
+            positions=self.positions[:rows],
+            query_start_loc=self.query_start_loc[: rows + 1],
+            context_lens=self.context_lens[:rows],
+            seq_lens=self.seq_lens[:rows],
+            block_tables=self.block_tables[:rows],
+            slot_mapping=self.slot_mapping[:rows],
+            state_slots=self.state_slots[:rows],
+            logits_indices=self.logits_indices[:rows],
+            num_decodes=rows,
+            query_lens_host=(1,) * rows,
+            context_lens_host=(1,) * rows,  # never read on the GPU decode path
+        )
+
+    def _reset_padding(self) -> None:
+        self.input_ids.zero_()
+        self.positions.zero_()
+        self.context_lens.fill_(1)
+        self.seq_lens.fill_(1)
+        self.block_tables.fill_(DUMMY_PAGE)
+        self.slot_mapping.fill_(DUMMY_PAGE * self.cache.page_size)
+        self.state_slots.fill_(DUMMY_SLOT)
+
+    @torch.inference_mode()
+    def capture(self) -> float:
+        started = time.monotonic()
+        self._reset_padding()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for rows in reversed(self.buckets):  # largest first: later graphs reuse its pool memory
+                batch = self._batch(rows)
+                for _ in range(2):  # compile/warm every kernel at this shape outside the capture
+                    self.model.compute_logits(self.model(batch, self.cache.kv, self.cache.states))
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                    logits = self.model.compute_logits(self.model(batch, self.cache.kv, self.cache.states))
+                if self.pool is None:
+                    self.pool = graph.pool()
+                self.graphs[rows] = (graph, logits)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        return time.monotonic() - started
+
+    def can_run(self, rows: Sequence[BatchRow]) -> bool:
+        return 0 < len(rows) <= self.max_rows and all(
+            len(r.token_ids) == 1 and r.context_len > 0 for r in rows
+        )
+
+    @torch.inference_mode()
+    def run(self, rows: Sequence[BatchRow]) -> torch.Tensor:
+        n = len(rows)
+        bucket = next(b for b in self.buckets if b >= n)
+        page = self.cache.page_size
+        pad = bucket - n
+        ctx = [r.context_len for r in rows] + [1] * pad
+        ids = [r.token_ids[0] for r in rows] + [0] * pad
+        slots = [r.state_slot for r in rows] + [DUMMY_SLOT] * pad
+        mapping = [r.pages[r.context_len // page] * page + r.context_len % page for r in rows]
+        mapping += [DUMMY_PAGE * page] * pad
+        width = max(len(r.pages) for r in rows)
+        # Columns past `width` keep stale page ids: attention never reads past a row's seq_len.
+        table = [list(r.pages) + [DUMMY_PAGE] * (width - len(r.pages)) for r in rows] + [
+            [DUMMY_PAGE] * width
+        ] * pad
+        longs = torch.tensor([ids, ctx, slots, mapping], dtype=torch.int64).pin_memory()
+        ints = torch.tensor([ctx, [c + 1 for c in ctx]], dtype=torch.int32).pin_memory()
+        pages = torch.tensor(table, dtype=torch.int32).pin_memory()
+        self.input_ids[:bucket].copy_(longs[0], non_blocking=True)
+        self.positions[:bucket].copy_(longs[1], non_blocking=True)
+        self.state_slots[:bucket].copy_(longs[2], non_blocking=True)
+        self.slot_mapping[:bucket].copy_(longs[3], non_blocking=True)
+        self.context_lens[:bucket].copy_(ints[0], non_blocking=True)
+        self.seq_lens[:bucket].copy_(ints[1], non_blocking=True)
+        self.block_tables[:bucket, :width].copy_(pages, non_blocking=True)
+        graph, logits = self.graphs[bucket]
+        graph.replay()
+        return logits[:n]
