@@ -88,8 +88,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 def _cmd_make_tiny(args: argparse.Namespace) -> int:
     from deltaserve.tiny import make_tiny
 
-    out = make_tiny(args.dir, args.preset, args.seed)
-    print(f"wrote a {args.preset} checkpoint with random weights to {out}")
+    out = make_tiny(args.dir, args.preset, args.seed, weights=not args.config_only)
+    what = "configs and tokenizer (serve with --load-format dummy)" if args.config_only else "random weights"
+    print(f"wrote a {args.preset} checkpoint ({what}) to {out}")
     return 0
 
 
@@ -138,6 +139,13 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
     return 0 if result.completed > 0 else 1
 
 
+def _cmd_bench_latency(args: argparse.Namespace) -> int:
+    from deltaserve.bench.latency import run_bench_latency
+
+    run_bench_latency(args, engine_config_from_args(args))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deltaserve", description="Serve Qwen3.5 hybrid models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -164,8 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     tiny = sub.add_parser("make-tiny", help="write a checkpoint with random weights and the real tokenizer")
     tiny.add_argument("dir")
-    tiny.add_argument("--preset", default="tiny", choices=["tiny", "tiny-moe", "0.8b-shape"])
+    from deltaserve.tiny import PRESETS
+
+    tiny.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--config-only", action="store_true", help="no weights: for --load-format dummy")
     tiny.set_defaults(func=_cmd_make_tiny)
 
     bench = sub.add_parser("bench", help="benchmarks")
@@ -175,6 +186,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_serve_arguments(bench_serve)
     bench_serve.set_defaults(func=_cmd_bench_serve)
+    bench_latency = bench_sub.add_parser("latency", help="in-process TTFT/TPOT through the engine (no HTTP)")
+    add_engine_arguments(bench_latency)
+    from deltaserve.bench.latency import add_bench_latency_arguments
+
+    add_bench_latency_arguments(bench_latency)
+    bench_latency.set_defaults(func=_cmd_bench_latency)
     return parser
 
 

@@ -84,6 +84,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False,
         "max_position_embeddings": 32768,
     },
+    # Real shapes (reference/qwen35-arch.md 1.2), for benchmarks with --load-format dummy.
     "0.8b-shape": {
         "model_type": "qwen3_5_text",
         "hidden_size": 1024,
@@ -97,6 +98,66 @@ PRESETS: dict[str, dict[str, Any]] = {
         "linear_value_head_dim": 128,
         "intermediate_size": 3584,
         "tie_word_embeddings": True,
+    },
+    "4b-shape": {
+        "model_type": "qwen3_5_text",
+        "hidden_size": 2560,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "intermediate_size": 9216,
+        "tie_word_embeddings": True,
+    },
+    "9b-shape": {
+        "model_type": "qwen3_5_text",
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "intermediate_size": 12288,
+        "tie_word_embeddings": False,
+    },
+    "27b-shape": {
+        "model_type": "qwen3_5_text",
+        "hidden_size": 5120,
+        "num_hidden_layers": 64,
+        "num_attention_heads": 24,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 48,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "intermediate_size": 17408,
+        "tie_word_embeddings": False,
+    },
+    "35b-a3b-shape": {
+        "model_type": "qwen3_5_moe_text",
+        "hidden_size": 2048,
+        "num_hidden_layers": 40,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "num_experts": 256,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+        "router_aux_loss_coef": 0.001,
+        "tie_word_embeddings": False,
     },
 }
 
@@ -163,12 +224,16 @@ def random_text_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def make_tiny(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
+def make_tiny(out_dir: str | Path, preset: str = "tiny", seed: int = 0, *, weights: bool = True) -> Path:
+    """Writes the checkpoint; without `weights` only the configs and tokenizer (serve it with
+    --load-format dummy: the real-shape presets are benchmarked that way)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = official_config(preset)
     model_cfg = ModelConfig.from_dict(config, eos_token_ids=tuple(EOS_TOKEN_IDS))
-    save_file(random_text_weights(model_cfg, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    if weights:
+        tensors = random_text_weights(model_cfg, seed)
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = {"bos_token_id": 248044, "eos_token_id": EOS_TOKEN_IDS, "pad_token_id": 248044}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
