@@ -1,0 +1,95 @@
+"""SwiGLU on the GPU, and the fp32 SiLU and rounding helpers the other Triton kernels share.
+
+Numerics follow the torch reference (deltaserve/ops/activation.py) in the activation dtype:
+silu(gate) is computed in fp32 and rounded to the dtype, then multiplied by up (fp32 product, rounded
+once). torch's CUDA SiLU is x / (1 + expf(-x)) with IEEE division; `silu_f32` uses the same libdevice
+expf and a round-to-nearest division, so the GPU result is bit-identical to torch's. Triton's own
+tl.exp is ex2.approx-based and would differ in the last fp32 bit.
+
+Every narrowing cast goes through `round_to`: Triton's CPU interpreter truncates fp32 -> bf16 (the GPU
+rounds to nearest even), so under the interpreter the rounding is done on the bits.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Decided at import, as Triton decides at decoration time whether kernels run in the interpreter.
+_INTERPRETER: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+if not _INTERPRETER:
+    from triton.language.extra import libdevice  # the interpreter has no libdevice
+
+# One program covers one row's BLOCK_I columns: 1024 columns over 4 warps is 8 elements (16 bytes of
+# bf16) per thread and per operand, one vectorised load each; rows go on grid axis 0 (no 65535 limit).
+_BLOCK_I = 1024
+_NUM_WARPS = 4
+
+
+@triton.jit
+def silu_f32(x):
+    """x: fp32. Returns x / (1 + exp(-x)) in fp32, as torch's SiLU computes it."""
+    if _INTERPRETER:
+        e = tl.exp(-x)
+    else:
+        e = libdevice.exp(-x)
+    return tl.div_rn(x, 1.0 + e)
+
+
+@triton.jit
+def round_to(x, dtype: tl.constexpr):
+    """fp32 x rounded to nearest even in `dtype` (as torch's .to(dtype) and the GPU's cvt.rn do)."""
+    if _INTERPRETER and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)  # ties go to the even bf16 mantissa
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
+def _silu_and_mul_kernel(
+    gate_up_ptr,
+    out_ptr,
+    inter,
+    stride_in_row,
+    stride_out_row,
+    BLOCK_I: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    mask = cols < inter
+    src = gate_up_ptr + row * stride_in_row + cols
+    gate = tl.load(src, mask=mask, other=0.0)
+    up = tl.load(src + inter, mask=mask, other=0.0)
+    act = round_to(silu_f32(gate.to(tl.float32)), gate.dtype)  # rounded, as F.silu(gate) is
+    out = round_to(act.to(tl.float32) * up.to(tl.float32), out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_out_row + cols, out, mask=mask)
+
+
+def silu_and_mul(gate_up: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """gate_up: [..., 2 * I] with the gate first (rows may be strided). Returns silu(gate) * up, [..., I],
+    written into `out` when given (contiguous, gate_up's dtype)."""
+    two_i = gate_up.shape[-1]
+    if two_i % 2:
+        raise ValueError(f"silu_and_mul needs an even last dim (gate | up), got {two_i}")
+    inter = two_i // 2
+    lead = gate_up.shape[:-1]
+    rows = gate_up.reshape(-1, two_i)  # a view for 2-D inputs with unit column stride
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    if out is None:
+        out = torch.empty(*lead, inter, dtype=gate_up.dtype, device=gate_up.device)
+    elif out.shape != (*lead, inter) or out.dtype != gate_up.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {gate_up.dtype} tensor of shape {(*lead, inter)}")
+    num_rows = rows.shape[0]
+    if num_rows == 0:
+        return out
+    grid = (num_rows, triton.cdiv(inter, _BLOCK_I))
+    _silu_and_mul_kernel[grid](
+        rows, out, inter, rows.stride(0), inter, BLOCK_I=_BLOCK_I, num_warps=_NUM_WARPS
+    )
+    return out

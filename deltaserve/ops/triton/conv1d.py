@@ -1,0 +1,260 @@
+"""Causal depthwise conv1d + SiLU over a varlen batch, with the per-sequence conv state, on the GPU.
+
+Same semantics as the torch reference (deltaserve/ops/conv1d.py): a sequence's window starts from its
+slot's last K-1 inputs, or from zeros when its context is 0 (the slot's stale contents are never read);
+after the step the slot holds the sequence's last K-1 inputs (for a sequence shorter than K-1, old
+columns shifted left, then the new inputs). The conv sum (fp32) is rounded to x's dtype before the SiLU,
+as HF does, and the SiLU is rounded again. A tap's product of two bf16 values is exact in fp32 (FMA
+contraction cannot change the sum), so any conv that sums its taps oldest first gives the same bits.
+
+One launch covers the whole batch, state write-back included: a grid of (token blocks, channel blocks),
+each row finding its sequence on the device (decode rows directly, prefill rows by binary search over
+query_start_loc). Nothing is read from the host copies of the batch and the grid comes from tensor
+shapes, so any batch shape, the decode-only one in particular, can be captured in a CUDA graph.
+
+Ownership, which makes the in-place state update race-free: only a sequence's first K-1 rows read its
+slot, and they, together with the slot write-back, belong to the program of the token block where the
+sequence starts; that program also takes up to K-1 rows spilling past its block's end. Every other row
+belongs to the program of its own block and reads only x. So each slot is read and written by one
+program, and within it a barrier orders all reads of the slot before each write.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deltaserve.model.batch import ForwardBatch
+from deltaserve.ops.triton.activation import round_to, silu_f32
+
+# 8 tokens x 256 channels per program: rows of 512 contiguous bf16 bytes (coalesced), 16 values per thread
+# over 4 warps; a 4096-token prefill at conv_dim 8192 is 512 x 32 programs, a 256-row decode 32 x 32.
+# BLOCK_T must be >= K-1 (a sequence's slot-reading rows then span at most this block and the spill).
+_BLOCK_T = 8
+_BLOCK_C = 256
+_NUM_WARPS = 4
+
+
+@triton.jit
+def _locate(rows, qsl_ptr, num_seqs, num_decodes, search_steps):
+    """Index of the sequence holding each row. Decode rows come first, one token each, so there
+    query_start_loc[i] == i and a row is its own sequence; other rows binary-search the prefill
+    sequences num_decodes..num_seqs-1 for the last start <= row (search_steps = ceil(log2(count)))."""
+    is_decode = rows < num_decodes
+    lo = tl.where(is_decode, rows, num_decodes)
+    hi = tl.where(is_decode, rows, num_seqs - 1)
+    step = 0
+    while step < search_steps:  # invariant: query_start_loc[lo] <= row and the answer is in [lo, hi]
+        mid = (lo + hi + 1) // 2
+        ok = tl.load(qsl_ptr + mid) <= rows
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid - 1)
+        step += 1
+    return tl.minimum(lo, num_seqs - 1)  # rows past the batch stay in range (their stores are masked)
+
+
+@triton.jit
+def _conv_rows(
+    rows,
+    seq,
+    start,
+    owned,
+    cols,
+    cmask,
+    x_ptr,
+    w_ptr,
+    state_ptr,
+    out_ptr,
+    ctx_ptr,
+    slots_ptr,
+    channels,
+    stride_x_tok,
+    stride_w_ch,
+    stride_w_k,
+    stride_s_slot,
+    stride_s_ch,
+    stride_s_k,
+    KW: tl.constexpr,
+):
+    """out[rows] = silu(sum_k w[:, k] * input[row - (KW-1-k)]) for the owned rows, where an input before
+    the sequence's first row comes from its slot (context > 0) or is 0."""
+    j = rows - start  # position of the row in this step's part of its sequence
+    has_ctx = tl.load(ctx_ptr + seq) > 0
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    rows64 = rows.to(tl.int64)
+    mask = owned[:, None] & cmask[None, :]
+    state_row = state_ptr + slot[:, None] * stride_s_slot + cols[None, :] * stride_s_ch
+    acc = tl.zeros([rows.shape[0], cols.shape[0]], dtype=tl.float32)
+    for k in tl.static_range(KW):
+        d = KW - 1 - k  # tap k reads the input d rows back; summed oldest first
+        wk = tl.load(w_ptr + cols * stride_w_ch + k * stride_w_k, mask=cmask, other=0.0).to(tl.float32)
+        in_x = (j >= d)[:, None]
+        v = tl.load(x_ptr + (rows64 - d)[:, None] * stride_x_tok + cols[None, :], mask=mask & in_x, other=0.0)
+        if d > 0:
+            from_slot = ((j < d) & has_ctx)[:, None]
+            col = (KW - 1 + j - d)[:, None]  # slot column KW-2 is the newest input
+            old = tl.load(state_row + col * stride_s_k, mask=mask & from_slot, other=0.0)
+            v = tl.where(in_x, v, round_to(old.to(tl.float32), v.dtype))
+        acc += wk[None, :] * v.to(tl.float32)
+    y = round_to(acc, out_ptr.dtype.element_ty).to(tl.float32)  # HF rounds the conv sum before SiLU
+    y = round_to(silu_f32(y), out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rows64[:, None] * channels + cols[None, :], y, mask=mask)
+
+
+@triton.jit
+def _write_state(
+    seq,
+    start,
+    first,
+    cols,
+    cmask,
+    x_ptr,
+    state_ptr,
+    qsl_ptr,
+    ctx_ptr,
+    slots_ptr,
+    stride_x_tok,
+    stride_s_slot,
+    stride_s_ch,
+    stride_s_k,
+    KW: tl.constexpr,
+):
+    """Slot of each sequence whose first row is flagged in `first` := its last KW-1 inputs."""
+    n = tl.load(qsl_ptr + seq + 1) - start
+    has_ctx = tl.load(ctx_ptr + seq) > 0
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    mask = first[:, None] & cmask[None, :]
+    state_row = state_ptr + slot[:, None] * stride_s_slot + cols[None, :] * stride_s_ch
+    for p in tl.static_range(KW - 1):
+        src = n - (KW - 1) + p  # row within the sequence whose input lands in column p; < 0: an old column
+        from_x = (src >= 0)[:, None]
+        src_row = (start + src).to(tl.int64)
+        v = tl.load(x_ptr + src_row[:, None] * stride_x_tok + cols[None, :], mask=mask & from_x, other=0.0)
+        from_slot = ((src < 0) & has_ctx)[:, None]
+        old = tl.load(state_row + (p + n)[:, None] * stride_s_k, mask=mask & from_slot, other=0.0)
+        v = tl.where(from_x, v, round_to(old.to(tl.float32), v.dtype))
+        # Every read of these slots in this program (conv taps, older columns) is issued before this
+        # barrier; columns < p are rewritten already but never read again (column p reads p + n > p).
+        tl.debug_barrier()
+        tl.store(
+            state_row + p * stride_s_k, round_to(v.to(tl.float32), state_ptr.dtype.element_ty), mask=mask
+        )
+
+
+@triton.jit(do_not_specialize=["num_tokens", "num_seqs", "num_decodes", "search_steps"])
+def _causal_conv1d_kernel(
+    x_ptr,
+    w_ptr,
+    state_ptr,
+    out_ptr,
+    qsl_ptr,
+    ctx_ptr,
+    slots_ptr,
+    num_tokens,
+    num_seqs,
+    num_decodes,
+    search_steps,
+    channels,
+    stride_x_tok,
+    stride_w_ch,
+    stride_w_k,
+    stride_s_slot,
+    stride_s_ch,
+    stride_s_k,
+    KW: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    SPILL: tl.constexpr,
+):
+    block_start = tl.program_id(0) * BLOCK_T
+    block_end = block_start + BLOCK_T
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cols < channels
+    total = tl.minimum(tl.load(qsl_ptr + num_seqs), num_tokens)
+
+    # This block's rows, less the slot-reading rows of sequences that started in an earlier block.
+    rows = block_start + tl.arange(0, BLOCK_T)
+    seq = _locate(rows, qsl_ptr, num_seqs, num_decodes, search_steps)
+    start = tl.load(qsl_ptr + seq)
+    owned = (rows < total) & ((rows - start >= KW - 1) | (start >= block_start))
+    _conv_rows(
+        rows, seq, start, owned, cols, cmask, x_ptr, w_ptr, state_ptr, out_ptr, ctx_ptr, slots_ptr,
+        channels, stride_x_tok, stride_w_ch, stride_w_k, stride_s_slot, stride_s_ch, stride_s_k, KW,
+    )  # fmt: skip
+
+    # The spill: slot-reading rows past the block's end of sequences that start in this block.
+    spill = block_end + tl.arange(0, SPILL)
+    seq_s = _locate(spill, qsl_ptr, num_seqs, num_decodes, search_steps)
+    start_s = tl.load(qsl_ptr + seq_s)
+    owned_s = (spill < total) & (spill - start_s < KW - 1) & (start_s < block_end)
+    _conv_rows(
+        spill, seq_s, start_s, owned_s, cols, cmask, x_ptr, w_ptr, state_ptr, out_ptr, ctx_ptr, slots_ptr,
+        channels, stride_x_tok, stride_w_ch, stride_w_k, stride_s_slot, stride_s_ch, stride_s_k, KW,
+    )  # fmt: skip
+
+    # Write-back for the sequences starting in this block, after every read of their slots.
+    _write_state(
+        seq, start, (rows < total) & (rows == start), cols, cmask, x_ptr, state_ptr, qsl_ptr, ctx_ptr,
+        slots_ptr, stride_x_tok, stride_s_slot, stride_s_ch, stride_s_k, KW,
+    )  # fmt: skip
+
+
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    batch: ForwardBatch,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x: [T, C] (rows may be strided, e.g. the qkv part of the fused in_proj output); weight: [C, K];
+    conv_state: [slots, C, K-1], updated in place at batch.state_slots. Returns silu(conv(x)) [T, C] in
+    x's dtype, written into `out` when given (contiguous). Reads only the batch's device tensors."""
+    tokens, channels = x.shape
+    if weight.dim() != 2 or weight.shape[0] != channels:
+        raise ValueError(f"conv weight has shape {tuple(weight.shape)}, expected ({channels}, K)")
+    width = weight.shape[1]
+    if not 2 <= width <= _BLOCK_T + 1:
+        raise ValueError(f"conv kernel width {width} is outside 2..{_BLOCK_T + 1} (linear_conv_kernel_dim)")
+    if conv_state.dim() != 3 or conv_state.shape[1:] != (channels, width - 1):
+        raise ValueError(
+            f"conv_state has shape {tuple(conv_state.shape)}, expected (slots, {channels}, {width - 1})"
+        )
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if out is None:
+        out = torch.empty(tokens, channels, dtype=x.dtype, device=x.device)
+    elif out.shape != (tokens, channels) or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {x.dtype} tensor of shape {(tokens, channels)}")
+    num_seqs = batch.state_slots.shape[0]
+    num_prefills = num_seqs - batch.num_decodes
+    if tokens == 0 or num_seqs == 0:
+        return out
+    grid = (triton.cdiv(tokens, _BLOCK_T), triton.cdiv(channels, _BLOCK_C))
+    _causal_conv1d_kernel[grid](
+        x,
+        weight,
+        conv_state,
+        out,
+        batch.query_start_loc,
+        batch.context_lens,
+        batch.state_slots,
+        tokens,
+        num_seqs,
+        batch.num_decodes,
+        (num_prefills - 1).bit_length() if num_prefills > 0 else 0,
+        channels,
+        x.stride(0),
+        weight.stride(0),
+        weight.stride(1),
+        conv_state.stride(0),
+        conv_state.stride(1),
+        conv_state.stride(2),
+        KW=width,
+        BLOCK_T=_BLOCK_T,
+        BLOCK_C=_BLOCK_C,
+        SPILL=triton.next_power_of_2(width - 1),
+        num_warps=_NUM_WARPS,
+    )
+    return out

@@ -1,0 +1,230 @@
+"""The conv1d, RMSNorm and SwiGLU Triton kernels against their torch references (deltaserve/ops), in
+Triton's CPU interpreter without CUDA and natively with it. Every check draws fresh inputs and passes an
+output buffer poisoned with NaN, so a row or column the kernel fails to write cannot pass.
+
+bf16 results must be within one bf16 ulp of the reference everywhere and identical almost everywhere:
+the kernels round where the references round, so only a different fp32 summation order (or exp) on a
+rounding boundary can differ. A kernel that skips one of the reference's roundings differs by one ulp
+in a large share of elements and fails the identity share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterable
+
+import pytest
+import torch
+
+from deltaserve.model.batch import BatchRow, ForwardBatch, build_forward_batch
+from deltaserve.ops import activation, conv1d, norm
+
+triton_conv = pytest.importorskip("deltaserve.ops.triton.conv1d")
+triton_norm = pytest.importorskip("deltaserve.ops.triton.norm")
+triton_act = pytest.importorskip("deltaserve.ops.triton.activation")
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPES = [torch.float32, torch.bfloat16]
+EPS = 1e-6
+K = 4  # Qwen3.5's conv width
+
+
+def randn(gen: torch.Generator, *shape: int, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(DEVICE)
+
+
+def poisoned(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+
+
+def bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in bf16 steps between same-shape bf16 tensors (bit patterns mapped to a monotone line)."""
+
+    def line(t: torch.Tensor) -> torch.Tensor:
+        bits = t.view(torch.int16).to(torch.int32)
+        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+
+    return (line(a) - line(b)).abs()
+
+
+def assert_matches(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert torch.isfinite(got).all(), "the kernel left poisoned (NaN) or non-finite values"
+    if got.dtype == torch.bfloat16:
+        ulps = bf16_ulps(got, want)
+        assert ulps.max().item() <= 1, f"max {ulps.max().item()} bf16 ulps from the reference"
+        identical = (ulps == 0).float().mean().item()
+        assert identical >= 0.99, f"only {identical:.2%} of the values are identical to the reference"
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def make_batch(rows: list[tuple[int, int, int]]) -> ForwardBatch:
+    """rows: (new tokens, context, state slot) per sequence, decode rows first."""
+    return build_forward_batch(
+        [BatchRow([0] * n, ctx, list(range((ctx + n + 15) // 16)), slot) for n, ctx, slot in rows],
+        page_size=16,
+        device=DEVICE,
+    )
+
+
+def check_conv(
+    rows: list[tuple[int, int, int]], channels: int, dtype: torch.dtype, seed: int, stale: Iterable[int] = ()
+) -> None:
+    """Kernel vs reference on one batch: outputs, and the whole state pool after the step. x is the
+    middle of a wider projection row (strided); the slots in `stale` hold NaN."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = make_batch(rows)
+    tokens = batch.num_tokens
+    x = randn(gen, tokens, channels + 40, dtype=dtype)[:, 24 : 24 + channels]
+    weight = randn(gen, channels, K, dtype=dtype, scale=0.5)
+    state = randn(gen, 2 + max(slot for *_, slot in rows), channels, K - 1, dtype=dtype)
+    state[sorted(stale)] = float("nan")
+    want_state = state.clone()
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):  # on CUDA, a true fp32 reference
+        want = conv1d.causal_conv1d(x, weight, want_state, batch)
+    got = triton_conv.causal_conv1d(x, weight, state, batch, out=poisoned(tokens, channels, dtype=dtype))
+    assert_matches(got, want)
+    # Every slot, the untouched and the stale ones included, equals the reference's.
+    assert torch.equal(state.isnan(), want_state.isnan())
+    assert torch.equal(state.nan_to_num(), want_state.nan_to_num())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_conv_mixed_batch_with_short_sequences_and_stale_slots(dtype):
+    rows = [
+        (1, 5, 3),  # decode rows first, context > 0
+        (1, 1, 9),
+        (1, 17, 1),
+        (19, 0, 4),  # a prefill from position 0 over several token blocks; its slot is stale
+        (13, 7, 2),  # a chunk continuing mid-sequence from its slot
+        (1, 0, 6),  # a one-token prompt on a stale slot (context 0: the slot is never read)
+        (2, 0, 11),  # shorter than K-1: the new state is zeros shifted, then the 2 inputs
+        (3, 4, 12),  # exactly K-1, from the slot
+        (2, 1, 5),  # shorter than K-1 with context: old columns shift left
+        (1, 3, 7),
+        (5, 0, 8),
+    ]
+    check_conv(rows, channels=300, dtype=dtype, seed=1, stale={4, 6, 11, 8})
+
+
+def test_conv_short_sequences_at_every_block_offset():
+    # Lengths 2, 3, 2, 1, 3 sum to 11, coprime with every power-of-two block, so over 8 cycles short
+    # sequences start at every offset of an 8- or 16-row block and spill across block ends.
+    lengths = [2, 3, 2, 1, 3] * 8
+    contexts = itertools.cycle([0, 2, 5, 1, 0, 9, 3])
+    rows = [(n, ctx, slot) for slot, (n, ctx) in enumerate(zip(lengths, contexts, strict=False), start=1)]
+    check_conv(
+        rows, channels=64, dtype=torch.bfloat16, seed=2, stale={slot for n, ctx, slot in rows if ctx == 0}
+    )
+
+
+def test_conv_pure_decode_batch():
+    # The CUDA-graph case: every row one token with context, slots in any order.
+    rows = [(1, 3 + i % 4, slot) for i, slot in enumerate([12, 1, 7, 3, 15, 2, 9, 4, 11, 5, 14])]
+    check_conv(rows, channels=200, dtype=torch.bfloat16, seed=3)
+
+
+def test_conv_chunked_prefill_then_decode_equals_one_pass():
+    # A sequence fed as chunks of 9, 2 and 5 tokens and then 3 decode steps carries its window through
+    # the slot: outputs and final state equal those of one 19-token pass.
+    gen = torch.Generator().manual_seed(4)
+    channels, slot, dtype = 96, 3, torch.bfloat16
+    x = randn(gen, 19, channels, dtype=dtype)
+    weight = randn(gen, channels, K, dtype=dtype, scale=0.5)
+    state = torch.full((5, channels, K - 1), float("nan"), dtype=dtype, device=DEVICE)
+    one_pass_state = state.clone()
+    one_pass = triton_conv.causal_conv1d(x, weight, one_pass_state, make_batch([(19, 0, slot)]))
+    pieces, done = [], 0
+    for n in [9, 2, 5, 1, 1, 1]:
+        batch = make_batch([(n, done, slot)])
+        pieces.append(triton_conv.causal_conv1d(x[done : done + n], weight, state, batch))
+        done += n
+    assert torch.equal(torch.cat(pieces), one_pass)
+    assert torch.equal(state[slot], one_pass_state[slot])
+    assert torch.equal(state[slot], x[-(K - 1) :].t())
+
+
+def test_conv_reads_only_the_batch_device_tensors():
+    # CUDA-graph safety: the host mirrors of the lengths are not used (a replay could not see them).
+    gen = torch.Generator().manual_seed(5)
+    batch = make_batch([(1, 4, 2), (1, 6, 1), (6, 0, 3), (4, 2, 4)])
+    x = randn(gen, batch.num_tokens, 64, dtype=torch.bfloat16)
+    weight = randn(gen, 64, K, dtype=torch.bfloat16)
+    state = randn(gen, 6, 64, K - 1, dtype=torch.bfloat16)
+    want_state = state.clone()
+    want = triton_conv.causal_conv1d(x, weight, want_state, batch)
+    hostless = dataclasses.replace(batch, query_lens_host=(), context_lens_host=())
+    got = triton_conv.causal_conv1d(x, weight, state, hostless)
+    assert torch.equal(got, want)
+    assert torch.equal(state, want_state)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_matches_reference(dtype):
+    gen = torch.Generator().manual_seed(10)
+    x = randn(gen, 37, 300, dtype=dtype, scale=3.0)
+    weight = randn(gen, 300, dtype=dtype, scale=0.1)  # zero-centred: the scale is 1 + w
+    got = triton_norm.rms_norm(x, weight, EPS, out=poisoned(37, 300, dtype=dtype))
+    assert_matches(got, norm.rms_norm(x, weight, EPS))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_with_residual_rounds_the_sum_first(dtype):
+    gen = torch.Generator().manual_seed(11)
+    x, residual = randn(gen, 21, 160, dtype=dtype), randn(gen, 21, 160, dtype=dtype, scale=4.0)
+    weight = randn(gen, 160, dtype=dtype, scale=0.1)
+    got, got_residual = triton_norm.rms_norm(
+        x,
+        weight,
+        EPS,
+        residual,
+        out=poisoned(21, 160, dtype=dtype),
+        residual_out=poisoned(21, 160, dtype=dtype),
+    )
+    want, want_residual = norm.rms_norm(x, weight, EPS, residual)
+    assert torch.equal(got_residual, want_residual)  # one rounding of the sum: exact
+    assert_matches(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_per_head_on_a_strided_view(dtype):
+    # q as the attention layer passes it: the first half of each head of the interleaved q|gate output.
+    gen = torch.Generator().manual_seed(12)
+    tokens, heads, head_dim = 19, 3, 64
+    q = randn(gen, tokens, heads, 2 * head_dim, dtype=dtype)[..., :head_dim]
+    weight = randn(gen, head_dim, dtype=dtype, scale=0.1)
+    got = triton_norm.rms_norm(q, weight, EPS, out=poisoned(tokens, heads, head_dim, dtype=dtype))
+    assert_matches(got, norm.rms_norm(q, weight, EPS))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gated_rms_norm_matches_reference_with_strided_z(dtype):
+    # z as the GDN layer passes it: a [T, heads, D] view of the fused in_proj output.
+    gen = torch.Generator().manual_seed(13)
+    tokens, heads, head_dim = 23, 5, 128
+    x = randn(gen, tokens, heads, head_dim, dtype=dtype)
+    z = randn(gen, tokens, heads * head_dim + 70, dtype=dtype)[:, 50 : 50 + heads * head_dim]
+    z = z.reshape(tokens, heads, head_dim)
+    weight = randn(gen, head_dim, dtype=dtype, scale=0.5) + 1.0
+    got = triton_norm.gated_rms_norm(x, z, weight, EPS, out=poisoned(tokens, heads, head_dim, dtype=dtype))
+    assert_matches(got, norm.gated_rms_norm(x, z, weight, EPS))
+
+
+def test_gated_rms_norm_fp32_weight_multiplies_in_fp32():
+    # torch promotes bf16 normed * fp32 weight to fp32: no rounding before the gate.
+    gen = torch.Generator().manual_seed(14)
+    x, z = randn(gen, 9, 4, 128, dtype=torch.bfloat16), randn(gen, 9, 4, 128, dtype=torch.bfloat16)
+    weight = randn(gen, 128, dtype=torch.float32, scale=0.5) + 1.0
+    got = triton_norm.gated_rms_norm(x, z, weight, EPS, out=poisoned(9, 4, 128, dtype=torch.bfloat16))
+    assert_matches(got, norm.gated_rms_norm(x, z, weight, EPS))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_reference(dtype):
+    # 1100 intermediate columns: more than one column block, the last ragged; rows strided.
+    gen = torch.Generator().manual_seed(20)
+    gate_up = randn(gen, 13, 2 * 1100 + 16, dtype=dtype, scale=2.0)[:, 8 : 8 + 2 * 1100]
+    got = triton_act.silu_and_mul(gate_up, out=poisoned(13, 1100, dtype=dtype))
+    assert_matches(got, activation.silu_and_mul(gate_up))
