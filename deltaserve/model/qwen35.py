@@ -21,7 +21,7 @@ from deltaserve.model.layers.attention import GatedAttention
 from deltaserve.model.layers.gdn import GatedDeltaNet
 from deltaserve.model.layers.mlp import MLP, SparseMoeBlock
 from deltaserve.model.layers.params import WeightRequirement, new_param, single
-from deltaserve.ops.norm import rms_norm
+from deltaserve.ops import rms_norm
 from deltaserve.ops.rotary import inv_frequencies, rotary_cos_sin
 
 

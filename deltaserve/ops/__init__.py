@@ -9,13 +9,52 @@ import os
 import torch
 
 from deltaserve.model.batch import ForwardBatch
+from deltaserve.ops import activation as _activation_ref
+from deltaserve.ops import conv1d as _conv1d_ref
 from deltaserve.ops import gdn as _gdn_ref
+from deltaserve.ops import norm as _norm_ref
 
 REFERENCE_ONLY = os.environ.get("DELTASERVE_REFERENCE_OPS", "") == "1"
 
 
 def use_kernels(t: torch.Tensor) -> bool:
     return t.is_cuda and not REFERENCE_ONLY
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    if use_kernels(x):
+        from deltaserve.ops.triton.norm import rms_norm as kernel
+
+        return kernel(x, weight, eps, residual)
+    return _norm_ref.rms_norm(x, weight, eps, residual)
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if use_kernels(x):
+        from deltaserve.ops.triton.norm import gated_rms_norm as kernel
+
+        return kernel(x, z, weight, eps)
+    return _norm_ref.gated_rms_norm(x, z, weight, eps)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    if use_kernels(gate_up):
+        from deltaserve.ops.triton.activation import silu_and_mul as kernel
+
+        return kernel(gate_up)
+    return _activation_ref.silu_and_mul(gate_up)
+
+
+def causal_conv1d(
+    x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, batch: ForwardBatch
+) -> torch.Tensor:
+    if use_kernels(x):
+        from deltaserve.ops.triton.conv1d import causal_conv1d as kernel
+
+        return kernel(x, weight, conv_state, batch)
+    return _conv1d_ref.causal_conv1d(x, weight, conv_state, batch)
 
 
 def gated_delta_rule(

@@ -9,8 +9,8 @@ from torch import nn
 from deltaserve.config import ModelConfig
 from deltaserve.model.batch import ForwardBatch
 from deltaserve.model.layers.params import WeightRequirement, new_param, single, stacked
+from deltaserve.ops import rms_norm
 from deltaserve.ops.attention import paged_attention, write_kv
-from deltaserve.ops.norm import rms_norm
 from deltaserve.ops.rotary import apply_rotary
 
 

@@ -13,9 +13,7 @@ from torch import nn
 from deltaserve.config import ModelConfig
 from deltaserve.model.batch import ForwardBatch
 from deltaserve.model.layers.params import WeightRequirement, new_param, single, stacked
-from deltaserve.ops import gated_delta_rule
-from deltaserve.ops.conv1d import causal_conv1d
-from deltaserve.ops.norm import gated_rms_norm
+from deltaserve.ops import causal_conv1d, gated_delta_rule, gated_rms_norm
 
 
 class GatedDeltaNet(nn.Module):

@@ -8,7 +8,7 @@ from torch import nn
 
 from deltaserve.config import ModelConfig
 from deltaserve.model.layers.params import CheckpointTensor, WeightRequirement, new_param, single, stacked
-from deltaserve.ops.activation import silu_and_mul
+from deltaserve.ops import silu_and_mul
 from deltaserve.ops.moe import fused_experts, route
 
 
