@@ -1,0 +1,136 @@
+"""Prometheus metrics with vLLM's names (`vllm:*`, labelled `model_name`), on a dedicated registry.
+
+Latencies are measured in the API server from the request's arrival (before tokenization), as vLLM does:
+TTFT = first output token - arrival; ITL = gap between successive output updates of one request;
+e2e = terminal - arrival; queue time = the engine's first-scheduled - arrival. Load gauges (running,
+waiting, KV use, preemptions) are read from the engine's latest LoadSnapshot at scrape time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from deltaserve.engine.protocol import LoadSnapshot
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)  # fmt: skip
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                   240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+
+
+class _LoadCollector(Collector):
+    def __init__(self, model_name: str, load: Callable[[], LoadSnapshot]) -> None:
+        self._model_name = model_name
+        self._load = load
+
+    def collect(self) -> Iterator[Metric]:
+        load = self._load()
+        for name, doc, value in (
+            (
+                "vllm:num_requests_running",
+                "Requests holding a state slot (prefilling or decoding).",
+                load.running,
+            ),
+            ("vllm:num_requests_waiting", "Requests queued for admission.", load.waiting),
+            ("vllm:kv_cache_usage_perc", "Fraction of KV pages in use (1 = full).", load.kv_usage),
+        ):
+            gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
+            gauge.add_metric([self._model_name], float(value))
+            yield gauge
+        preemptions = CounterMetricFamily(
+            "vllm:num_preemptions", "Preemptions by recompute since start.", labels=["model_name"]
+        )
+        preemptions.add_metric([self._model_name], float(load.num_preemptions))
+        yield preemptions
+
+
+@dataclass(slots=True)
+class TokenTotals:
+    """Plain running totals, for the periodic log line."""
+
+    prompt: int = 0
+    generation: int = 0
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, load: Callable[[], LoadSnapshot]) -> None:
+        self.registry = CollectorRegistry()
+        self.totals = TokenTotals()
+        labels = {"model_name": model_name}
+        r = self.registry
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, ["model_name"], registry=r, buckets=buckets).labels(**labels)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, ["model_name"], registry=r).labels(**labels)
+
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Inter-token latency.", ITL_BUCKETS)
+        self.e2e = histogram(
+            "vllm:e2e_request_latency_seconds", "End-to-end request latency.", REQUEST_BUCKETS
+        )
+        self.queue = histogram("vllm:request_queue_time_seconds", "Time spent queued.", REQUEST_BUCKETS)
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prefilled prompt tokens.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.")
+        self._success = Counter(
+            "vllm:request_success",
+            "Finished requests by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=r,
+        )
+        self._model_name = model_name
+        r.register(_LoadCollector(model_name, load))
+
+    def request_finished(self, finish_reason: str) -> None:
+        self._success.labels(model_name=self._model_name, finished_reason=finish_reason).inc()
+
+    def track(self, arrival: float) -> RequestTracker:
+        return RequestTracker(self, arrival)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+@dataclass(slots=True)
+class RequestTracker:
+    """One request's latency bookkeeping. Exactly one `finish` per request (later calls are ignored)."""
+
+    metrics: ServerMetrics
+    arrival: float  # time.monotonic() when the HTTP request arrived
+    last_token: float | None = None
+    finished: bool = field(default=False)
+
+    def on_tokens(self, num_tokens: int, num_prompt_tokens: int, queued_time: float | None) -> None:
+        if num_tokens == 0 or self.finished:
+            return
+        t = time.monotonic()
+        m = self.metrics
+        if self.last_token is None:
+            m.ttft.observe(t - self.arrival)
+            m.prompt_tokens.inc(num_prompt_tokens)
+            m.totals.prompt += num_prompt_tokens
+            if queued_time is not None:
+                m.queue.observe(max(queued_time, 0.0))
+        else:
+            m.itl.observe(t - self.last_token)
+        self.last_token = t
+        m.generation_tokens.inc(num_tokens)
+        m.totals.generation += num_tokens
+
+    def finish(self, finish_reason: str) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        self.metrics.e2e.observe(time.monotonic() - self.arrival)
+        self.metrics.request_finished(finish_reason)

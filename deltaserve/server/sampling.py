@@ -1,0 +1,101 @@
+"""Request fields -> SamplingParams, validated before anything reaches the engine.
+
+Every check the engine would make at admission (field ranges, token ids in the vocabulary, prompt +
+max_tokens within the context window) is made here first, so a bad request is a 400 naming its field
+and never occupies the engine.
+"""
+
+from __future__ import annotations
+
+from deltaserve.errors import RequestValidationError
+from deltaserve.sampling_params import SamplingParams
+from deltaserve.server.errors import APIError, bad_request, from_validation, unsupported
+from deltaserve.server.protocol import SamplingFields
+
+_OPTIONAL_FLOATS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+
+
+def build_params(
+    req: SamplingFields,
+    *,
+    max_tokens: int | None,
+    logprobs: int | None,
+    vocab_size: int,
+    rename: dict[str, str] | None = None,
+) -> SamplingParams:
+    """SamplingParams for `req`; `rename` maps SamplingParams field names to this endpoint's wire names
+    (for the `param` of errors)."""
+    if req.response_format is not None and req.response_format.type != "text":
+        raise unsupported(
+            "response_format",
+            f"response_format type {req.response_format.type!r} is not supported (no structured output "
+            "yet); omit response_format or use type 'text'",
+        )
+    kwargs: dict[str, object] = {f: getattr(req, f) for f in _OPTIONAL_FLOATS if getattr(req, f) is not None}
+    if req.top_k is not None:
+        kwargs["top_k"] = req.top_k
+    params = SamplingParams(
+        n=req.n,
+        seed=req.seed,
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        stop=list(req.stop) if isinstance(req.stop, list) else req.stop,
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+        logit_bias=_logit_bias(req.logit_bias),
+        skip_special_tokens=req.skip_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        **kwargs,  # type: ignore[arg-type]
+    )
+    try:
+        params.validate()
+        params.validate_token_ids(vocab_size)
+    except RequestValidationError as err:
+        raise from_validation(err, rename) from err
+    return params
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """JSON object keys are strings; the engine wants token ids."""
+    if bias is None:
+        return None
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+    return out
+
+
+def check_context_window(
+    prompt_len: int, max_tokens: int | None, max_model_len: int, *, max_tokens_field: str = "max_tokens"
+) -> None:
+    """The prompt, plus max_tokens when given (else at least one output token), fits the context window."""
+    if prompt_len == 0:
+        raise bad_request("the prompt is empty; send at least one token", "prompt")
+    if prompt_len >= max_model_len:
+        raise APIError(
+            400,
+            f"the prompt ({prompt_len} tokens) leaves no room in the context window of {max_model_len} "
+            "tokens for any output; shorten the prompt",
+            param="prompt",
+            code="context_length_exceeded",
+        )
+    if max_tokens is not None and prompt_len + max_tokens > max_model_len:
+        raise APIError(
+            400,
+            f"prompt ({prompt_len} tokens) + {max_tokens_field} ({max_tokens}) = {prompt_len + max_tokens} "
+            f"exceeds the context window of {max_model_len} tokens; lower {max_tokens_field} or shorten "
+            "the prompt",
+            param=max_tokens_field,
+            code="context_length_exceeded",
+        )

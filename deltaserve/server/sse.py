@@ -1,0 +1,61 @@
+"""Server-sent events as OpenAI clients parse them, and the streaming response that carries them.
+
+Chat and completions streams are `data: {json}` events ending with `data: [DONE]`; Responses streams
+are `event: TYPE` + `data: {json}` events without [DONE]. An error after the headers went out is an
+event `{"error": {...}}` (then [DONE] where the format has it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import anyio
+from pydantic import BaseModel
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+DONE = "data: [DONE]\n\n"
+
+
+def data_event(payload: BaseModel) -> str:
+    return f"data: {payload.model_dump_json()}\n\n"
+
+
+def typed_event(event_type: str, payload: BaseModel) -> str:
+    return f"event: {event_type}\ndata: {payload.model_dump_json()}\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    """A stream that ends as soon as the client goes away, whatever the body is waiting for.
+
+    Starlette only notices a disconnect when a write fails (ASGI 2.4), which never happens while a
+    request waits in the engine queue or its text is held back; here a listener on `receive` cancels
+    the stream at once, and the body iterator is always closed, which aborts the engine request.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: Any, status_code: int = 200) -> None:
+        super().__init__(
+            content,
+            status_code=status_code,
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+
+                async def stream() -> None:
+                    with contextlib.suppress(OSError):  # the client went away mid-write
+                        await self.stream_response(send)
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                group.cancel_scope.cancel()
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()

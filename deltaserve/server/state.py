@@ -1,0 +1,70 @@
+"""Everything a request handler needs, built once at start-up and kept on `app.state.server`."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from deltaserve.engine.client import AsyncEngineClient
+from deltaserve.server.args import ServerConfig
+from deltaserve.server.errors import NOT_FOUND, APIError, engine_unavailable
+from deltaserve.server.logprobs import TokenTexts
+from deltaserve.server.metrics import ServerMetrics
+from deltaserve.server.response_store import ResponseStore
+from deltaserve.tokenizer import Tokenizer
+
+logger = logging.getLogger("deltaserve.server")
+
+
+@dataclass(slots=True)
+class ServerState:
+    config: ServerConfig
+    client: AsyncEngineClient
+    tokenizer: Tokenizer
+    model_name: str
+    metrics: ServerMetrics
+    responses: ResponseStore
+    token_texts: TokenTexts
+    # Set once, never cleared: a draining (SIGTERM) or dead-engine server takes no new work.
+    draining: bool = False
+    dead_reason: str | None = None
+    inflight: int = 0  # requests between validation and their terminal
+
+    @property
+    def max_model_len(self) -> int:
+        return self.client.info.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.client.info.vocab_size
+
+    @property
+    def healthy(self) -> bool:
+        return self.dead_reason is None and not self.client.dead and not self.draining
+
+    def check_model(self, name: str | None) -> None:
+        """404 for a model id this server does not serve; a missing id means the served model."""
+        if name is not None and name != self.model_name:
+            raise APIError(
+                404,
+                f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                type=NOT_FOUND,
+                param="model",
+                code="model_not_found",
+            )
+
+    def check_available(self) -> None:
+        if self.client.dead or self.dead_reason is not None:
+            raise engine_unavailable(self.dead_reason or self.client.dead_reason or "the engine died")
+        if self.draining:
+            raise engine_unavailable("the server is shutting down")
+
+    def warn_unknown_fields(self, endpoint: str, fields: list[str]) -> None:
+        if fields:
+            logger.warning("%s: ignoring unknown request fields %s", endpoint, fields)
+
+
+def get_state(request: Request) -> ServerState:
+    return request.app.state.server
