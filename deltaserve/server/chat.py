@@ -1,0 +1,211 @@
+"""POST /v1/chat/completions: messages through the chat template; reasoning, content and tool calls out.
+
+Reasoning (text before `</think>` when thinking is on) is `reasoning_content`; Qwen XML tool calls are
+`tool_calls` with JSON arguments, streamed as they are generated (chat_prompt.py and assistant_output.py
+hold the rules). A turn that ends normally with tool calls has finish_reason "tool_calls".
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from deltaserve.engine.output import OutputDelta
+from deltaserve.engine.protocol import TokenLogprobs
+from deltaserve.sampling_params import SamplingParams
+from deltaserve.server.assistant_output import AssistantOutput
+from deltaserve.server.chat_prompt import ChatPrompt, ToolChoice, render_chat_prompt
+from deltaserve.server.disconnect import unless_disconnected
+from deltaserve.server.errors import APIError, bad_request
+from deltaserve.server.generation import EngineRequest, generate, terminal_error
+from deltaserve.server.logprobs import chat_logprobs
+from deltaserve.server.parsers import ParsedDelta
+from deltaserve.server.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatMessageOut,
+    ChatStreamChoice,
+    DeltaFunction,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
+    UsageInfo,
+    now,
+)
+from deltaserve.server.sampling import build_params, check_context_window
+from deltaserve.server.sse import DONE, SSEResponse, data_event
+from deltaserve.server.state import ServerState, get_state
+
+logger = logging.getLogger("deltaserve.server")
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
+async def create_chat_completion(
+    body: ChatCompletionRequest, request: Request
+) -> Response | ChatCompletionResponse:
+    arrival = time.monotonic()
+    state = get_state(request)
+    state.check_model(body.model)
+    state.check_available()
+    state.warn_unknown_fields("/v1/chat/completions", body.unknown_fields())
+    prompt = _render(state, body)
+    params = _params(state, body)
+    max_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    check_context_window(
+        len(prompt.token_ids), params.max_tokens, state.max_model_len, max_tokens_field=max_field
+    )
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    req = EngineRequest(rid, prompt.text, prompt.token_ids, params)
+    if body.stream:
+        return SSEResponse(_stream(state, body, prompt, req, arrival))
+    return await unless_disconnected(request, _complete(state, body, prompt, req, arrival))
+
+
+def _render(state: ServerState, body: ChatCompletionRequest) -> ChatPrompt:
+    if not body.messages:
+        raise bad_request("messages must not be empty", "messages")
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    choice = body.tool_choice
+    if choice is None:
+        tool_choice = ToolChoice("auto" if tools else "none")
+    elif isinstance(choice, str):
+        tool_choice = ToolChoice(choice)
+    else:
+        tool_choice = ToolChoice("named", choice.function.name)
+    kwargs = {**state.config.default_chat_template_kwargs, **(body.chat_template_kwargs or {})}
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    return render_chat_prompt(
+        state.tokenizer, messages, tools=tools, tool_choice=tool_choice, template_kwargs=kwargs
+    )
+
+
+def _params(state: ServerState, body: ChatCompletionRequest) -> SamplingParams:
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    rename = {"logprobs": "top_logprobs"}
+    if body.max_completion_tokens is not None:
+        rename["max_tokens"] = "max_completion_tokens"
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    return build_params(
+        body, max_tokens=max_tokens, logprobs=logprobs, vocab_size=state.vocab_size, rename=rename
+    )
+
+
+def _delta_tool_calls(parsed: ParsedDelta) -> list[DeltaToolCall] | None:
+    calls = [
+        DeltaToolCall(
+            index=c.index,
+            id=c.id,
+            type="function" if c.id is not None else None,
+            function=DeltaFunction(name=c.name, arguments=c.arguments),
+        )
+        for c in parsed.tool_calls
+    ]
+    return calls or None
+
+
+def stream_choice(
+    out: AssistantOutput, delta: OutputDelta, logprobs: ChatLogprobs | None
+) -> ChatStreamChoice | None:
+    """The stream choice for one engine delta; None when it adds nothing a client would see (text held
+    back by the stop-string or tag parsers)."""
+    parsed = out.feed(delta.text, final=delta.finished)
+    message = ChatDelta(
+        content=parsed.content or None,
+        reasoning_content=parsed.reasoning or None,
+        tool_calls=_delta_tool_calls(parsed),
+    )
+    if not (message.content or message.reasoning_content or message.tool_calls or logprobs or delta.finished):
+        return None
+    return ChatStreamChoice(
+        index=0,
+        delta=message,
+        logprobs=logprobs,
+        finish_reason=out.finish_reason(delta.finish_reason),
+        stop_reason=delta.stop_reason,
+    )
+
+
+async def _complete(
+    state: ServerState, body: ChatCompletionRequest, prompt: ChatPrompt, req: EngineRequest, arrival: float
+) -> ChatCompletionResponse:
+    out = AssistantOutput.for_prompt(prompt)
+    token_ids: list[int] = []
+    logprobs: list[TokenLogprobs] = []
+    last: OutputDelta | None = None
+    async with aclosing(generate(state, req, arrival)) as deltas:
+        async for delta in deltas:
+            error = terminal_error(delta)
+            if error is not None:
+                raise error
+            out.feed(delta.text, final=delta.finished)
+            token_ids += delta.token_ids
+            logprobs += delta.logprobs or []
+            last = delta
+    assert last is not None and last.finished, "generate() ends with a finished delta"
+    message = ChatMessageOut(
+        content=out.content or None,
+        reasoning_content=out.reasoning or None,
+        tool_calls=[
+            ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in out.calls
+        ],
+    )
+    choice = ChatChoice(
+        index=0,
+        message=message,
+        logprobs=chat_logprobs(state.token_texts, token_ids, logprobs) if body.logprobs else None,
+        finish_reason=out.finish_reason(last.finish_reason),
+        stop_reason=last.stop_reason,
+    )
+    usage = UsageInfo.of(len(req.prompt_token_ids), last.num_output_tokens)
+    return ChatCompletionResponse(id=req.request_id, model=state.model_name, choices=[choice], usage=usage)
+
+
+async def _stream(
+    state: ServerState, body: ChatCompletionRequest, prompt: ChatPrompt, req: EngineRequest, arrival: float
+) -> AsyncIterator[str]:
+    created = now()
+    rid, model = req.request_id, state.model_name
+
+    def chunk(choice: ChatStreamChoice) -> str:
+        return data_event(ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice]))
+
+    out = AssistantOutput.for_prompt(prompt)
+    num_output_tokens = 0
+    try:
+        yield chunk(ChatStreamChoice(index=0, delta=ChatDelta(role="assistant", content="")))
+        async with aclosing(generate(state, req, arrival)) as deltas:
+            async for delta in deltas:
+                error = terminal_error(delta)
+                if error is not None:
+                    raise error
+                num_output_tokens = delta.num_output_tokens
+                lp = None
+                if body.logprobs and delta.logprobs:
+                    lp = chat_logprobs(state.token_texts, delta.token_ids, delta.logprobs)
+                choice = stream_choice(out, delta, lp)
+                if choice is not None:
+                    yield chunk(choice)
+        if body.include_usage:
+            usage = UsageInfo.of(len(req.prompt_token_ids), num_output_tokens)
+            yield data_event(
+                ChatCompletionChunk(id=rid, created=created, model=model, choices=[], usage=usage)
+            )
+    except APIError as err:
+        yield data_event(err.response())
+    except Exception:
+        logger.exception("chat stream %s failed", rid)
+        yield data_event(APIError(500, "internal error", type="server_error", code=500).response())
+    yield DONE

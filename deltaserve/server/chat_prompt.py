@@ -1,0 +1,104 @@
+"""Chat messages + tools + tool_choice -> the prompt text and ids, and how to parse the output.
+
+Shared by /v1/chat/completions and /v1/responses. Decisions:
+- OpenAI's `developer` role is the template's `system`.
+- Thinking is on when the rendered prompt ends with an open `<think>` (the Qwen3.5 template opens it
+  unless chat_template_kwargs has enable_thinking=false); the output is then reasoning until `</think>`.
+- tool_choice "none" leaves the tools out of the prompt and tool-call text stays content.
+- tool_choice "required" or a named function (no constrained decoding yet) is enforced by starting the
+  assistant turn with the call: the prompt ends with `<tool_call>\\n<function=` (required) or
+  `<tool_call>\\n<function=NAME>\\n` (named), thinking is off, and the parser is fed that prefix first,
+  so the call is in the output whatever the model does next.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from deltaserve.errors import RequestValidationError
+from deltaserve.server.errors import bad_request, from_validation
+from deltaserve.tokenizer import Tokenizer
+
+_RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt"})
+_TOOL_CALL_START = "<tool_call>\n<function="
+
+
+@dataclass(frozen=True, slots=True)
+class ToolChoice:
+    """A normalised tool_choice: mode is none | auto | required | named (then `name` is set)."""
+
+    mode: str
+    name: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    text: str  # what the model sees, forced prefix included
+    token_ids: list[int]
+    thinking: bool  # the output starts inside <think>
+    tools: list[dict[str, Any]] | None  # chat-shaped tool definitions, for typing call arguments
+    parse_tools: bool
+    forced_prefix: str  # output text the prompt already contains; feed it to the parser first
+
+
+def normalise_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """developer -> system; a missing content (an assistant turn that only calls tools) -> ""."""
+    out = []
+    for m in messages:
+        m = {**m, "content": m.get("content") or ""}
+        if m.get("role") == "developer":
+            m["role"] = "system"
+        out.append(m)
+    return out
+
+
+def check_tool_choice(choice: ToolChoice, tools: list[dict[str, Any]] | None) -> None:
+    names = [t["function"]["name"] for t in tools or ()]
+    if choice.mode in ("required", "named") and not names:
+        raise bad_request(f"tool_choice {choice.mode!r} needs a non-empty tools list", "tool_choice")
+    if choice.mode == "named" and choice.name not in names:
+        raise bad_request(
+            f"tool_choice names the function {choice.name!r}, which is not in tools ({names})", "tool_choice"
+        )
+
+
+def render_chat_prompt(
+    tokenizer: Tokenizer,
+    messages: list[dict[str, Any]],
+    *,
+    tools: list[dict[str, Any]] | None,
+    tool_choice: ToolChoice,
+    template_kwargs: dict[str, Any],
+) -> ChatPrompt:
+    """Raises APIError (400) for messages the template refuses or a tool_choice that cannot be met."""
+    tools = tools or None
+    check_tool_choice(tool_choice, tools)
+    reserved = sorted(_RESERVED_TEMPLATE_KWARGS & template_kwargs.keys())
+    if reserved:
+        raise bad_request(f"chat_template_kwargs must not set {reserved}", "chat_template_kwargs")
+    forced = ""
+    kwargs = dict(template_kwargs)
+    if tool_choice.mode == "required":
+        forced = _TOOL_CALL_START
+    elif tool_choice.mode == "named":
+        forced = f"{_TOOL_CALL_START}{tool_choice.name}>\n"
+    if forced:
+        kwargs["enable_thinking"] = False
+    template_tools = None if tool_choice.mode == "none" else tools
+    try:
+        text = tokenizer.apply_chat_template(
+            normalise_messages(messages), tools=template_tools, add_generation_prompt=True, **kwargs
+        )
+    except RequestValidationError as err:
+        raise from_validation(err) from err
+    thinking = text.rstrip().endswith("<think>")
+    text += forced
+    return ChatPrompt(
+        text=text,
+        token_ids=tokenizer.encode(text),
+        thinking=thinking,
+        tools=tools,
+        parse_tools=tools is not None and tool_choice.mode != "none",
+        forced_prefix=forced,
+    )
