@@ -1,0 +1,110 @@
+"""The FastAPI app (routes, error shapes, auth, body limit) and `run_server`, what `deltaserve serve` runs.
+
+Every error leaves as `{"error": {"message", "type", "param", "code"}}`: APIError from handlers,
+FastAPI's request validation (400, `param` = the top-level field), unknown routes (404), oversized
+bodies (413), missing or wrong API key (401), anything unexpected (500, logged).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from deltaserve import __version__
+from deltaserve.config import EngineConfig
+from deltaserve.server import chat, completions, responses, service, tokenize
+from deltaserve.server.args import ServerConfig
+from deltaserve.server.disconnect import ClientDisconnected
+from deltaserve.server.errors import AUTHENTICATION, INVALID_REQUEST, NOT_FOUND, SERVER_ERROR, APIError
+from deltaserve.server.middleware import APIKeyAuth, BodySizeLimit
+from deltaserve.server.state import ServerState
+
+logger = logging.getLogger("deltaserve.server")
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left; never actually sent
+
+
+def build_app(state: ServerState) -> FastAPI:
+    app = FastAPI(
+        title="deltaserve",
+        version=__version__,
+        description="OpenAI-compatible server for Qwen3.5 hybrid models",
+    )
+    app.state.server = state
+    for module in (completions, chat, responses, tokenize, service):
+        app.include_router(module.router)
+    app.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(ClientDisconnected, _client_gone)
+    app.add_exception_handler(Exception, _unexpected)
+    app.add_middleware(BodySizeLimit, max_bytes=state.config.max_request_body_bytes)
+    if state.config.api_key:
+        app.add_middleware(APIKeyAuth, api_key=state.config.api_key)  # outermost: checked first
+    return app
+
+
+def _error(status: int, message: str, type: str, param: str | None = None, code: Any = None) -> JSONResponse:
+    return APIError(status, message, type=type, param=param, code=code).response_json()
+
+
+async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+    return exc.response_json()
+
+
+def _describe(error: dict[str, Any]) -> tuple[str | None, str]:
+    """(param, message) of one pydantic error: param is the top-level body field."""
+    loc = [str(part) for part in error.get("loc", ())]
+    if error.get("type") == "json_invalid":
+        reason = (error.get("ctx") or {}).get("error", "invalid JSON")
+        position = loc[1] if len(loc) > 1 else "?"
+        return None, f"the request body is not valid JSON: {reason} at position {position}"
+    fields = loc[1:] if loc and loc[0] == "body" else loc
+    if not fields:
+        return None, f"the request body must be a JSON object ({error.get('msg', 'invalid')})"
+    path = ".".join(fields)
+    if error.get("type") == "missing":
+        return fields[0], f"{path} is required"
+    found = error.get("input")
+    shown = repr(found) if isinstance(found, str | int | float | bool | type(None)) else type(found).__name__
+    return fields[0], f"{path}: {error.get('msg', 'invalid value')} (got {shown})"
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = list(exc.errors())
+    param, message = _describe(errors[0]) if errors else (None, "invalid request")
+    return _error(400, message, INVALID_REQUEST, param)
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    kind = {401: AUTHENTICATION, 404: NOT_FOUND}.get(exc.status_code, INVALID_REQUEST)
+    if exc.status_code >= 500:
+        kind = SERVER_ERROR
+    code = "request_too_large" if exc.status_code == 413 else None
+    message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+    if exc.status_code == 404 and message == "Not Found":
+        message = f"no route for {request.method} {request.url.path}"
+    return _error(exc.status_code, message, kind, code=code)
+
+
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    logger.exception("unhandled error in %s %s", request.method, request.url.path)
+    return _error(500, f"internal server error ({type(exc).__name__})", SERVER_ERROR, code=500)
+
+
+def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> int:
+    """Serves until SIGTERM/SIGINT (exit 0) or the engine dies (exit 1)."""
+    from deltaserve.server.lifecycle import serve
+
+    return asyncio.run(serve(ServerConfig.from_args(args), engine_config, build_app))

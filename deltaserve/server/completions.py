@@ -1,0 +1,177 @@
+"""POST /v1/completions: a string, a list of strings, token ids or a list of token-id lists.
+
+Each prompt is one engine request and one choice (index = the prompt's position); n > 1, best_of > 1,
+echo and suffix are refused. Usage sums over the prompts.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from deltaserve.engine.output import OutputDelta
+from deltaserve.engine.protocol import TokenLogprobs
+from deltaserve.server.disconnect import unless_disconnected
+from deltaserve.server.errors import APIError, bad_request, unsupported
+from deltaserve.server.generation import EngineRequest, generate, merge, terminal_error
+from deltaserve.server.logprobs import completion_logprobs
+from deltaserve.server.protocol import (
+    CompletionChoice,
+    CompletionChunk,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+    now,
+)
+from deltaserve.server.sampling import build_params, check_context_window
+from deltaserve.server.sse import DONE, SSEResponse, data_event
+from deltaserve.server.state import ServerState, get_state
+
+logger = logging.getLogger("deltaserve.server")
+router = APIRouter()
+
+
+@router.post("/v1/completions", response_model=CompletionResponse)
+async def create_completion(body: CompletionRequest, request: Request) -> Response | CompletionResponse:
+    arrival = time.monotonic()
+    state = get_state(request)
+    state.check_model(body.model)
+    state.check_available()
+    state.warn_unknown_fields("/v1/completions", body.unknown_fields())
+    _refuse_unsupported(body)
+    prompts = _prompts(state, body)
+    params = build_params(
+        body, max_tokens=body.max_tokens, logprobs=body.logprobs, vocab_size=state.vocab_size
+    )
+    for _, ids in prompts:
+        check_context_window(len(ids), body.max_tokens, state.max_model_len)
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    reqs = [EngineRequest(f"{rid}-{i}", text, ids, params) for i, (text, ids) in enumerate(prompts)]
+    if body.stream:
+        return SSEResponse(_stream(state, body, rid, reqs, arrival))
+    return await unless_disconnected(request, _complete(state, body, rid, reqs, arrival))
+
+
+def _refuse_unsupported(body: CompletionRequest) -> None:
+    if body.echo:
+        raise unsupported("echo", "echo=true is not supported: the engine does not return prompt tokens")
+    if body.best_of is not None and body.best_of != 1:
+        raise unsupported("best_of", f"best_of > 1 is not supported, got {body.best_of}; omit best_of")
+    if body.suffix is not None:
+        raise unsupported("suffix", "suffix (fill-in-the-middle) is not supported; omit suffix")
+
+
+def _prompts(state: ServerState, body: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        return [(prompt, state.tokenizer.encode(prompt))]
+    if not prompt:
+        raise bad_request("prompt must not be an empty list", "prompt")
+    if isinstance(prompt[0], int):
+        return [(None, _checked_ids(state, prompt))]  # type: ignore[arg-type]
+    if isinstance(prompt[0], str):
+        return [(p, state.tokenizer.encode(p)) for p in prompt]  # type: ignore[misc]
+    return [(None, _checked_ids(state, ids)) for ids in prompt]  # type: ignore[arg-type]
+
+
+def _checked_ids(state: ServerState, ids: list[int]) -> list[int]:
+    vocab = state.vocab_size
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise bad_request(f"prompt token ids must be in [0, {vocab}), got {bad}", "prompt")
+    return list(ids)
+
+
+@dataclass(slots=True)
+class _Choice:
+    """One prompt's completion as it accumulates."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+
+    def add(self, delta: OutputDelta) -> None:
+        self.text += delta.text
+        self.token_ids += delta.token_ids
+        self.logprobs += delta.logprobs or []
+        self.num_prompt_tokens = delta.num_prompt_tokens
+        self.num_output_tokens = delta.num_output_tokens
+        if delta.finished:
+            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+
+
+def _usage(choices: list[_Choice]) -> UsageInfo:
+    return UsageInfo.of(sum(c.num_prompt_tokens for c in choices), sum(c.num_output_tokens for c in choices))
+
+
+async def _complete(
+    state: ServerState, body: CompletionRequest, rid: str, reqs: list[EngineRequest], arrival: float
+) -> CompletionResponse:
+    choices = [_Choice(num_prompt_tokens=len(r.prompt_token_ids)) for r in reqs]
+    async with aclosing(merge([generate(state, r, arrival) for r in reqs])) as deltas:
+        async for i, delta in deltas:
+            error = terminal_error(delta)
+            if error is not None:
+                raise error
+            choices[i].add(delta)
+    out = []
+    for i, c in enumerate(choices):
+        lp = None
+        if body.logprobs is not None:
+            lp = completion_logprobs(state.token_texts, c.token_ids, c.logprobs, 0)
+        out.append(
+            CompletionChoice(
+                index=i, text=c.text, logprobs=lp, finish_reason=c.finish_reason, stop_reason=c.stop_reason
+            )
+        )
+    return CompletionResponse(id=rid, model=state.model_name, choices=out, usage=_usage(choices))
+
+
+async def _stream(
+    state: ServerState, body: CompletionRequest, rid: str, reqs: list[EngineRequest], arrival: float
+) -> AsyncIterator[str]:
+    created = now()
+    choices = [_Choice(num_prompt_tokens=len(r.prompt_token_ids)) for r in reqs]
+    try:
+        async with aclosing(merge([generate(state, r, arrival) for r in reqs])) as deltas:
+            async for i, delta in deltas:
+                error = terminal_error(delta)
+                if error is not None:
+                    raise error
+                offset = len(choices[i].text)
+                choices[i].add(delta)
+                lp = None
+                if body.logprobs is not None and delta.logprobs:
+                    lp = completion_logprobs(state.token_texts, delta.token_ids, delta.logprobs, offset)
+                if delta.text or lp is not None or delta.finished:
+                    choice = CompletionChoice(
+                        index=i,
+                        text=delta.text,
+                        logprobs=lp,
+                        finish_reason=delta.finish_reason,
+                        stop_reason=delta.stop_reason,
+                    )
+                    chunk = CompletionChunk(id=rid, created=created, model=state.model_name, choices=[choice])
+                    yield data_event(chunk)
+        if body.include_usage:
+            chunk = CompletionChunk(
+                id=rid, created=created, model=state.model_name, choices=[], usage=_usage(choices)
+            )
+            yield data_event(chunk)
+    except APIError as err:
+        yield data_event(err.response())
+    except Exception:
+        logger.exception("completion stream %s failed", rid)
+        yield data_event(APIError(500, "internal error", type="server_error", code=500).response())
+    yield DONE

@@ -1,0 +1,196 @@
+"""The server process's life: bind, start the engine, serve, and the two ways it ends.
+
+- Start: the port is bound first (a taken port fails at once, before the model loads) but listens only
+  once the engine is ready, so nothing connects to a server that cannot serve yet.
+- SIGTERM / SIGINT: stop accepting (/health 503), let in-flight requests run for up to
+  --shutdown-timeout-s, then shut the engine down, which gives every request still running its terminal
+  (an error event or response); exit 0.
+- Engine death: /health turns 503 at once, every in-flight request gets an error (the engine client
+  fans it out), new requests get 503, and the server exits 1 after DEAD_EXIT_DELAY_S: never a server
+  that accepts work it cannot do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable
+from types import FrameType
+
+import uvicorn
+from fastapi import FastAPI
+
+from deltaserve.config import EngineConfig
+from deltaserve.engine.client import AsyncEngineClient
+from deltaserve.engine.core import resolve_model_dir
+from deltaserve.errors import ConfigError
+from deltaserve.server.args import ServerConfig
+from deltaserve.server.logprobs import TokenTexts
+from deltaserve.server.metrics import ServerMetrics
+from deltaserve.server.response_store import ResponseStore
+from deltaserve.server.state import ServerState
+from deltaserve.server.stats_log import log_stats_periodically
+from deltaserve.tokenizer import Tokenizer
+
+logger = logging.getLogger("deltaserve.server")
+
+DEAD_EXIT_DELAY_S = 1.0  # /health answers 503 this long before the port closes
+DEFAULT_MODEL_NAME = "deltaserve-tiny-random"
+SHUTDOWN_REASON = "the server is shutting down"
+
+
+def warn_random_weights() -> None:
+    line = "!" * 96
+    print(
+        f"{line}\n"
+        "!! WARNING: no --model given: serving the embedded tiny checkpoint, whose weights are RANDOM.\n"
+        "!! Its output is meaningless text. Pass --model DIR to serve a real Qwen3.5 checkpoint.\n"
+        f"{line}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(
+            f"cannot listen on {host}:{port} ({exc.strerror}); choose another --port or --host"
+        ) from exc
+    return sock
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, told about SIGTERM/SIGINT so in-flight requests can be drained."""
+
+    def __init__(self, config: uvicorn.Config, on_signal: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_signal = on_signal
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self._on_signal()
+        super().handle_exit(sig, frame)
+
+
+class _Lifecycle:
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self.server: _Server | None = None
+        self._engine_closed = False
+        self._drain_task: asyncio.Task[None] | None = None  # held so the task is not collected
+        self._loop = asyncio.get_running_loop()
+
+    def on_signal(self) -> None:
+        """Runs in the signal handler: only flags and scheduling here."""
+        if self.state.draining:
+            return
+        self.state.draining = True
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.create_task(self._drain(self.state.config.shutdown_timeout_s))
+
+    async def _drain(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        logger.info(
+            "shutting down: %d requests in flight, waiting up to %.0f s", self.state.inflight, timeout_s
+        )
+        while self.state.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.state.inflight:
+            logger.warning(
+                "%d requests still running after %.0f s; ending them", self.state.inflight, timeout_s
+            )
+        await self.close_engine(SHUTDOWN_REASON)
+
+    def on_engine_dead(self, reason: str) -> None:
+        self.state.dead_reason = reason
+        logger.error("%s: /health is 503 and the server exits in %.1f s", reason, DEAD_EXIT_DELAY_S)
+        self._loop.call_later(DEAD_EXIT_DELAY_S, self._exit)
+
+    def _exit(self) -> None:
+        if self.server is not None:
+            self.server.should_exit = True
+
+    async def close_engine(self, reason: str) -> None:
+        if self._engine_closed:
+            return
+        self._engine_closed = True
+        await self.state.client.shutdown(reason)
+
+
+def _ignore_signal(sig: int, frame: FrameType | None) -> None:
+    pass
+
+
+async def serve(
+    config: ServerConfig, engine_config: EngineConfig, build_app: Callable[[ServerState], FastAPI]
+) -> int:
+    if engine_config.model is None:
+        warn_random_weights()
+    sock = bind_socket(config.host, config.port)
+    # The tokenizer loads (about a second for Qwen's vocabulary) while the engine process starts.
+    tokenizer_load = asyncio.get_running_loop().run_in_executor(
+        None, Tokenizer.from_dir, resolve_model_dir(engine_config.model)
+    )
+    try:
+        client = await AsyncEngineClient.start(engine_config)
+    except BaseException:
+        sock.close()
+        with contextlib.suppress(Exception):
+            await tokenizer_load
+        raise
+    try:
+        tokenizer = await tokenizer_load
+    except BaseException:
+        sock.close()
+        await client.shutdown("the tokenizer failed to load")
+        raise
+    name = config.served_model_name or engine_config.model or DEFAULT_MODEL_NAME
+    state = ServerState(
+        config=config,
+        client=client,
+        tokenizer=tokenizer,
+        model_name=name,
+        metrics=ServerMetrics(name, lambda: client.load),
+        responses=ResponseStore(config.response_store_size),
+        token_texts=TokenTexts(tokenizer),
+    )
+    life = _Lifecycle(state)
+    client.on_dead = life.on_engine_dead
+    uv_config = uvicorn.Config(
+        build_app(state),
+        log_level=config.uvicorn_log_level,
+        timeout_graceful_shutdown=config.shutdown_timeout_s + 5.0,
+        lifespan="off",
+    )
+    life.server = _Server(uv_config, life.on_signal)
+    # uvicorn re-raises the signal that stopped it once it is done; these handlers make that a no-op, so
+    # an orderly shutdown exits with our code rather than being killed by the re-raised signal.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _ignore_signal)
+    stats = asyncio.create_task(log_stats_periodically(state, config.log_interval_s))
+    host, port = sock.getsockname()[:2]
+    logger.info("serving %r on http://%s:%d (OpenAPI docs at /docs)", name, host, port)
+    try:
+        await life.server.serve(sockets=[sock])
+    finally:
+        stats.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await stats
+        await life.close_engine(SHUTDOWN_REASON)
+        sock.close()
+    if state.dead_reason is not None:
+        logger.error("exiting because the engine died: %s", state.dead_reason)
+        return 1
+    return 0

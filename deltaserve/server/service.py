@@ -1,0 +1,69 @@
+"""Service endpoints: /health, /v1/models, /metrics, /load, /version."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from deltaserve import __version__
+from deltaserve.server.errors import NOT_FOUND, APIError
+from deltaserve.server.metrics import CONTENT_TYPE
+from deltaserve.server.protocol import ModelCard, ModelList
+from deltaserve.server.state import get_state
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    """200 while the engine runs and the server takes work; 503 once the engine died or a shutdown began."""
+    state = get_state(request)
+    if state.healthy:
+        return JSONResponse({"status": "ok"})
+    reason = state.dead_reason or state.client.dead_reason or "the server is shutting down"
+    return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
+
+
+def _card(request: Request) -> ModelCard:
+    state = get_state(request)
+    return ModelCard(id=state.model_name, root=state.client.info.model_dir, max_model_len=state.max_model_len)
+
+
+@router.get("/v1/models", response_model=ModelList)
+async def list_models(request: Request) -> ModelList:
+    return ModelList(data=[_card(request)])
+
+
+@router.get("/v1/models/{model_id:path}", response_model=ModelCard)
+async def retrieve_model(model_id: str, request: Request) -> ModelCard:
+    card = _card(request)
+    if model_id != card.id:
+        raise APIError(
+            404,
+            f"the model {model_id!r} does not exist",
+            type=NOT_FOUND,
+            param="model",
+            code="model_not_found",
+        )
+    return card
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(get_state(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+@router.get("/load")
+async def load(request: Request) -> dict[str, Any]:
+    """The scheduler's latest load snapshot (published every tick) plus the server's in-flight count."""
+    state = get_state(request)
+    snapshot = state.client.load
+    return {**asdict(snapshot), "kv_cache_usage": snapshot.kv_usage, "server_inflight": state.inflight}
+
+
+@router.get("/version")
+async def version() -> dict[str, str]:
+    return {"version": __version__}

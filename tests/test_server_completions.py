@@ -1,0 +1,240 @@
+"""/v1/completions through the official openai client against the real server subprocess."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from server_fixture import MODEL, ServerProcess, running_server, wait_until_idle
+
+from deltaserve.engine.llm import LLM
+from deltaserve.sampling_params import SamplingParams
+
+PROMPTS = [f"Request number {i}: tell me about topic {i * 7 % 13}." for i in range(64)]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    with running_server() as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline() -> Iterator[LLM]:
+    with LLM(None, device="cpu", max_num_seqs=16, max_model_len=2048) as llm:
+        yield llm
+
+
+def test_string_prompt_returns_text_and_exact_usage(client: openai.OpenAI) -> None:
+    out = client.completions.create(
+        model=MODEL, prompt="Hello there", max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert out.object == "text_completion" and out.model == MODEL
+    assert len(out.choices) == 1 and out.choices[0].finish_reason == "length"
+    assert out.usage is not None
+    assert out.usage.completion_tokens == 6
+    assert out.usage.prompt_tokens == 2  # "Hello", " there"
+    assert out.usage.total_tokens == 8
+
+
+def test_list_of_prompts_and_token_ids_give_one_choice_each_in_order(
+    server: ServerProcess, client: openai.OpenAI
+) -> None:
+    single = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=5, temperature=0)
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": "Hello there"}).json()["tokens"]
+    out = client.completions.create(
+        model=MODEL, prompt=["Hello there", "Another one", "Third"], max_tokens=5, temperature=0
+    )
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert out.choices[0].text == single.choices[0].text
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=5, temperature=0)
+    assert by_ids.choices[0].text == single.choices[0].text
+    many_ids = client.completions.create(model=MODEL, prompt=[ids, ids], max_tokens=5, temperature=0)
+    assert [c.text for c in many_ids.choices] == [single.choices[0].text] * 2
+    assert many_ids.usage is not None and many_ids.usage.prompt_tokens == 2 * len(ids)
+
+
+def test_streaming_with_include_usage_sends_exactly_one_usage_chunk(client: openai.OpenAI) -> None:
+    whole = client.completions.create(model=MODEL, prompt="Stream me", max_tokens=8, temperature=0)
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="Stream me",
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    usage_chunks = [c for c in chunks if c.usage is not None]
+    assert len(usage_chunks) == 1 and chunks[-1] is usage_chunks[0] and chunks[-1].choices == []
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert usage_chunks[0].usage == whole.usage
+
+
+def test_streaming_several_prompts_interleaves_choices_by_index(client: openai.OpenAI) -> None:
+    prompts = ["First prompt", "Second prompt", "Third prompt"]
+    whole = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0)
+    texts = ["", "", ""]
+    finished = set()
+    for chunk in client.completions.create(
+        model=MODEL, prompt=prompts, max_tokens=6, temperature=0, stream=True
+    ):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+            if choice.finish_reason is not None:
+                finished.add(choice.index)
+    assert texts == [c.text for c in whole.choices] and finished == {0, 1, 2}
+
+
+def test_stream_without_include_usage_has_no_usage(client: openai.OpenAI) -> None:
+    chunks = list(client.completions.create(model=MODEL, prompt="Stream me", max_tokens=3, stream=True))
+    assert chunks and all(c.usage is None for c in chunks)
+
+
+def test_stop_string_across_token_boundary_is_cut_and_ends_the_request(client: openai.OpenAI) -> None:
+    full = client.completions.create(
+        model=MODEL,
+        prompt="Stop test",
+        max_tokens=12,
+        temperature=0,
+        logprobs=0,
+        extra_body={"ignore_eos": True},
+    )
+    tokens = full.choices[0].logprobs.tokens  # type: ignore[union-attr]
+    # A stop string made of the end of token 3 and the start of token 4: it only exists across the boundary.
+    i = next(
+        i
+        for i in range(3, 10)
+        if tokens[i].strip() and tokens[i + 1].strip() and "\ufffd" not in tokens[i] + tokens[i + 1]
+    )
+    stop = tokens[i][-1] + tokens[i + 1][0]
+    expected = full.choices[0].text[: full.choices[0].text.index(stop)]
+    out = client.completions.create(
+        model=MODEL,
+        prompt="Stop test",
+        max_tokens=12,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True},
+    )
+    assert out.choices[0].text == expected
+    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].stop_reason == stop  # type: ignore[attr-defined]
+    assert (
+        out.usage is not None and out.usage.completion_tokens == i + 2
+    )  # the token that completed the match
+    streamed = client.completions.create(
+        model=MODEL, prompt="Stop test", max_tokens=12, temperature=0, stop=stop, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == expected
+
+
+def test_logprobs_in_completions_format(client: openai.OpenAI) -> None:
+    out = client.completions.create(
+        model=MODEL,
+        prompt="Logprobs",
+        max_tokens=5,
+        temperature=0,
+        logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
+    lp = out.choices[0].logprobs
+    assert (
+        lp is not None
+        and lp.tokens is not None
+        and lp.token_logprobs is not None
+        and lp.top_logprobs is not None
+    )
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    offsets = [0]
+    for token in lp.tokens[:-1]:
+        offsets.append(offsets[-1] + len(token))
+    assert lp.text_offset == offsets
+    for sampled, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert 3 <= len(top) <= 4 and sampled <= 0
+        assert sampled == pytest.approx(max(top.values()))  # greedy: the sampled token is the most likely
+
+
+def test_seeded_sampling_is_reproducible(client: openai.OpenAI) -> None:
+    def sample(seed: int) -> str:
+        out = client.completions.create(
+            model=MODEL,
+            prompt="Seeded",
+            max_tokens=8,
+            temperature=1.0,
+            top_p=0.9,
+            seed=seed,
+            extra_body={"top_k": 50, "min_p": 0.0, "repetition_penalty": 1.1},
+        )
+        return out.choices[0].text
+
+    assert sample(1234) == sample(1234)
+    assert sample(1234) != sample(4321)
+
+
+def test_logit_bias_reaches_the_sampler(server: ServerProcess, client: openai.OpenAI) -> None:
+    forced = 151  # a plain byte-level token
+    out = client.completions.create(
+        model=MODEL, prompt="Bias", max_tokens=4, temperature=0, logit_bias={str(forced): 100}, logprobs=0
+    )
+    assert out.choices[0].logprobs is not None
+    assert out.usage is not None and out.usage.completion_tokens == 4
+    text = httpx.post(f"{server.url}/detokenize", json={"tokens": [forced] * 4}).json()["prompt"]
+    assert out.choices[0].text == text
+
+
+def test_sixty_four_concurrent_streams_equal_the_offline_llm(server: ServerProcess, offline: LLM) -> None:
+    expected = offline.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8))
+    aclient = openai.AsyncOpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=120)
+
+    async def one(prompt: str) -> tuple[str, int, int, str | None]:
+        stream = await aclient.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        text, usage, finish = "", None, None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].text
+                finish = chunk.choices[0].finish_reason or finish
+            if chunk.usage is not None:
+                usage = chunk.usage
+        assert usage is not None
+        return text, usage.prompt_tokens, usage.completion_tokens, finish
+
+    async def all_of_them() -> list[tuple[str, int, int, str | None]]:
+        try:
+            return await asyncio.gather(*(one(p) for p in PROMPTS))
+        finally:
+            await aclient.close()
+
+    results = asyncio.run(all_of_them())
+    for (text, n_prompt, n_out, finish), want in zip(results, expected, strict=True):
+        assert text == want.outputs[0].text
+        assert n_prompt == len(want.prompt_token_ids)
+        assert n_out == len(want.outputs[0].token_ids)
+        assert finish == want.outputs[0].finish_reason
+    wait_until_idle(server)
+
+
+def test_async_client_non_streaming(server: ServerProcess) -> None:
+    async def run() -> openai.types.Completion:
+        async with openai.AsyncOpenAI(base_url=server.base_url, api_key="none", max_retries=0) as aclient:
+            return await aclient.completions.create(model=MODEL, prompt="Async", max_tokens=3)
+
+    out = asyncio.run(run())
+    assert out.usage is not None and 1 <= out.usage.completion_tokens <= 3
