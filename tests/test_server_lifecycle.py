@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -10,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import openai
@@ -76,6 +77,41 @@ def test_disconnect_of_a_non_streaming_request_aborts_it(server: ServerProcess) 
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/v1/completions", json={"prompt": "Wait for me", **LONG}, timeout=0.5)
     wait_until_idle(server, FREED_WITHIN_S)
+
+
+def test_disconnect_while_queued_leaves_the_queue_without_a_single_write(server: ServerProcess) -> None:
+    """A queued stream writes nothing, so only listening for the disconnect can notice it."""
+
+    async def run() -> None:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+
+            async def open_stream(prompt: str) -> httpx.Response:
+                request = http.build_request(
+                    "POST", "/v1/completions", json={"prompt": prompt, "stream": True, **LONG}
+                )
+                return await http.send(request, stream=True)
+
+            running = [await open_stream(f"slot holder {i}") for i in range(16)]  # --max-num-seqs 16
+            queued = await open_stream("queued")
+            load = await _wait_load(http, lambda load: load["running"] == 16 and load["waiting"] == 1)
+            await queued.aclose()
+            load = await _wait_load(http, lambda load: load["waiting"] == 0, FREED_WITHIN_S)
+            assert load["running"] == 16
+            for response in running:
+                await response.aclose()
+
+    asyncio.run(run())
+    wait_until_idle(server, FREED_WITHIN_S)
+
+
+async def _wait_load(http: httpx.AsyncClient, ok: Callable[[dict], bool], timeout_s: float = 30.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        load = (await http.get("/load")).json()
+        if ok(load):
+            return load
+        assert time.monotonic() < deadline, f"load never matched: {load}"
+        await asyncio.sleep(0.02)
 
 
 def test_metrics_have_vllm_names_and_exact_token_counts(server: ServerProcess, client: openai.OpenAI) -> None:
