@@ -125,8 +125,8 @@ class AsyncEngineClient:
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestUpdate]:
-        if self.dead:
-            raise EngineDeadError(self.dead_reason or "the engine is not running")
+        if self.dead or self._closing:
+            raise EngineDeadError(self.dead_reason or "the engine is not running (shutting down)")
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in flight")
         q: asyncio.Queue[RequestUpdate] = asyncio.Queue()

@@ -22,7 +22,7 @@ from deltaserve.engine.protocol import StepOutputs, decode_client_message, encod
 
 logger = logging.getLogger(__name__)
 
-PARENT_POLL_S = 0.5
+PARENT_POLL_S = 0.1
 
 
 def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str, ready: Connection) -> None:
