@@ -1,0 +1,370 @@
+"""Triton attention kernels against the torch reference (ops/attention.py, ops/norm.py, ops/rotary.py).
+
+Runs in Triton's CPU interpreter without CUDA (tests/conftest.py) and natively where CUDA exists. Every
+check draws fresh random inputs and poisons with NaN both the outputs and every KV slot no sequence
+owns, so a missed store or a read outside a sequence's keys fails the comparison.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import zlib
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from deltaserve.model.batch import BatchRow, ForwardBatch, build_forward_batch
+from deltaserve.ops import attention as ref
+from deltaserve.ops.norm import rms_norm
+from deltaserve.ops.rotary import apply_rotary, inv_frequencies, rotary_cos_sin
+from deltaserve.ops.triton import attention as tri
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# Triton's interpreter (3.6) rounds fp32 -> bf16 casts toward zero (the GPU rounds to nearest even), so
+# bit-level agreement of bf16 results is only checked natively.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+TOLERANCE = {
+    torch.float32: {"rtol": 1e-5, "atol": 1e-5},
+    # bf16 output rounding (2^-8 relative) plus the bf16 softmax weights fed to the P @ V product.
+    torch.bfloat16: {"rtol": 2e-2, "atol": 2e-2},
+}
+
+
+def _interpreter_accepts_tensor_loop_bounds() -> None:
+    """Triton 3.6's interpreter turns a tensor loop bound into int(ndarray of shape (1,)), which
+    numpy >= 2.4 rejects (triton-lang/triton#9171). Applies the upstream fix to this process; compiled
+    kernels are unaffected."""
+    if not INTERPRETED:
+        return
+    from triton.runtime import interpreter
+
+    patch_tensor = interpreter._patch_lang_tensor
+    if getattr(patch_tensor, "accepts_tensor_loop_bounds", False):
+        return
+
+    def patched(tensor: type, scope: object) -> None:
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched.accepts_tensor_loop_bounds = True
+    interpreter._patch_lang_tensor = patched
+
+
+_interpreter_accepts_tensor_loop_bounds()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Cases
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(slots=True)
+class AttentionCase:
+    batch: ForwardBatch
+    q: torch.Tensor  # [T, heads, head_dim]
+    k_cache: torch.Tensor  # [pages, page_size, kv_heads, head_dim]; NaN in every slot no row owns
+    v_cache: torch.Tensor
+    scale: float
+
+
+def _generator(device: torch.device, *key: object) -> torch.Generator:
+    """A generator seeded from the check's description: fresh inputs per check, reproducible."""
+    return torch.Generator(device=device).manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def make_case(
+    rows: Sequence[tuple[int, int]],
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    dtype: torch.dtype,
+    padding_rows: int = 0,
+    salt: object = 0,
+    device: torch.device = DEVICE,
+) -> AttentionCase:
+    """rows: (context_len, query_len) per sequence, decode rows (query_len 1) first. Pages are drawn
+    in shuffled order from 1.. (page 0 is the reserved dummy page). `padding_rows` extra decode rows
+    of two cached tokens point at page 0, as CUDA-graph padding does; page 0 is then finite."""
+    gen = _generator(device, rows, num_heads, num_kv_heads, head_dim, page_size, dtype, padding_rows, salt)
+    needed = [-(-(ctx + n) // page_size) for ctx, n in rows]
+    num_pages = sum(needed) + 4
+    order = (torch.randperm(num_pages - 1, generator=gen, device=device) + 1).tolist()
+    offsets = torch.arange(page_size, device=device)
+    batch_rows: list[BatchRow] = []
+    owned: list[torch.Tensor] = []
+    for (ctx, n), count in zip(rows, needed, strict=True):
+        pages, order = order[:count], order[count:]
+        slots = torch.tensor(pages, device=device)[:, None] * page_size + offsets
+        owned.append(slots.flatten()[: ctx + n])
+        batch_rows.append(BatchRow(token_ids=[0] * n, context_len=ctx, pages=pages, state_slot=0))
+    if padding_rows:
+        owned.append(offsets)
+        pad = BatchRow(token_ids=[0], context_len=1, pages=[0], state_slot=0)
+        num_decodes = sum(1 for _, n in rows if n == 1)
+        batch_rows[num_decodes:num_decodes] = [pad] * padding_rows
+    slots = torch.cat(owned)
+    caches = []
+    for _ in range(2):
+        cache = torch.full(
+            (num_pages, page_size, num_kv_heads, head_dim), float("nan"), dtype=dtype, device=device
+        )
+        values = torch.randn(len(slots), num_kv_heads, head_dim, generator=gen, device=device, dtype=dtype)
+        cache.view(-1, num_kv_heads, head_dim)[slots] = values
+        caches.append(cache)
+    batch = build_forward_batch(batch_rows, page_size, device)
+    q = torch.randn(batch.num_tokens, num_heads, head_dim, generator=gen, device=device, dtype=dtype)
+    return AttentionCase(batch=batch, q=q, k_cache=caches[0], v_cache=caches[1], scale=head_dim**-0.5)
+
+
+def check_attention(
+    case: AttentionCase, num_splits: int | None = None, kernel_batch: ForwardBatch | None = None
+) -> None:
+    """Kernel (on `kernel_batch`, default the case's batch) vs the reference on the case's batch."""
+    out = torch.full_like(case.q, float("nan"))
+    batch = case.batch if kernel_batch is None else kernel_batch
+    got = tri.paged_attention(
+        case.q, case.k_cache, case.v_cache, batch, case.scale, num_splits=num_splits, out=out
+    )
+    assert got.data_ptr() == out.data_ptr()
+    want = ref.paged_attention(case.q, case.k_cache, case.v_cache, case.batch, case.scale)
+    torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[case.q.dtype])
+
+
+def without_host_lengths(batch: ForwardBatch) -> ForwardBatch:
+    """The batch with its host length tuples emptied: what a replayed CUDA graph could not refresh."""
+    return dataclasses.replace(batch, query_lens_host=(), context_lens_host=())
+
+
+# ----------------------------------------------------------------------------------------------------
+# paged_attention
+# ----------------------------------------------------------------------------------------------------
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page_size", [16, 4])
+def test_decode_rows_spanning_page_boundaries_match_reference(dtype: torch.dtype, page_size: int) -> None:
+    # Sequence lengths 2, page_size, page_size + 1, 2 * page_size, an odd one past three pages, 45.
+    contexts = [1, page_size - 1, page_size, 2 * page_size - 1, 3 * page_size + 2, 44]
+    rows = [(ctx, 1) for ctx in contexts]
+    for num_splits in (1, 3, None):
+        case = make_case(
+            rows, num_heads=4, num_kv_heads=2, head_dim=64, page_size=page_size, dtype=dtype, salt=num_splits
+        )
+        check_attention(case, num_splits)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_chunks_from_position_zero_and_mid_sequence_match_reference(dtype: torch.dtype) -> None:
+    # A one-token prompt, chunks that start at 0, mid-page, on a page boundary, and span several tiles.
+    rows = [(0, 37), (29, 21), (16, 16), (0, 1), (5, 70)]
+    for page_size in (16, 4):
+        case = make_case(rows, num_heads=4, num_kv_heads=2, head_dim=64, page_size=page_size, dtype=dtype)
+        check_attention(case)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mixed_batch_in_one_launch_matches_reference(dtype: torch.dtype) -> None:
+    rows = [(40, 1), (3, 1), (16, 1), (0, 9), (33, 30), (1, 1)]
+    for num_splits in (1, 4):
+        case = make_case(
+            rows, num_heads=6, num_kv_heads=2, head_dim=32, page_size=16, dtype=dtype, salt=num_splits
+        )
+        check_attention(case, num_splits)
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 6, 8])
+def test_gqa_groups_at_head_dim_256_match_reference(group: int) -> None:
+    num_kv_heads = 2 if group <= 2 else 1
+    rows = [(20, 1), (33, 1), (0, 5), (17, 12)]
+    for dtype in DTYPES:
+        case = make_case(
+            rows,
+            num_heads=group * num_kv_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=256,
+            page_size=16,
+            dtype=dtype,
+        )
+        check_attention(case, num_splits=2)
+
+
+def test_shuffled_pages_and_padding_rows_on_page_zero_match_reference() -> None:
+    rows = [(23, 1), (40, 1)]
+    for dtype in DTYPES:
+        case = make_case(
+            rows, num_heads=8, num_kv_heads=2, head_dim=32, page_size=4, dtype=dtype, padding_rows=3
+        )
+        assert case.batch.num_decodes == 5
+        check_attention(case, num_splits=1)
+        check_attention(case, num_splits=3)
+
+
+def test_every_split_count_gives_the_same_attention() -> None:
+    # 64 splits of a 300-token context leaves most splits empty; the merge must ignore them.
+    rows = [(299, 1), (130, 1), (7, 1)]
+    for num_splits in (1, 2, 5, 16, 64):
+        case = make_case(
+            rows, num_heads=4, num_kv_heads=1, head_dim=32, page_size=16, dtype=torch.float32, salt=num_splits
+        )
+        check_attention(case, num_splits)
+
+
+def test_kernel_reads_lengths_only_from_device_tensors() -> None:
+    """A replayed CUDA graph refreshes tensors, not Python tuples: results must not depend on them."""
+    for rows in ([(30, 1), (9, 1), (61, 1)], [(30, 1), (0, 20), (12, 33)]):
+        case = make_case(rows, num_heads=4, num_kv_heads=2, head_dim=32, page_size=16, dtype=torch.float32)
+        check_attention(case, num_splits=2, kernel_batch=without_host_lengths(case.batch))
+
+
+def test_default_split_count_follows_shapes_only() -> None:
+    cpu = torch.device("cpu")  # off CUDA the rule assumes 8 SMs: it aims at 16 programs
+    assert tri.decode_num_splits(0, 4, 32768, cpu) == 1
+    assert tri.decode_num_splits(1, 4, 32768, cpu) == 4
+    assert tri.decode_num_splits(1, 1, 32768, cpu) == 16
+    assert tri.decode_num_splits(1, 1, 600, cpu) == 2  # no split shorter than MIN_SPLIT_TOKENS
+    assert tri.decode_num_splits(1, 1, 100, cpu) == 1
+    assert tri.decode_num_splits(16, 4, 32768, cpu) == 1  # enough programs already
+
+
+def test_mismatched_cache_dtype_is_rejected_with_both_dtypes_named() -> None:
+    case = make_case([(3, 1)], num_heads=2, num_kv_heads=1, head_dim=32, page_size=16, dtype=torch.float32)
+    with pytest.raises(ValueError, match="torch.bfloat16/torch.float32/torch.float32"):
+        tri.paged_attention(case.q.bfloat16(), case.k_cache, case.v_cache, case.batch, case.scale)
+
+
+# ----------------------------------------------------------------------------------------------------
+# qk_norm_rope_write_kv
+# ----------------------------------------------------------------------------------------------------
+
+
+def reference_qk_norm_rope_write_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_norm_w: torch.Tensor,
+    k_norm_w: torch.Tensor,
+    eps: float,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """The layer's composition (model/layers/attention.py)."""
+    q, k = rms_norm(q, q_norm_w, eps), rms_norm(k, k_norm_w, eps)
+    cos, sin = rotary_cos_sin(positions, inv_freq, q.dtype)
+    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    ref.write_kv(k, v, k_cache, v_cache, slot_mapping)
+    return q
+
+
+@dataclasses.dataclass(slots=True)
+class ProjectionCase:
+    q: torch.Tensor  # strided views of one fused qkv output, as the layer splits it
+    k: torch.Tensor
+    v: torch.Tensor
+    q_norm_w: torch.Tensor
+    k_norm_w: torch.Tensor
+    positions: torch.Tensor
+    inv_freq: torch.Tensor
+    slot_mapping: torch.Tensor
+    cache_shape: tuple[int, int, int, int]
+    eps: float = 1e-6
+
+    def args(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple:
+        return (
+            *(self.q, self.k, self.v, self.q_norm_w, self.k_norm_w, self.eps),
+            *(self.positions, self.inv_freq, k_cache, v_cache, self.slot_mapping),
+        )
+
+
+def make_projection_case(
+    positions: Sequence[int],
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    rotary_dim: int,
+    dtype: torch.dtype,
+    page_size: int = 16,
+    device: torch.device = DEVICE,
+) -> ProjectionCase:
+    tokens = len(positions)
+    gen = _generator(device, positions, num_heads, num_kv_heads, head_dim, rotary_dim, dtype)
+    q_size, kv_size = 2 * num_heads * head_dim, num_kv_heads * head_dim
+    qkv = (3 * torch.randn(tokens, q_size + 2 * kv_size, generator=gen, device=device)).to(dtype)
+    q_gate, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q = q_gate.view(tokens, num_heads, 2 * head_dim)[..., :head_dim]  # per head [query | gate]
+    num_pages = -(-tokens // page_size) + 3
+    slots = torch.randperm(num_pages * page_size, generator=gen, device=device)[:tokens]
+    weights = [(0.5 * torch.randn(head_dim, generator=gen, device=device)).to(dtype) for _ in range(2)]
+    return ProjectionCase(
+        q=q,
+        k=k.view(tokens, num_kv_heads, head_dim),
+        v=v.view(tokens, num_kv_heads, head_dim),
+        q_norm_w=weights[0],
+        k_norm_w=weights[1],
+        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        inv_freq=inv_frequencies(rotary_dim, 1e7, device),
+        slot_mapping=slots,
+        cache_shape=(num_pages, page_size, num_kv_heads, head_dim),
+    )
+
+
+def check_projection(case: ProjectionCase, dtype: torch.dtype) -> None:
+    caches = [torch.full(case.cache_shape, float("nan"), dtype=dtype, device=case.q.device) for _ in range(4)]
+    q_out = torch.full(case.q.shape, float("nan"), dtype=dtype, device=case.q.device)
+    got = tri.qk_norm_rope_write_kv(*case.args(caches[0], caches[1]), out=q_out)
+    want = reference_qk_norm_rope_write_kv(*case.args(caches[2], caches[3]))
+    assert got.data_ptr() == q_out.data_ptr()
+    if dtype == torch.float32:
+        tol = TOLERANCE[dtype]
+    elif INTERPRETED:  # truncating casts: a few ulps, more where rot*cos + rot_half*sin cancels
+        tol = {"rtol": 2**-5, "atol": 2**-4}
+    else:  # the reference's rounding steps: an ulp apart at most (cos/sin, summation order)
+        tol = {"rtol": 2**-7, "atol": 2**-7}
+    for got_t, want_t in ((got, want), (caches[0], caches[2]), (caches[1], caches[3])):
+        torch.testing.assert_close(got_t, want_t, equal_nan=True, **tol)
+    if dtype == torch.bfloat16 and not INTERPRETED:
+        k_got, k_want = (cache.flatten(0, 1)[case.slot_mapping] for cache in (caches[0], caches[2]))
+        for got_t, want_t in ((got, want), (k_got, k_want)):
+            assert (got_t == want_t).float().mean() > 0.99, "rounding steps differ from the reference"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "rotary_dim"), [(6, 1, 256, 64), (4, 2, 32, 8)]
+)
+def test_qk_norm_rope_write_kv_matches_reference_composition(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, rotary_dim: int
+) -> None:
+    # Positions from 0 to past 200k: large angles stress the fp32 cos/sin.
+    case = make_projection_case(
+        [0, 1, 17, 4095, 32768, 200_003],
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        rotary_dim=rotary_dim,
+        dtype=dtype,
+    )
+    assert case.q.stride(1) == 2 * head_dim  # the strided view of the fused projection
+    check_projection(case, dtype)
+
+
+def test_negative_slot_writes_nothing_but_still_returns_q() -> None:
+    case = make_projection_case(
+        [3, 9], num_heads=2, num_kv_heads=1, head_dim=32, rotary_dim=8, dtype=torch.float32
+    )
+    case.slot_mapping[1] = -1
+    k_cache, v_cache = (torch.full(case.cache_shape, float("nan"), device=case.q.device) for _ in range(2))
+    q_out = tri.qk_norm_rope_write_kv(*case.args(k_cache, v_cache))
+    written = torch.isfinite(k_cache).all(dim=(-2, -1)).view(-1).nonzero().view(-1)
+    assert written.tolist() == [int(case.slot_mapping[0])]
+    assert torch.isfinite(v_cache).all(dim=(-2, -1)).view(-1).nonzero().view(-1).tolist() == written.tolist()
+    assert torch.isfinite(q_out).all()
