@@ -32,29 +32,6 @@ TOLERANCE = {
 }
 
 
-def _interpreter_accepts_tensor_loop_bounds() -> None:
-    """Triton 3.6's interpreter turns a tensor loop bound into int(ndarray of shape (1,)), which
-    numpy >= 2.4 rejects (triton-lang/triton#9171). Applies the upstream fix to this process; compiled
-    kernels are unaffected."""
-    if not INTERPRETED:
-        return
-    from triton.runtime import interpreter
-
-    patch_tensor = interpreter._patch_lang_tensor
-    if getattr(patch_tensor, "accepts_tensor_loop_bounds", False):
-        return
-
-    def patched(tensor: type, scope: object) -> None:
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched.accepts_tensor_loop_bounds = True
-    interpreter._patch_lang_tensor = patched
-
-
-_interpreter_accepts_tensor_loop_bounds()
-
-
 # ----------------------------------------------------------------------------------------------------
 # Cases
 # ----------------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from deltaserve.model.layers.gdn import GatedDeltaNet
 from deltaserve.model.layers.mlp import MLP, SparseMoeBlock
 from deltaserve.model.layers.params import WeightRequirement, new_param, single
 from deltaserve.ops import rms_norm
-from deltaserve.ops.rotary import inv_frequencies, rotary_cos_sin
+from deltaserve.ops.rotary import inv_frequencies
 
 
 class DecoderLayer(nn.Module):
@@ -103,7 +103,6 @@ class Qwen35ForCausalLM(nn.Module):
         """Runs every new token of the batch; returns the final-normed hidden states of the
         `batch.logits_indices` rows, [R, hidden]."""
         h = F.embedding(batch.input_ids, self.embed_tokens)
-        rope = rotary_cos_sin(batch.positions, self.inv_freq, self.dtype)
         residual: torch.Tensor | None = None
         for layer, cache_index in zip(self.layers, self.cache_index, strict=True):
             if residual is None:
@@ -112,7 +111,7 @@ class Qwen35ForCausalLM(nn.Module):
             else:
                 x, residual = rms_norm(h, layer.input_layernorm, layer.eps, residual)
             if layer.is_full_attention:
-                h = layer.mixer(x, batch, rope, kv.layer(cache_index))
+                h = layer.mixer(x, batch, self.inv_freq, kv.layer(cache_index))
             else:
                 h = layer.mixer(x, batch, states.layer(cache_index))
             x, residual = rms_norm(h, layer.post_attention_layernorm, layer.eps, residual)

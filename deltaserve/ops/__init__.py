@@ -10,9 +10,11 @@ import torch
 
 from deltaserve.model.batch import ForwardBatch
 from deltaserve.ops import activation as _activation_ref
+from deltaserve.ops import attention as _attention_ref
 from deltaserve.ops import conv1d as _conv1d_ref
 from deltaserve.ops import gdn as _gdn_ref
 from deltaserve.ops import norm as _norm_ref
+from deltaserve.ops import rotary as _rotary_ref
 
 REFERENCE_ONLY = os.environ.get("DELTASERVE_REFERENCE_OPS", "") == "1"
 
@@ -73,3 +75,38 @@ def gated_delta_rule(
 
         return kernel(q, k, v, a, b, A_log, dt_bias, ssm_state, batch)
     return _gdn_ref.gated_delta_rule(q, k, v, a, b, A_log, dt_bias, ssm_state, batch)
+
+
+def qk_norm_rope_write_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_norm_w: torch.Tensor,
+    k_norm_w: torch.Tensor,
+    eps: float,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Zero-centred RMSNorm of q and k per head, partial RoPE, K/V into the paged cache; returns q."""
+    if use_kernels(q):
+        from deltaserve.ops.triton.attention import qk_norm_rope_write_kv as kernel
+
+        return kernel(q, k, v, q_norm_w, k_norm_w, eps, positions, inv_freq, k_cache, v_cache, slot_mapping)
+    cos, sin = _rotary_ref.rotary_cos_sin(positions, inv_freq, q.dtype)
+    q = _rotary_ref.apply_rotary(_norm_ref.rms_norm(q, q_norm_w, eps), cos, sin)
+    k = _rotary_ref.apply_rotary(_norm_ref.rms_norm(k, k_norm_w, eps), cos, sin)
+    _attention_ref.write_kv(k, v, k_cache, v_cache, slot_mapping)
+    return q
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch, scale: float
+) -> torch.Tensor:
+    if use_kernels(q):
+        from deltaserve.ops.triton.attention import paged_attention as kernel
+
+        return kernel(q, k_cache, v_cache, batch, scale)
+    return _attention_ref.paged_attention(q, k_cache, v_cache, batch, scale)

@@ -9,9 +9,7 @@ from torch import nn
 from deltaserve.config import ModelConfig
 from deltaserve.model.batch import ForwardBatch
 from deltaserve.model.layers.params import WeightRequirement, new_param, single, stacked
-from deltaserve.ops import rms_norm
-from deltaserve.ops.attention import paged_attention, write_kv
-from deltaserve.ops.rotary import apply_rotary
+from deltaserve.ops import paged_attention, qk_norm_rope_write_kv
 
 
 class GatedAttention(nn.Module):
@@ -50,7 +48,7 @@ class GatedAttention(nn.Module):
         self,
         x: torch.Tensor,
         batch: ForwardBatch,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        inv_freq: torch.Tensor,
         kv: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         tokens = x.shape[0]
@@ -58,13 +56,20 @@ class GatedAttention(nn.Module):
         q_gate, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q_gate = q_gate.view(tokens, self.num_heads, 2 * self.head_dim)
         q, gate = q_gate[..., : self.head_dim], q_gate[..., self.head_dim :]
-        q = rms_norm(q, self.q_norm, self.eps)
-        k = rms_norm(k.view(tokens, self.num_kv_heads, self.head_dim), self.k_norm, self.eps)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        cos, sin = rope
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         k_cache, v_cache = kv
-        write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        q = qk_norm_rope_write_kv(
+            q,
+            k.view(tokens, self.num_kv_heads, self.head_dim),
+            v.view(tokens, self.num_kv_heads, self.head_dim),
+            self.q_norm,
+            self.k_norm,
+            self.eps,
+            batch.positions,
+            inv_freq,
+            k_cache,
+            v_cache,
+            batch.slot_mapping,
+        )
         out = paged_attention(q, k_cache, v_cache, batch, self.scale)
         out = out.reshape(tokens, -1) * torch.sigmoid(gate.reshape(tokens, -1))
         return F.linear(out, self.o_proj)
