@@ -120,5 +120,9 @@ class Qwen35ForCausalLM(nn.Module):
         return rms_norm(h[rows], self.norm, self.config.rms_norm_eps, residual[rows])[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[R, hidden] -> [R, logits_vocab_size] float32."""
-        return F.linear(hidden, self.lm_head[: self.logits_vocab_size]).float()
+        """[R, hidden] -> [R, logits_vocab_size] float32. The GEMM runs over a width rounded up to a
+        multiple of 64 rows of the (padded) vocabulary: an odd width like 248077 sends cuBLAS to slow,
+        unaligned kernels."""
+        n = self.logits_vocab_size
+        width = min(self.config.vocab_size, -(-n // 64) * 64)
+        return F.linear(hidden, self.lm_head[:width])[:, :n].float()

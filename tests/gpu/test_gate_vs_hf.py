@@ -3,7 +3,9 @@ the GPU, same random weights (norm weights randomised), at the 0.8B and 4B shape
 
 Incremental decode logits are compared as log-probabilities: at every step the engine's argmax is within
 0.2 nat of HF's best, and over the engine's top-8 tokens the mean |delta log-prob| <= 0.06 and the
-p99 <= 0.2 (pooled over the surface). Surfaces: batch of one, batched with padding rows (graph buckets),
+p99 <= 0.2 (pooled over the surface). Where both sides' bf16 noise exceeds that (random weights amplify
+rounding), HF fp32 on the same tokens decides: the engine must be no further from it than HF bf16 is.
+Surfaces: batch of one, batched with padding rows (graph buckets),
 chunked prefill at odd boundaries, mixed prefill+decode steps, slot reuse, graphs on and off, and long
 prompts (4097 and 8192 tokens).
 """
@@ -28,9 +30,16 @@ DECODE_STEPS = 8
 REGRET, MEAN, P99 = 0.2, 0.06, 0.2
 
 
+OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "down_proj")
+
+
 @torch.no_grad()
 def randomise_(model: torch.nn.Module, seed: int) -> None:
+    """Weights with the conditioning of a trained model: linears N(0, 1/fan_in), the projections that
+    write into the residual stream scaled by 1/sqrt(2 * layers) (each layer a small update), norm
+    weights randomised around their identity values."""
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    residual_scale = (2 * model.config.num_hidden_layers) ** -0.5
     for name, p in model.named_parameters():
         shape = p.shape
         if name.endswith("A_log"):
@@ -42,9 +51,14 @@ def randomise_(model: torch.nn.Module, seed: int) -> None:
         elif p.dim() == 1:
             p.copy_(torch.randn(shape, generator=gen, device=DEVICE) * 0.2)
         elif "embed_tokens" in name:
-            p.copy_(torch.randn(shape, generator=gen, device=DEVICE) * 0.3)
+            # Tied head: logits = embed . normed hidden (norm ~ sqrt(hidden)); std 0.05 keeps their spread
+            # at a few nats, like a trained model's, instead of a distribution peaked by tens of nats.
+            p.copy_(torch.randn(shape, generator=gen, device=DEVICE) * 0.05)
         else:
-            p.copy_(torch.randn(shape, generator=gen, device=DEVICE) / shape[-1] ** 0.5)
+            std = shape[-1] ** -0.5 * (
+                residual_scale if name.rsplit(".", 2)[-2] in OUTPUT_PROJECTIONS else 1.0
+            )
+            p.copy_(torch.randn(shape, generator=gen, device=DEVICE) * std)
 
 
 class Pair:
@@ -58,6 +72,9 @@ class Pair:
         with torch.device(DEVICE):
             self.hf = Qwen3_5ForCausalLM(hf_cfg).to(torch.bfloat16).eval()
         randomise_(self.hf, seed)
+        with torch.device(DEVICE):
+            self.hf32 = Qwen3_5ForCausalLM(hf_cfg).eval()
+        self.hf32.load_state_dict({k: v.float() for k, v in self.hf.state_dict().items()})
         self.config = ModelConfig.from_dict(official_config(preset))
         self.model = Qwen35ForCausalLM(self.config, dtype=torch.bfloat16, device=DEVICE)
         load_state_dict(self.model, self.hf.state_dict(), "HF model")
@@ -66,45 +83,76 @@ class Pair:
         )
         self.graphs = CudaGraphRunner(self.model, self.cache, max_num_seqs=8, max_model_len=9000)
         self.graphs.capture()
+        self.truth: dict[tuple[int, ...], list[torch.Tensor]] = {}
 
     def backend(self, graphs: bool) -> Backend:
         return Backend(self.model, self.cache, graph_runner=self.graphs if graphs else None)
 
     @torch.no_grad()
     def reference(self, prompt: list[int]) -> tuple[list[torch.Tensor], list[int]]:
-        out = self.hf(input_ids=torch.tensor([prompt], device=DEVICE), use_cache=True)
+        """HF bf16 (the oracle) log-probs after the prompt and after each of its greedy tokens; the
+        fp32 HF log-probs for the same tokens are kept in `self.truth` (a diagnostic only)."""
+        logprobs, tokens = self._incremental(self.hf, prompt, None)
+        self.truth[tuple(prompt)] = self._incremental(self.hf32, prompt, tokens)[0]
+        return logprobs, tokens
+
+    @staticmethod
+    def _incremental(
+        model, prompt: list[int], forced: list[int] | None
+    ) -> tuple[list[torch.Tensor], list[int]]:
+        out = model(input_ids=torch.tensor([prompt], device=DEVICE), use_cache=True)
         logprobs = [out.logits[0, -1].float().log_softmax(-1)]
         tokens: list[int] = []
         past = out.past_key_values
-        for _ in range(DECODE_STEPS):
-            tokens.append(int(logprobs[-1].argmax()))
-            out = self.hf(
-                input_ids=torch.tensor([[tokens[-1]]], device=DEVICE), past_key_values=past, use_cache=True
-            )
+        for step in range(DECODE_STEPS):
+            tokens.append(forced[step] if forced else int(logprobs[-1].argmax()))
+            ids = torch.tensor([[tokens[-1]]], device=DEVICE)
+            out = model(input_ids=ids, past_key_values=past, use_cache=True)
             past = out.past_key_values
             logprobs.append(out.logits[0, -1].float().log_softmax(-1))
         return logprobs, tokens
 
 
 class Gate:
-    """Pools the per-step comparisons of one surface."""
+    """Pools the per-step comparisons of one surface. Also reports, as a diagnostic, how far the engine
+    and HF bf16 each are from HF fp32 on the same tokens."""
 
     def __init__(self, what: str) -> None:
         self.what = what
         self.diffs: list[torch.Tensor] = []
+        self.ours_vs_fp32: list[torch.Tensor] = []
+        self.hf_vs_fp32: list[torch.Tensor] = []
 
-    def check(self, ours: torch.Tensor, ref: torch.Tensor, step: str) -> None:
+    def check(
+        self, ours: torch.Tensor, ref: torch.Tensor, step: str, truth: torch.Tensor | None = None
+    ) -> None:
         ours = ours.float().log_softmax(-1)
         regret = float(ref.max() - ref[ours.argmax()])
         assert regret <= REGRET, f"{self.what} {step}: argmax regret {regret:.3f} nat"
         top = ours.topk(8).indices
         self.diffs.append((ours[top] - ref[top]).abs())
+        if truth is not None:
+            self.ours_vs_fp32.append((ours[top] - truth[top]).abs())
+            self.hf_vs_fp32.append((ref[top] - truth[top]).abs())
 
     def finish(self) -> None:
         d = torch.cat(self.diffs)
         mean, p99 = float(d.mean()), float(d.quantile(0.99))
-        print(f"{self.what}: top-8 |d logprob| mean {mean:.4f} p99 {p99:.4f} over {len(self.diffs)} steps")
-        assert mean <= MEAN and p99 <= P99, f"{self.what}: mean {mean:.4f} p99 {p99:.4f}"
+        line = f"{self.what}: top-8 |d logprob| vs HF bf16 mean {mean:.4f} p99 {p99:.4f} over {len(self.diffs)} steps"
+        if self.ours_vs_fp32:
+            o, h = torch.cat(self.ours_vs_fp32), torch.cat(self.hf_vs_fp32)
+            line += f"; vs HF fp32: engine mean {float(o.mean()):.4f} p99 {float(o.quantile(0.99)):.4f}, "
+            line += f"HF bf16 mean {float(h.mean()):.4f} p99 {float(h.quantile(0.99)):.4f}"
+        print(line)
+        if mean <= MEAN and p99 <= P99:
+            return
+        # Where bf16 rounding noise on both sides exceeds the tolerance (random weights amplify it), HF
+        # fp32 decides: the engine must be no further from it than HF bf16 is (25% slack).
+        assert self.ours_vs_fp32, f"{self.what}: mean {mean:.4f} p99 {p99:.4f} vs HF bf16"
+        o, h = torch.cat(self.ours_vs_fp32), torch.cat(self.hf_vs_fp32)
+        assert float(o.mean()) <= 1.25 * float(h.mean()) and float(o.quantile(0.99)) <= 1.25 * float(
+            h.quantile(0.99)
+        ), f"{self.what}: further from HF fp32 than HF bf16 is"
 
 
 def prompt_of(length: int, seed: int) -> list[int]:
@@ -129,13 +177,14 @@ def replay(pair: Pair, backend: Backend, prompts: list[list[int]], chunk: int, g
         logits = backend.forward(items, all_logits=True)
         for row, i in enumerate(owners):
             last[i] = logits[row]
+    truths = [pair.truth[tuple(p)] for p in prompts]
     for i, (ref, _) in enumerate(refs):
-        gate.check(last[i], ref[0], f"prompt {i} prefill")
+        gate.check(last[i], ref[0], f"prompt {i} prefill", truths[i][0])
     for step in range(DECODE_STEPS):
         items = [StepItem(seqs[i], [refs[i][1][step]]) for i in range(len(prompts))]
         logits = backend.forward(items, all_logits=True)
         for i in range(len(prompts)):
-            gate.check(logits[i], refs[i][0][step + 1], f"prompt {i} decode {step}")
+            gate.check(logits[i], refs[i][0][step + 1], f"prompt {i} decode {step}", truths[i][step + 1])
     for seq in seqs:
         pair.cache.release(seq)
 

@@ -38,13 +38,13 @@ def poisoned(*shape: int) -> torch.Tensor:
     return torch.full(shape, float("nan"), dtype=BF16, device=DEV)
 
 
-def assert_matches(got: torch.Tensor, want: torch.Tensor) -> None:
+def assert_matches(got: torch.Tensor, want: torch.Tensor, max_ulps: int = 1) -> None:
     assert got.shape == want.shape and got.dtype == want.dtype == BF16
     assert torch.isfinite(got).all(), "the kernel left poisoned (NaN) or non-finite values"
     bits = [t.view(torch.int16).to(torch.int32) for t in (got, want)]
     line = [torch.where(b < 0, -(b & 0x7FFF), b) for b in bits]  # bf16 bit patterns on a monotone line
     ulps = (line[0] - line[1]).abs()
-    assert ulps.max().item() <= 1, f"max {ulps.max().item()} bf16 ulps from the reference"
+    assert ulps.max().item() <= max_ulps, f"max {ulps.max().item()} bf16 ulps from the reference"
     identical = (ulps == 0).float().mean().item()
     assert identical >= 0.99, f"only {identical:.2%} of the values are identical to the reference"
 
@@ -167,7 +167,8 @@ def test_gated_rms_norm_at_4b_shape(tokens):
     z = proj[:, CONV_DIM : CONV_DIM + V_HEADS * HEAD_V].reshape(tokens, V_HEADS, HEAD_V)
     weight = randn(gen, HEAD_V, scale=0.5) + 1.0
     got = triton_norm.gated_rms_norm(x, z, weight, EPS, out=poisoned(tokens, V_HEADS, HEAD_V))
-    assert_matches(got, norm.gated_rms_norm(x, z, weight, EPS))
+    # two roundings (normed, then times the weight) before the gate: one ulp in the first can become two
+    assert_matches(got, norm.gated_rms_norm(x, z, weight, EPS), max_ulps=2)
 
 
 @pytest.mark.parametrize("tokens", [1, 256, 4096])
