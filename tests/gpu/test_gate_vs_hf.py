@@ -128,7 +128,13 @@ class Gate:
     ) -> None:
         ours = ours.float().log_softmax(-1)
         regret = float(ref.max() - ref[ours.argmax()])
-        assert regret <= REGRET, f"{self.what} {step}: argmax regret {regret:.3f} nat"
+        if regret > REGRET:
+            # A near-tie that bf16 noise flips: fine if, on HF fp32, the engine's pick is no worse than
+            # HF bf16's own pick (or within the tolerance of the best).
+            assert truth is not None, f"{self.what} {step}: argmax regret {regret:.3f} nat"
+            ours_true = float(truth.max() - truth[ours.argmax()])
+            hf_true = float(truth.max() - truth[ref.argmax()])
+            assert ours_true <= max(REGRET, hf_true), f"{self.what} {step}: argmax regret {regret:.3f} nat"
         top = ours.topk(8).indices
         self.diffs.append((ours[top] - ref[top]).abs())
         if truth is not None:
@@ -226,24 +232,25 @@ def test_mixed_prefill_and_decode_steps_and_slot_reuse(pair):
     backend = pair.backend(True)
     a, b = prompt_of(50, 4), prompt_of(90, 5)
     ref_a, ref_b = pair.reference(a), pair.reference(b)
+    ta, tb = pair.truth[tuple(a)], pair.truth[tuple(b)]
     # occupy and release slots first, so the sequences below reuse dirty slots
     for _ in range(3):
         tmp = pair.cache.open()
         backend.forward([StepItem(tmp, prompt_of(40, 9))], all_logits=True)
         pair.cache.release(tmp)
     sa, sb = pair.cache.open(), pair.cache.open()
-    gate.check(backend.forward([StepItem(sa, a)], all_logits=True)[0], ref_a[0][0], "a prefill")
+    gate.check(backend.forward([StepItem(sa, a)], all_logits=True)[0], ref_a[0][0], "a prefill", ta[0])
     out = backend.forward([StepItem(sa, [ref_a[1][0]]), StepItem(sb, b[:45])], all_logits=True)
-    gate.check(out[0], ref_a[0][1], "a decode 0 with b's first chunk")
+    gate.check(out[0], ref_a[0][1], "a decode 0 with b's first chunk", ta[1])
     out = backend.forward([StepItem(sa, [ref_a[1][1]]), StepItem(sb, b[45:])], all_logits=True)
-    gate.check(out[0], ref_a[0][2], "a decode 1 with b's last chunk")
-    gate.check(out[1], ref_b[0][0], "b prefill (mixed)")
+    gate.check(out[0], ref_a[0][2], "a decode 1 with b's last chunk", ta[2])
+    gate.check(out[1], ref_b[0][0], "b prefill (mixed)", tb[0])
     for step in range(2, DECODE_STEPS):
         out = backend.forward(
             [StepItem(sa, [ref_a[1][step]]), StepItem(sb, [ref_b[1][step - 2]])], all_logits=True
         )
-        gate.check(out[0], ref_a[0][step + 1], f"a decode {step}")
-        gate.check(out[1], ref_b[0][step - 1], f"b decode {step - 2}")
+        gate.check(out[0], ref_a[0][step + 1], f"a decode {step}", ta[step + 1])
+        gate.check(out[1], ref_b[0][step - 1], f"b decode {step - 2}", tb[step - 1])
     pair.cache.release(sa)
     pair.cache.release(sb)
     gate.finish()
