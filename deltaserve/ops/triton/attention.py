@@ -67,6 +67,8 @@ _LOG2E = 1.4426950408889634
 # copies of the (already rounded) operands, which is what a bf16 MMA with fp32 accumulation computes.
 # Read when the kernels are decorated, as @triton.jit reads TRITON_INTERPRET.
 _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+if not _INTERPRETED:
+    from triton.language.extra import libdevice  # the interpreter has no libdevice
 
 
 def _sm_count(device: torch.device) -> int:
@@ -94,6 +96,15 @@ def decode_num_splits(num_decodes: int, num_kv_heads: int, max_context: int, dev
 # ----------------------------------------------------------------------------------------------------
 # Fused q/k RMSNorm + partial RoPE + paged K/V write
 # ----------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _cos_sin(x):
+    """Accurate fp32 cos/sin (libdevice, with full range reduction, as torch computes them): positions go
+    up to 262k, where the hardware approximations lose several bits."""
+    if _INTERPRETED:
+        return tl.cos(x), tl.sin(x)
+    return libdevice.cos(x), libdevice.sin(x)
 
 
 @triton.jit
@@ -155,8 +166,9 @@ def _qk_norm_rope_write_kv_kernel(
     freq_idx = tl.where(is_rot, offs % half, 0)
     freqs = tl.load(pos_ptr + t).to(tl.float32) * tl.load(inv_freq_ptr + freq_idx)
     dtype = q_ptr.dtype.element_ty
-    cos = tl.cos(freqs).to(dtype).to(tl.float32)
-    sin = tl.sin(freqs).to(dtype).to(tl.float32)
+    cos, sin = _cos_sin(freqs)
+    cos = cos.to(dtype).to(tl.float32)
+    sin = sin.to(dtype).to(tl.float32)
     if h < NUM_HEADS:
         src = q_ptr + t * stride_qt + h * stride_qh
         y = _norm_rope_row(src, q_w_ptr, cos, sin, eps, offs, partner, sign, is_rot, HEAD_DIM)
