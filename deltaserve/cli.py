@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -99,7 +100,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from deltaserve.sampling_params import SamplingParams
 
     config = engine_config_from_args(args)
-    kwargs = {k: v for k, v in vars(config).items() if k not in ("model", "extra")}
+    kwargs = {
+        f.name: getattr(config, f.name)
+        for f in dataclasses.fields(config)
+        if f.name not in ("model", "extra")
+    }
     if args.model is None:
         print(
             "note: no --model given; using the embedded tiny checkpoint, whose weights are RANDOM",

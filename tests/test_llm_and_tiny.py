@@ -34,7 +34,13 @@ def digest(path: Path) -> str:
 
 def test_make_tiny_writes_the_official_layout_deterministically(tmp_path, tiny_dir):
     out = make_tiny(tmp_path / "again", "tiny", 0)
-    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+    for name in (
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ):
         assert digest(out / name) == digest(tiny_dir / name), name
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "qwen3_5" and config["text_config"]["model_type"] == "qwen3_5_text"
@@ -62,7 +68,9 @@ def test_tiny_moe_preset_loads_and_matches_hf(tmp_path):
         ref = hf(input_ids=torch.tensor([prompt])).logits[0, -1, :248077].log_softmax(-1)
     from deltaserve.config import EngineConfig
 
-    core = EngineCore(EngineConfig(model=str(out), dtype="float32", device="cpu", max_num_seqs=2, max_model_len=256))
+    core = EngineCore(
+        EngineConfig(model=str(out), dtype="float32", device="cpu", max_num_seqs=2, max_model_len=256)
+    )
     seq = core.backend.cache.open()
     from deltaserve.engine.backend import StepItem
 
@@ -73,7 +81,9 @@ def test_tiny_moe_preset_loads_and_matches_hf(tmp_path):
 
 def test_generate_returns_one_output_per_prompt_in_order(llm):
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    outs = llm.generate(["Hello, my name is", {"prompt_token_ids": [1, 2, 3]}, "The capital of France"], params)
+    outs = llm.generate(
+        ["Hello, my name is", {"prompt_token_ids": [1, 2, 3]}, "The capital of France"], params
+    )
     assert [o.prompt for o in outs] == ["Hello, my name is", None, "The capital of France"]
     assert outs[0].prompt_token_ids == llm.tokenizer.encode("Hello, my name is")
     assert outs[1].prompt_token_ids == [1, 2, 3]
@@ -92,7 +102,9 @@ def test_stop_strings_cut_the_text_and_end_the_request(llm):
     full = llm.generate(["Once upon a time"], params)[0].outputs[0]
     # a stop string made of the middle of the greedy text, spanning a token boundary
     stop = full.text[len(full.text) // 3 : len(full.text) // 3 + 3]
-    cut = llm.generate(["Once upon a time"], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop=[stop]))
+    cut = llm.generate(
+        ["Once upon a time"], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop=[stop])
+    )
     completion = cut[0].outputs[0]
     assert completion.finish_reason == "stop" and completion.stop_reason == stop
     assert completion.text == full.text[: full.text.index(stop)]
