@@ -138,11 +138,13 @@ class Scheduler:
         self.num_preemptions = 0
         self.stopped = False
         self._admitted = 0
+        self._wake = threading.Event()
 
     # ---- entry ---------------------------------------------------------------------------------
 
     def submit(self, msg: ClientMessage) -> None:
         self.inbox.put(msg)
+        self._wake.set()
 
     def run(self, idle_wait_s: float = 0.05) -> None:
         """The loop: tick until a Shutdown message or a fatal error. Fatal errors fan out one error
@@ -157,11 +159,10 @@ class Scheduler:
             raise
 
     def _wait_for_work(self, timeout: float) -> None:
-        try:
-            msg = self.inbox.get(timeout=timeout)
-        except queue.Empty:
-            return
-        self.inbox.put(msg)  # re-queued so the next tick drains it in order with the rest
+        """Idle: sleeps until a submission (or the timeout). A message that arrives between the wait and
+        the clear is already in the inbox, so the next tick drains it: no wake-up is lost."""
+        self._wake.wait(timeout)
+        self._wake.clear()
 
     # ---- the tick ------------------------------------------------------------------------------
 
