@@ -144,15 +144,7 @@ def run_step(sched: Scheduler) -> None:
 def _execute(sched: Scheduler, decode: list[Request], chunks: list[ScheduledChunk]) -> None:
     """Pure decode, batch prefill or unified prefill+decode: one forward over decode rows then chunks."""
     items = [StepItem(r.seq, [r.output_token_ids[-1]], _sampling_row(sched, r)) for r in decode]
-    for c in chunks:
-        req = c.request
-        items.append(
-            StepItem(
-                req.seq,
-                req.token_slice(c.start, c.length),
-                _sampling_row(sched, req) if c.completes else None,
-            )
-        )
+    items += [_chunk_item(sched, c) for c in chunks]
     try:
         result = sched.backend.execute(items)
     except (torch.OutOfMemoryError, MemoryError) as exc:
@@ -162,20 +154,20 @@ def _execute(sched: Scheduler, decode: list[Request], chunks: list[ScheduledChun
     promote_or_requeue(sched, chunks, result, offset=len(decode))
 
 
+def _chunk_item(sched: Scheduler, c: ScheduledChunk) -> StepItem:
+    """A chunk's share of the forward; it samples only when it feeds the request's last pending token."""
+    req = c.request
+    sampling = _sampling_row(sched, req) if c.completes else None
+    return StepItem(req.seq, req.token_slice(c.start, c.length), sampling)
+
+
 def launch_overlap_step(sched: Scheduler, chunks: list[ScheduledChunk]) -> None:
     """Launches the chunks asynchronously; the loop keeps decoding and finishes them at a later tick.
     At most one is in flight, and no prefill is planned while it is."""
     from deltaserve.engine.scheduler import Phase
 
     assert sched.inflight is None, "one async prefill at a time"
-    items = [
-        StepItem(
-            c.request.seq,
-            c.request.token_slice(c.start, c.length),
-            _sampling_row(sched, c.request) if c.completes else None,
-        )
-        for c in chunks
-    ]
+    items = [_chunk_item(sched, c) for c in chunks]
     for c in chunks:
         c.request.phase = Phase.INFLIGHT
     sched.inflight = InflightPrefill(chunks, sched.backend.launch(items))
