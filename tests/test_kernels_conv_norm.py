@@ -70,7 +70,12 @@ def make_batch(rows: list[tuple[int, int, int]]) -> ForwardBatch:
 
 
 def check_conv(
-    rows: list[tuple[int, int, int]], channels: int, dtype: torch.dtype, seed: int, stale: Iterable[int] = ()
+    rows: list[tuple[int, int, int]],
+    channels: int,
+    dtype: torch.dtype,
+    seed: int,
+    stale: Iterable[int] = (),
+    **kernel_options: object,
 ) -> None:
     """Kernel vs reference on one batch: outputs, and the whole state pool after the step. x is the
     middle of a wider projection row (strided); the slots in `stale` hold NaN."""
@@ -84,7 +89,8 @@ def check_conv(
     want_state = state.clone()
     with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):  # on CUDA, a true fp32 reference
         want = conv1d.causal_conv1d(x, weight, want_state, batch)
-    got = triton_conv.causal_conv1d(x, weight, state, batch, out=poisoned(tokens, channels, dtype=dtype))
+    out = poisoned(tokens, channels, dtype=dtype)
+    got = triton_conv.causal_conv1d(x, weight, state, batch, out=out, **kernel_options)
     assert_matches(got, want)
     # Every slot, the untouched and the stale ones included, equals the reference's.
     assert torch.equal(state.isnan(), want_state.isnan())
@@ -118,6 +124,17 @@ def test_conv_short_sequences_at_every_block_offset():
     check_conv(
         rows, channels=64, dtype=torch.bfloat16, seed=2, stale={slot for n, ctx, slot in rows if ctx == 0}
     )
+
+
+@pytest.mark.parametrize("blocks", [(4, 32, 1), (8, 256, 4), (32, 16, 2)])
+def test_conv_block_shapes_agree_with_the_reference(blocks):
+    # Ownership of slot reads and write-backs holds for any block of >= K-1 rows: sequences start at
+    # every offset of 4-, 8- and 32-row blocks, some shorter than K-1, some on stale slots.
+    lengths = [2, 3, 2, 1, 3, 9, 1, 5] * 3
+    contexts = itertools.cycle([0, 2, 5, 1, 0, 9, 3])
+    rows = [(n, ctx, slot) for slot, (n, ctx) in enumerate(zip(lengths, contexts, strict=False), start=1)]
+    stale = {slot for n, ctx, slot in rows if ctx == 0}
+    check_conv(rows, channels=72, dtype=torch.bfloat16, seed=5, stale=stale, blocks=blocks)
 
 
 def test_conv_pure_decode_batch():

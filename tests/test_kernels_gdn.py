@@ -49,3 +49,18 @@ def test_decode_kernel_matches_reference_and_updates_states_in_place(hk, hv, d, 
     torch.testing.assert_close(got_state, ref_state, **tol)
     untouched = [0, 3, 5, 7]
     assert torch.equal(got_state[untouched], state[untouched])
+
+
+def test_prefill_index_lists_every_64_token_chunk_once_per_batch():
+    # Decode rows first (skipped), then prefills of 130, 64 and 1 tokens: chunks 3 + 1 + 1.
+    rows = [BatchRow([1], 5, [1], 1), BatchRow([1], 9, [2], 2)]
+    rows += [BatchRow([0] * n, ctx, [3] * 20, slot) for n, ctx, slot in [(130, 0, 3), (64, 7, 4), (1, 0, 5)]]
+    batch = build_forward_batch(rows, page_size=16, device=DEVICE)
+    index = triton_gdn.prefill_index(batch, first=2)
+    assert index.start == 2
+    assert index.cu_seqlens_cpu.tolist() == [0, 130, 194, 195]
+    assert index.cu_seqlens.tolist() == [0, 130, 194, 195]
+    assert index.chunk_indices.tolist() == [[0, 0], [0, 1], [0, 2], [1, 0], [2, 0]]
+    assert index.cu_seqlens.device.type == DEVICE.type
+    # Every GDN layer of the batch gets the same tensors (fla caches its derived indices by identity).
+    assert triton_gdn.prefill_index(batch, first=2) is index

@@ -27,6 +27,9 @@ class ForwardBatch:
     num_decodes: int  # the first num_decodes sequences are single-token decode rows
     query_lens_host: tuple[int, ...]
     context_lens_host: tuple[int, ...]
+    # Per-batch index the GPU GDN prefill path builds on first use and every GDN layer then shares
+    # (deltaserve.ops.triton.gdn.PrefillIndex): one host->device transfer per batch, not per layer.
+    gdn_prefill_index: object | None = None
 
     @property
     def num_seqs(self) -> int:

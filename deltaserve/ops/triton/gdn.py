@@ -12,6 +12,8 @@ back. Same math as deltaserve/ops/gdn.py, which is the oracle.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -120,6 +122,47 @@ def gdn_decode(
     )
 
 
+# fla's chunk length; its chunk index lists (sequence, chunk) for every 64-token chunk of every sequence.
+_FLA_CHUNK = 64
+
+
+@dataclass(slots=True)
+class PrefillIndex:
+    """The prefill sequences' varlen layout for fla, built once per batch. Passing the chunk index (and
+    the same cu_seqlens tensor to every layer) keeps fla from rebuilding it per layer, which costs a
+    blocking host->device copy each time."""
+
+    first: int  # first prefill sequence of the batch
+    start: int  # its first token row
+    cu_seqlens: torch.Tensor  # [P + 1] int64 on the device
+    cu_seqlens_cpu: torch.Tensor  # the same on the host
+    chunk_indices: torch.Tensor  # [chunks, 2] int64 on the device: (sequence, chunk within it)
+
+
+def prefill_index(batch: ForwardBatch, first: int) -> PrefillIndex:
+    cached = batch.gdn_prefill_index
+    if isinstance(cached, PrefillIndex) and cached.first == first:
+        return cached
+    lens = batch.query_lens_host[first:]
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    chunks = [(seq, c) for seq, n in enumerate(lens) for c in range(-(-n // _FLA_CHUNK))]
+    device = batch.query_start_loc.device
+    pin = device.type == "cuda"
+    cu_cpu = torch.tensor(cu, dtype=torch.int64)
+    chunks_cpu = torch.tensor(chunks, dtype=torch.int64).view(-1, 2)
+    index = PrefillIndex(
+        first=first,
+        start=sum(batch.query_lens_host[:first]),
+        cu_seqlens=(cu_cpu.pin_memory() if pin else cu_cpu).to(device, non_blocking=True),
+        cu_seqlens_cpu=cu_cpu,
+        chunk_indices=(chunks_cpu.pin_memory() if pin else chunks_cpu).to(device, non_blocking=True),
+    )
+    batch.gdn_prefill_index = index
+    return index
+
+
 def gdn_prefill(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -138,13 +181,8 @@ def gdn_prefill(
 
     from deltaserve.ops.gdn import gdn_gating
 
-    host_lens = batch.query_lens_host[first:]
-    start = sum(batch.query_lens_host[:first])
-    cu_host = [0]
-    for n in host_lens:
-        cu_host.append(cu_host[-1] + n)
-    cu_cpu = torch.tensor(cu_host, dtype=torch.int64)
-    cu = cu_cpu.to(q.device, non_blocking=True)
+    index = prefill_index(batch, first)
+    start = index.start
     slots = batch.state_slots[first:]
     has_context = (batch.context_lens[first:] > 0)[:, None, None, None]
     initial = torch.where(has_context, ssm_state[slots].float(), 0.0)
@@ -158,8 +196,9 @@ def gdn_prefill(
         initial_state=initial,
         output_final_state=True,
         use_qk_l2norm_in_kernel=True,
-        cu_seqlens=cu,
-        cu_seqlens_cpu=cu_cpu,
+        cu_seqlens=index.cu_seqlens,
+        cu_seqlens_cpu=index.cu_seqlens_cpu,
+        chunk_indices=index.chunk_indices,
     )
     ssm_state[slots] = final.to(ssm_state.dtype)
     return out[0]
