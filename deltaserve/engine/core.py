@@ -102,19 +102,14 @@ class EngineCore:
         max_model_len = self._resolve_max_model_len(capacity_tokens)
         graphs = None
         if device.type == "cuda" and not config.enforce_eager:
-            if self.model_config.is_moe:
-                logger.info(
-                    "CUDA graphs are off for MoE models until the fused MoE kernel lands (eager decode)"
-                )
-            else:
-                graphs = CudaGraphRunner(self.model, cache, config.max_num_seqs, max_model_len)
-                seconds = graphs.capture()
-                logger.info(
-                    "captured %d decode graphs (batch buckets up to %d) in %.1f s",
-                    len(graphs.buckets),
-                    config.max_num_seqs,
-                    seconds,
-                )
+            graphs = CudaGraphRunner(self.model, cache, config.max_num_seqs, max_model_len)
+            seconds = graphs.capture()
+            logger.info(
+                "captured %d decode graphs (batch buckets up to %d) in %.1f s",
+                len(graphs.buckets),
+                config.max_num_seqs,
+                seconds,
+            )
         self.backend = Backend(self.model, cache, graph_runner=graphs)
         self.scheduler_config = SchedulerConfig(
             max_model_len=max_model_len,

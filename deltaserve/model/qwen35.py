@@ -21,7 +21,7 @@ from deltaserve.model.layers.attention import GatedAttention
 from deltaserve.model.layers.gdn import GatedDeltaNet
 from deltaserve.model.layers.mlp import MLP, SparseMoeBlock
 from deltaserve.model.layers.params import WeightRequirement, new_param, single
-from deltaserve.ops import rms_norm
+from deltaserve.ops import linear, rms_norm
 from deltaserve.ops.rotary import inv_frequencies
 
 
@@ -125,4 +125,4 @@ class Qwen35ForCausalLM(nn.Module):
         unaligned kernels."""
         n = self.logits_vocab_size
         width = min(self.config.vocab_size, -(-n // 64) * 64)
-        return F.linear(hidden, self.lm_head[:width])[:, :n].float()
+        return linear(hidden, self.lm_head[:width])[:, :n].float()

@@ -7,12 +7,14 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 
 from deltaserve.model.batch import ForwardBatch
 from deltaserve.ops import activation as _activation_ref
 from deltaserve.ops import attention as _attention_ref
 from deltaserve.ops import conv1d as _conv1d_ref
 from deltaserve.ops import gdn as _gdn_ref
+from deltaserve.ops import moe as _moe_ref
 from deltaserve.ops import norm as _norm_ref
 from deltaserve.ops import rotary as _rotary_ref
 
@@ -21,6 +23,34 @@ REFERENCE_ONLY = os.environ.get("DELTASERVE_REFERENCE_OPS", "") == "1"
 
 def use_kernels(t: torch.Tensor) -> bool:
     return t.is_cuda and not REFERENCE_ONLY
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight^T. One 16-bit row on the GPU (batch-1 decode) takes the GEMV kernel; everything else
+    is F.linear (cuBLAS at M > 1, where its tensor-core kernels win)."""
+    if (
+        x.shape[0] == 1
+        and x.dim() == 2
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and use_kernels(x)
+        and x.stride(1) == 1
+        and weight.stride(1) == 1
+    ):
+        from deltaserve.ops.triton.linear import gemv
+
+        return gemv(x, weight)
+    return F.linear(x, weight)
+
+
+def fused_experts(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """Routed experts of an MoE block: sum over each token's experts of weight * down(silu(gate x) * up x)."""
+    if use_kernels(x):
+        from deltaserve.ops.triton.moe import fused_experts as kernel
+
+        return kernel(x, w13, w2, weights, ids)
+    return _moe_ref.fused_experts(x, w13, w2, weights, ids)
 
 
 def rms_norm(

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.config import ModelConfig
 from deltaserve.model.batch import ForwardBatch
 from deltaserve.model.layers.params import WeightRequirement, new_param, single, stacked
-from deltaserve.ops import paged_attention, qk_norm_rope_write_kv
+from deltaserve.ops import linear, paged_attention, qk_norm_rope_write_kv
 
 
 class GatedAttention(nn.Module):
@@ -52,7 +51,7 @@ class GatedAttention(nn.Module):
         kv: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        qkv = F.linear(x, self.qkv_proj)
+        qkv = linear(x, self.qkv_proj)
         q_gate, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q_gate = q_gate.view(tokens, self.num_heads, 2 * self.head_dim)
         q, gate = q_gate[..., : self.head_dim], q_gate[..., self.head_dim :]
@@ -72,4 +71,4 @@ class GatedAttention(nn.Module):
         )
         out = paged_attention(q, k_cache, v_cache, batch, self.scale)
         out = out.reshape(tokens, -1) * torch.sigmoid(gate.reshape(tokens, -1))
-        return F.linear(out, self.o_proj)
+        return linear(out, self.o_proj)

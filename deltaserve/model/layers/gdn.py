@@ -7,13 +7,12 @@ over the sequence's SSM state -> per-head gated RMSNorm with z -> out_proj.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.config import ModelConfig
 from deltaserve.model.batch import ForwardBatch
 from deltaserve.model.layers.params import WeightRequirement, new_param, single, stacked
-from deltaserve.ops import causal_conv1d, gated_delta_rule, gated_rms_norm
+from deltaserve.ops import causal_conv1d, gated_delta_rule, gated_rms_norm, linear
 
 
 class GatedDeltaNet(nn.Module):
@@ -61,7 +60,7 @@ class GatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         tokens = x.shape[0]
         conv_state, ssm_state = state
-        proj = F.linear(x, self.in_proj)
+        proj = linear(x, self.in_proj)
         mixed, z, b, a = proj.split(
             [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1
         )
@@ -79,4 +78,4 @@ class GatedDeltaNet(nn.Module):
             batch,
         )
         out = gated_rms_norm(out, z.reshape(tokens, self.num_v_heads, self.head_v_dim), self.norm, self.eps)
-        return F.linear(out.reshape(tokens, self.value_dim), self.out_proj)
+        return linear(out.reshape(tokens, self.value_dim), self.out_proj)

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.config import ModelConfig
 from deltaserve.model.layers.params import CheckpointTensor, WeightRequirement, new_param, single, stacked
-from deltaserve.ops import silu_and_mul
-from deltaserve.ops.moe import fused_experts, route
+from deltaserve.ops import fused_experts, linear, silu_and_mul
+from deltaserve.ops.moe import route
 
 
 class MLP(nn.Module):
@@ -32,7 +31,7 @@ class MLP(nn.Module):
         ]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(silu_and_mul(F.linear(x, self.gate_up_proj)), self.down_proj)
+        return linear(silu_and_mul(linear(x, self.gate_up_proj)), self.down_proj)
 
 
 class SparseMoeBlock(nn.Module):
@@ -72,7 +71,7 @@ class SparseMoeBlock(nn.Module):
         ]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(F.linear(x, self.gate), self.top_k, self.renormalize)
+        weights, ids = route(linear(x, self.gate), self.top_k, self.renormalize)
         routed = fused_experts(x, self.w13, self.w2, weights, ids)
-        shared = self.shared_expert(x) * torch.sigmoid(F.linear(x, self.shared_expert_gate))
+        shared = self.shared_expert(x) * torch.sigmoid(linear(x, self.shared_expert_gate))
         return routed + shared

@@ -1,0 +1,348 @@
+"""The routed experts of a Qwen3.5 MoE block on the GPU (the torch reference is deltaserve/ops/moe.py).
+
+`fused_experts(x, w13, w2, weights, ids)`: out[t] = sum over the k routing slots j of token t of
+weights[t, j] * w2[e] @ (silu(gate) * up), with e = ids[t, j] and gate | up = w13[e] @ x[t].
+A slot is one (token, j) pair, numbered s = t * k + j (ids and weights flattened). Three steps:
+
+1. Grouping (`_group_slots`, torch ops on the device). The slots are sorted by expert (stable argsort,
+   so tokens stay ascending within an expert) and laid out in `sorted_slots`, each expert's run padded
+   up to a multiple of BLOCK_M with the sentinel T*k: every BLOCK_M block belongs to one expert,
+   `block_expert[b]`, which is E for the blocks past the last used one. The layout has the shape-only
+   length T*k + min(E, T*k) * (BLOCK_M - 1): at most min(E, T*k) experts are used and each pads by
+   fewer than BLOCK_M rows.
+2. `_gate_up_kernel`, grid (blocks, cdiv(I, BLOCK_N)): a block's x rows (gathered as slot // k) times
+   w13[e]^T, the gate and up columns of the tile in two accumulators; the epilogue writes
+   silu(gate) * up to `inter` at the rows' padded positions.
+3. `_down_kernel`, grid (blocks, cdiv(H, BLOCK_N)): a block's `inter` rows times w2[e]^T, times the
+   routing weight, scattered to `per_slot[s]` ([T*k, H]); `_combine_kernel`, grid (T, cdiv(H, BLOCK_H)),
+   sums each token's k rows in fp32 and rounds once. No atomics: the result is deterministic.
+
+Every grid is a function of the shapes (T, k, E, H, I) only and nothing is read back to the host:
+programs of unused blocks read block_expert == E and return, padding rows (sentinel slots) are masked.
+The call can be captured in a CUDA graph and replayed with new ids / weights (same shapes). Every slot
+appears exactly once in `sorted_slots`, so every row of `per_slot` is written. ids must lie in [0, E):
+that is not checked, as checking would synchronise.
+
+Numerics follow the reference in x's dtype, rounding where it rounds (all products accumulate in fp32):
+the gate and up GEMM results are rounded (F.linear's output), silu(gate) is rounded, times up rounded
+(silu_and_mul); the down GEMM result is rounded, times the weight rounded (the reference multiplies in
+x's dtype). The reference adds the k per-slot results to a zero row one expert at a time, rounding after
+each add; here they are summed in fp32 and rounded once, which is the same for k <= 2 and within a
+rounding of it otherwise. fp32 inputs use IEEE dots (no TF32), as torch's fp32 matmul does by default.
+Narrowing casts go through `round_to` (the interpreter truncates fp32 -> bf16), dots through `_dot`
+(the interpreter multiplies bf16 tiles as raw bits, so there it dots fp32 copies).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from deltaserve.ops.triton.activation import round_to, silu_f32
+from deltaserve.ops.triton.attention import _dot
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_ID_DTYPES = (torch.int64, torch.int32)
+
+
+class _Tiles(NamedTuple):
+    """Fixed launch parameters of the two grouped GEMMs (no autotuning: nothing benchmarks while serving)."""
+
+    block_m: int  # (token, slot) rows per block; one expert per block
+    block_n: int  # output columns per program (I for gate_up, each for gate and up; H for down)
+    block_k: int  # reduction step (H for gate_up, I for down)
+    num_warps: int
+    num_stages: int
+
+
+# Untuned defaults in the range of common fused-MoE configs (not yet benchmarked on this engine):
+# * Decode and small batches, T*k <= 16*E (an expert averages at most one 16-row block): BLOCK_M = 16, the
+#   smallest tl.dot M, so that the padding of the few used experts costs little. These calls stream each
+#   used expert's weights once and are memory-bound.
+# * Larger batches: BLOCK_M = 64 reuses every weight tile across 64 rows.
+# BLOCK_N = BLOCK_K = 64 for 16-bit inputs: gate_up's stage is (BLOCK_M + 2 * BLOCK_N) * BLOCK_K * 2 bytes,
+# 18 / 24 KiB, so 3 stages fit any recent GPU's shared memory. fp32 inputs (tests) halve BLOCK_K to keep
+# the same bytes per stage.
+_SMALL_BATCH_BLOCK_M = 16
+_LARGE_BATCH_BLOCK_M = 64
+_BLOCK_N = 64
+_BLOCK_K_16BIT = 64
+_BLOCK_K_FP32 = 32
+_NUM_WARPS = 4
+_NUM_STAGES = 3
+# The combine kernel: one token row's BLOCK_H columns per program (8 values per thread over 4 warps).
+_BLOCK_H = 1024
+
+
+def _tiles(tokens: int, top_k: int, num_experts: int, dtype: torch.dtype) -> _Tiles:
+    """Launch parameters: a function of shapes and dtype only (graph-capture safe)."""
+    small = tokens * top_k <= _SMALL_BATCH_BLOCK_M * num_experts
+    block_m = _SMALL_BATCH_BLOCK_M if small else _LARGE_BATCH_BLOCK_M
+    block_k = _BLOCK_K_FP32 if dtype == torch.float32 else _BLOCK_K_16BIT
+    return _Tiles(block_m, _BLOCK_N, block_k, _NUM_WARPS, _NUM_STAGES)
+
+
+class _Grouping(NamedTuple):
+    """The slots grouped by expert in BLOCK_M blocks; both lengths depend on shapes only."""
+
+    sorted_slots: torch.Tensor  # [blocks * BLOCK_M] int32: the slot at each padded position; T*k = padding
+    block_expert: torch.Tensor  # [blocks] int32: each block's expert; E for blocks past the last used one
+
+
+def _max_blocks(num_slots: int, num_experts: int, block_m: int) -> int:
+    """Upper bound on the used blocks: each of the at most min(E, T*k) used experts pads < BLOCK_M rows."""
+    return triton.cdiv(num_slots + min(num_experts, num_slots) * (block_m - 1), block_m)
+
+
+def _group_slots(ids: torch.Tensor, num_experts: int, block_m: int) -> _Grouping:
+    """ids: [T, k] expert ids in [0, E). Device-side torch ops only: no value reaches the host."""
+    flat = ids.reshape(-1).long()
+    num_slots = flat.numel()
+    device = flat.device
+    num_blocks = _max_blocks(num_slots, num_experts, block_m)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    blocks = (counts + block_m - 1) // block_m
+    block_end = torch.cumsum(blocks, 0)  # one past each expert's last block (non-decreasing)
+    run_start = torch.cumsum(counts, 0) - counts  # each expert's first index in the sorted slots
+    pad_start = (block_end - blocks) * block_m  # each expert's first padded position
+    order = torch.argsort(flat, stable=True)  # slots by expert, ascending slots within an expert
+    expert = flat[order]
+    rank = torch.arange(num_slots, device=device) - run_start[expert]  # index within the expert's run
+    sorted_slots = torch.full((num_blocks * block_m,), num_slots, dtype=torch.int32, device=device)
+    sorted_slots.scatter_(0, pad_start[expert] + rank, order.to(torch.int32))
+    block_ids = torch.arange(num_blocks, device=device)
+    block_expert = torch.searchsorted(block_end, block_ids, right=True).to(torch.int32)
+    return _Grouping(sorted_slots, block_expert)
+
+
+@triton.jit(do_not_specialize=["num_slots"])  # T*k: no compile per batch size
+def _gate_up_kernel(
+    x_ptr,
+    w13_ptr,
+    inter_ptr,
+    sorted_slots_ptr,
+    block_expert_ptr,
+    num_slots,
+    top_k,
+    hidden,
+    inter_size,
+    num_experts,
+    stride_xt,
+    stride_xh,
+    stride_we,
+    stride_wn,
+    stride_wh,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """inter[p, n] = silu(gate) * up for the padded positions p of one block and BLOCK_N columns n < I."""
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block)
+    if expert >= num_experts:  # past the last used block
+        return
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)  # padded positions
+    slots = tl.load(sorted_slots_ptr + rows)
+    valid = slots < num_slots  # False on padding rows (their token index is out of range)
+    tokens = (slots // top_k).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < inter_size
+    offs_k = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + tokens[:, None] * stride_xt
+    w = w13_ptr + expert.to(tl.int64) * stride_we
+    gate_cols = w + cols[None, :] * stride_wn  # w13[e, n, :] is gate row n, w13[e, I + n, :] up row n
+    up_cols = w + (cols[None, :] + inter_size) * stride_wn
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        ks = k0 + offs_k
+        k_ok = ks < hidden
+        a = tl.load(x_rows + ks[None, :] * stride_xh, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        w_mask = k_ok[:, None] & col_ok[None, :]
+        w_gate = tl.load(gate_cols + ks[:, None] * stride_wh, mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
+        w_up = tl.load(up_cols + ks[:, None] * stride_wh, mask=w_mask, other=0.0)
+        acc_gate += _dot(a, w_gate, DOT_PRECISION)
+        acc_up += _dot(a, w_up, DOT_PRECISION)
+    dtype = inter_ptr.dtype.element_ty
+    gate = round_to(acc_gate, dtype).to(tl.float32)  # F.linear's rounded output
+    up = round_to(acc_up, dtype).to(tl.float32)
+    act = round_to(silu_f32(gate), dtype).to(tl.float32)  # rounded, as F.silu(gate) is
+    out = inter_ptr + rows.to(tl.int64)[:, None] * inter_size + cols[None, :]
+    tl.store(out, round_to(act * up, dtype), mask=valid[:, None] & col_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_slots"])
+def _down_kernel(
+    inter_ptr,
+    w2_ptr,
+    weights_ptr,
+    per_slot_ptr,
+    sorted_slots_ptr,
+    block_expert_ptr,
+    num_slots,
+    hidden,
+    inter_size,
+    num_experts,
+    stride_we,
+    stride_wn,
+    stride_wi,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """per_slot[s, n] = weight[s] * (inter[p] @ w2[e, n, :]) for the slots s of one block (at padded
+    positions p) and BLOCK_N columns n < H."""
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block)
+    if expert >= num_experts:  # past the last used block
+        return
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)  # padded positions
+    slots = tl.load(sorted_slots_ptr + rows)
+    valid = slots < num_slots
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden
+    offs_k = tl.arange(0, BLOCK_K)
+    a_rows = inter_ptr + rows.to(tl.int64)[:, None] * inter_size
+    w_cols = w2_ptr + expert.to(tl.int64) * stride_we + cols[None, :] * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, inter_size, BLOCK_K):
+        ks = k0 + offs_k
+        k_ok = ks < inter_size
+        a = tl.load(a_rows + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_cols + ks[:, None] * stride_wi, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc += _dot(a, w, DOT_PRECISION)
+    dtype = per_slot_ptr.dtype.element_ty
+    down = round_to(acc, dtype).to(tl.float32)  # F.linear's rounded output
+    weight = tl.load(weights_ptr + slots, mask=valid, other=0.0).to(tl.float32)
+    out = per_slot_ptr + slots.to(tl.int64)[:, None] * hidden + cols[None, :]
+    tl.store(out, round_to(down * weight[:, None], dtype), mask=valid[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _combine_kernel(per_slot_ptr, out_ptr, top_k, hidden, stride_ot, BLOCK_H: tl.constexpr):
+    """out[t] = the fp32 sum of per_slot[t * k : (t + 1) * k], rounded once."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < hidden
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in range(top_k):
+        row = per_slot_ptr + (token * top_k + j) * hidden
+        acc += tl.load(row + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * stride_ot + cols, round_to(acc, out_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_inputs(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"x has shape {tuple(x.shape)}, expected 2-D (T, H)")
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"x has dtype {x.dtype}, expected one of {', '.join(map(str, _DTYPES))}")
+    tokens, hidden = x.shape
+    if w13.dim() != 3 or w13.shape[1] % 2 or w13.shape[1] == 0 or w13.shape[2] != hidden:
+        raise ValueError(f"w13 has shape {tuple(w13.shape)}, expected (E, 2 * I, {hidden}) with I >= 1")
+    num_experts, inter_size = w13.shape[0], w13.shape[1] // 2
+    if w2.shape != (num_experts, hidden, inter_size):
+        raise ValueError(f"w2 has shape {tuple(w2.shape)}, expected ({num_experts}, {hidden}, {inter_size})")
+    if weights.dim() != 2 or weights.shape[0] != tokens or not 1 <= weights.shape[1] <= num_experts:
+        raise ValueError(
+            f"weights has shape {tuple(weights.shape)}, expected ({tokens}, k), 1 <= k <= {num_experts}"
+        )
+    if ids.shape != weights.shape:
+        raise ValueError(f"ids has shape {tuple(ids.shape)}, expected weights' {tuple(weights.shape)}")
+    for name, t in (("w13", w13), ("w2", w2), ("weights", weights)):
+        if t.dtype != x.dtype:
+            raise ValueError(f"{name} has dtype {t.dtype}, expected x's {x.dtype}")
+    if ids.dtype not in _ID_DTYPES:
+        raise ValueError(f"ids has dtype {ids.dtype}, expected torch.int64 or torch.int32")
+    for name, t in (("w13", w13), ("w2", w2), ("weights", weights), ("ids", ids)):
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device}, expected x's device {x.device}")
+
+
+def fused_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x: [T, H]; w13: [E, 2I, H] (gate rows then up rows); w2: [E, H, I]; weights: [T, k] in x's dtype;
+    ids: [T, k] int64 (or int32) expert ids in [0, E). Sum over each token's experts of
+    weight * down(silu(gate x) * up x): [T, H] in x's dtype, written into `out` when given (contiguous).
+    Never synchronises with the host: CUDA-graph capturable (module docstring)."""
+    _check_inputs(x, w13, w2, weights, ids)
+    tokens, hidden = x.shape
+    num_experts, inter_size = w13.shape[0], w13.shape[1] // 2
+    top_k = ids.shape[1]
+    if out is None:
+        out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
+    elif out.shape != (tokens, hidden) or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(
+            f"out must be a contiguous {x.dtype} tensor of shape {(tokens, hidden)}, "
+            f"got {out.dtype} {tuple(out.shape)}{'' if out.is_contiguous() else ' (strided)'}"
+        )
+    if tokens == 0 or hidden == 0:
+        return out
+    tiles = _tiles(tokens, top_k, num_experts, x.dtype)
+    grouping = _group_slots(ids, num_experts, tiles.block_m)
+    num_blocks = grouping.block_expert.shape[0]
+    num_slots = tokens * top_k
+    flat_weights = weights.reshape(-1)  # slot s = t * k + j, as the flattened ids
+    inter = torch.empty(num_blocks * tiles.block_m, inter_size, dtype=x.dtype, device=x.device)
+    per_slot = torch.empty(num_slots, hidden, dtype=x.dtype, device=x.device)
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32: unused by 16-bit dots
+    launch = dict(
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k,
+        DOT_PRECISION=precision,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
+    _gate_up_kernel[(num_blocks, triton.cdiv(inter_size, tiles.block_n))](
+        x,
+        w13,
+        inter,
+        grouping.sorted_slots,
+        grouping.block_expert,
+        num_slots,
+        top_k,
+        hidden,
+        inter_size,
+        num_experts,
+        x.stride(0),
+        x.stride(1),
+        w13.stride(0),
+        w13.stride(1),
+        w13.stride(2),
+        **launch,
+    )
+    _down_kernel[(num_blocks, triton.cdiv(hidden, tiles.block_n))](
+        inter,
+        w2,
+        flat_weights,
+        per_slot,
+        grouping.sorted_slots,
+        grouping.block_expert,
+        num_slots,
+        hidden,
+        inter_size,
+        num_experts,
+        w2.stride(0),
+        w2.stride(1),
+        w2.stride(2),
+        **launch,
+    )
+    _combine_kernel[(tokens, triton.cdiv(hidden, _BLOCK_H))](
+        per_slot, out, top_k, hidden, out.stride(0), BLOCK_H=_BLOCK_H, num_warps=_NUM_WARPS
+    )
+    return out

@@ -1,0 +1,49 @@
+"""The one-row GEMV kernel against F.linear (Triton's CPU interpreter without CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from deltaserve import ops
+
+triton_linear = pytest.importorskip("deltaserve.ops.triton.linear")
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.parametrize(("n", "k"), [(1, 64), (37, 200), (130, 1000), (8, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_matches_linear_on_strided_rows_and_ragged_blocks(n, k, dtype):
+    # N and K off the block multiples; x is one row of a wider activation, W a row slice of a larger matrix.
+    gen = torch.Generator().manual_seed(n * 1000 + k)
+    x = torch.randn(3, k + 24, generator=gen).to(dtype).to(DEVICE)[1:2, 8 : 8 + k]
+    w = torch.randn(n + 5, k, generator=gen).to(dtype).to(DEVICE)[2 : 2 + n]
+    got = triton_linear.gemv(x, w)
+    want = F.linear(x.double(), w.double())
+    assert got.shape == (1, n) and got.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+    else:  # one rounding of an fp32 sum: within a bf16 step of the exact result
+        torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-2)
+
+
+def test_gemv_rejects_mismatched_inputs_naming_them():
+    x = torch.zeros(1, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="one row"):
+        triton_linear.gemv(torch.zeros(2, 16, device=DEVICE), torch.zeros(4, 16, device=DEVICE))
+    with pytest.raises(ValueError, match="16 columns, the weight's K is 8"):
+        triton_linear.gemv(x, torch.zeros(4, 8, device=DEVICE))
+    with pytest.raises(ValueError, match="dtype"):
+        triton_linear.gemv(x, torch.zeros(4, 16, device=DEVICE, dtype=torch.bfloat16))
+
+
+def test_op_boundary_sends_only_single_16bit_rows_on_the_gpu_to_the_gemv(monkeypatch):
+    calls = []
+    monkeypatch.setattr(triton_linear, "gemv", lambda x, w: calls.append(x.shape) or F.linear(x, w))
+    monkeypatch.setattr(ops, "use_kernels", lambda t: True)
+    w = torch.randn(8, 16, dtype=torch.bfloat16)
+    ops.linear(torch.randn(1, 16, dtype=torch.bfloat16), w)
+    ops.linear(torch.randn(2, 16, dtype=torch.bfloat16), w)  # M > 1: cuBLAS
+    ops.linear(torch.randn(1, 16), w.float())  # fp32: cuBLAS
+    assert calls == [(1, 16)]

@@ -1,0 +1,260 @@
+"""The fused-MoE Triton kernels against the torch reference (deltaserve/ops/moe.py), in Triton's CPU
+interpreter without CUDA and natively with it. Outputs are passed poisoned with NaN and the kernels'
+workspaces are allocated NaN-filled, so a row the kernels fail to write (or read before it is written)
+cannot pass.
+
+bf16 results with k <= 2 must be identical to the reference almost everywhere: the kernels round where
+the reference rounds, and summing two rounded values in fp32 and rounding once is what its two adds do.
+With k > 2 the reference rounds after each add, the kernels once; there they must equal a reference
+that sums in fp32, and stay within bf16 tolerance of the reference itself.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from deltaserve.ops import moe
+from deltaserve.ops.activation import silu_and_mul
+
+tri = pytest.importorskip("deltaserve.ops.triton.moe")
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPES = [torch.float32, torch.bfloat16]
+E, H, INTER = 8, 48, 40  # neither H nor INTER is a multiple of the 64-wide tiles (32-wide K for fp32)
+
+_torch_empty = torch.empty
+
+
+def poisoned(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+
+
+@pytest.fixture(autouse=True)
+def nan_workspaces(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Float tensors from torch.empty (the kernels' workspaces) start as NaN instead of stale memory."""
+
+    def empty(*args, **kwargs) -> torch.Tensor:
+        t = _torch_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+def make_inputs(tokens: int, top_k: int, dtype: torch.dtype, seed: int, logits: torch.Tensor | None = None):
+    """x as a strided view of a wider row; weights scaled so every stage stays O(1); routing from
+    `route` on random logits unless given."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, H + 16, generator=gen).to(dtype).to(DEVICE)[:, 8 : 8 + H]
+    w13 = (torch.randn(E, 2 * INTER, H, generator=gen) / H**0.5).to(dtype).to(DEVICE)
+    w2 = (torch.randn(E, H, INTER, generator=gen) / INTER**0.5).to(dtype).to(DEVICE)
+    if logits is None:
+        logits = torch.randn(tokens, E, generator=gen)
+    weights, ids = moe.route(logits.to(dtype).to(DEVICE), top_k, renormalize=True)
+    return x, w13, w2, weights, ids
+
+
+def reference_summed_in_fp32(x, w13, w2, weights, ids) -> torch.Tensor:
+    """The reference with its per-expert adds done in fp32 and rounded once at the end."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for expert in range(w13.shape[0]):
+        token_idx, k_idx = torch.where(ids == expert)
+        h = silu_and_mul(F.linear(x[token_idx], w13[expert]))
+        h = F.linear(h, w2[expert]) * weights[token_idx, k_idx, None]
+        out.index_add_(0, token_idx, h.float())
+    return out.to(x.dtype)
+
+
+def run_kernels(x, w13, w2, weights, ids) -> torch.Tensor:
+    out = poisoned(*x.shape, dtype=x.dtype)
+    got = tri.fused_experts(x, w13, w2, weights, ids, out=out)
+    assert got is out
+    return got
+
+
+def assert_matches(got: torch.Tensor, want: torch.Tensor, identical_share: float = 0.95) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert torch.isfinite(got).all(), "the kernels left poisoned (NaN) or non-finite values"
+    if got.dtype == torch.bfloat16:
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+        identical = (got == want).float().mean().item()
+        assert identical >= identical_share, f"only {identical:.2%} of the values equal the reference"
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("tokens", "top_k"),
+    [(1, 1), (1, 2), (3, 1), (3, 2), (37, 1), (37, 2), (80, 2)],  # 80 x 2 > 16 * E: 64-row blocks
+)
+def test_matches_reference(dtype: torch.dtype, tokens: int, top_k: int) -> None:
+    inputs = make_inputs(tokens, top_k, dtype, seed=100 * tokens + top_k)
+    assert_matches(run_kernels(*inputs), moe.fused_experts(*inputs))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_more_than_two_experts_per_token_sum_in_fp32(dtype: torch.dtype) -> None:
+    inputs = make_inputs(37, 4, dtype, seed=4)
+    got = run_kernels(*inputs)
+    assert_matches(got, reference_summed_in_fp32(*inputs))
+    torch.testing.assert_close(got, moe.fused_experts(*inputs), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_one_expert_takes_every_token_and_most_experts_none(dtype: torch.dtype, top_k: int) -> None:
+    # Expert 5 comes first for every token, then 2 or 6 alternately; experts 0, 1, 3, 4, 7 get nothing.
+    tokens = 37
+    logits = torch.randn(tokens, E, generator=torch.Generator().manual_seed(5))
+    logits[:, 5] += 20.0
+    logits[0::2, 2] += 10.0
+    logits[1::2, 6] += 10.0
+    inputs = make_inputs(tokens, top_k, dtype, seed=top_k, logits=logits)
+    ids = inputs[4]
+    assert (ids[:, 0] == 5).all() and torch.bincount(ids.flatten().cpu(), minlength=E)[[0, 1, 3, 4, 7]].eq(
+        0
+    ).all()
+    assert_matches(run_kernels(*inputs), moe.fused_experts(*inputs))
+
+
+def test_default_output_is_allocated() -> None:
+    inputs = make_inputs(3, 2, torch.bfloat16, seed=9)
+    assert_matches(tri.fused_experts(*inputs), moe.fused_experts(*inputs))
+
+
+def test_zero_tokens_returns_an_empty_result() -> None:
+    x, w13, w2, weights, ids = make_inputs(0, 2, torch.float32, seed=0)
+    assert tri.fused_experts(x, w13, w2, weights, ids).shape == (0, H)
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 8])
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_grouping_lists_every_slot_once_in_single_expert_blocks(top_k: int, block_m: int) -> None:
+    tokens = 37
+    _, ids = moe.route(torch.randn(tokens, E, generator=torch.Generator().manual_seed(top_k)), top_k, True)
+    ids = ids.to(DEVICE)
+    grouping = tri._group_slots(ids, E, block_m)
+    num_slots = tokens * top_k
+    blocks = tri._max_blocks(num_slots, E, block_m)
+    assert grouping.sorted_slots.shape == (blocks * block_m,) and grouping.block_expert.shape == (blocks,)
+    slots = grouping.sorted_slots.cpu().long()
+    real = slots[slots < num_slots]
+    assert torch.equal(real.sort().values, torch.arange(num_slots)), "each slot exactly once"
+    assert (slots[slots >= num_slots] == num_slots).all(), "padding holds the sentinel T*k"
+    # each block holds one expert's slots, ascending; experts ascending; E only past the used blocks
+    block_expert = grouping.block_expert.cpu().long()
+    flat_ids = ids.flatten().cpu()
+    used = int((block_expert < E).sum())
+    assert (block_expert[used:] == E).all() and (block_expert[:used].diff() >= 0).all()
+    assert (slots.view(blocks, block_m)[used:] == num_slots).all()
+    for b in range(used):
+        row = slots[b * block_m : (b + 1) * block_m]
+        row = row[row < num_slots]
+        assert row.numel() > 0 and (flat_ids[row] == block_expert[b]).all() and (row.diff() > 0).all()
+
+
+def test_tiles_follow_shapes_only() -> None:
+    assert tri._tiles(1, 8, 256, torch.bfloat16).block_m == 16  # decode
+    assert tri._tiles(512, 8, 256, torch.bfloat16).block_m == 16  # 4096 slots: 16 per expert on average
+    assert tri._tiles(513, 8, 256, torch.bfloat16).block_m == 64
+    assert tri._tiles(513, 8, 256, torch.float32).block_k < tri._tiles(513, 8, 256, torch.bfloat16).block_k
+    # decode: at most min(E, T*k) experts are used, so the grid stays small even with many experts
+    assert tri._max_blocks(8, 256, 16) == 8
+
+
+def test_same_shapes_different_routing_use_the_same_launches() -> None:
+    """What a replayed CUDA graph relies on: the launches depend on shapes only, the routing is read on
+    the device. Two routings of the same shapes (one spread out, one concentrated on two experts) go
+    through identical grids and both match the reference."""
+    tokens, top_k = 37, 2
+    spread = torch.randn(tokens, E, generator=torch.Generator().manual_seed(1))
+    concentrated = spread.clone()
+    concentrated[:, 3] += 20.0
+    concentrated[:, 0] += 10.0
+    grids = []
+    for logits in (spread, concentrated):
+        inputs = make_inputs(tokens, top_k, torch.float32, seed=3, logits=logits)
+        grouping = tri._group_slots(inputs[4], E, tri._tiles(tokens, top_k, E, torch.float32).block_m)
+        grids.append((grouping.sorted_slots.shape, grouping.block_expert.shape))
+        assert_matches(run_kernels(*inputs), moe.fused_experts(*inputs))
+    assert grids[0] == grids[1]
+
+
+def test_no_tensor_value_is_read_on_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU stand-in for CUDA's sync debug mode: every way of reading a tensor's value into Python, and
+    the torch ops whose output shape depends on values, raise while the kernels run."""
+    inputs = make_inputs(37, 2, torch.bfloat16, seed=6)
+
+    def host_read(*args, **kwargs):
+        raise AssertionError("fused_experts read a tensor value on the host")
+
+    with monkeypatch.context() as m:
+        for name in ("item", "tolist", "__bool__", "__int__", "__index__", "__float__"):
+            m.setattr(torch.Tensor, name, host_read)
+        for name in ("nonzero", "unique", "bincount", "masked_select", "where"):
+            m.setattr(torch, name, host_read)
+        got = run_kernels(*inputs)
+    assert_matches(got, moe.fused_experts(*inputs))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_graph_replay_with_new_routing(dtype: torch.dtype) -> None:
+    tokens, top_k = 37, 2
+    x, w13, w2, weights, ids = make_inputs(tokens, top_k, dtype, seed=11)
+    out = poisoned(tokens, H, dtype=dtype)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile and warm up outside the capture
+        tri.fused_experts(x, w13, w2, weights, ids, out=out)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.set_sync_debug_mode("error")  # any host synchronisation raises
+    try:
+        with torch.cuda.graph(graph):
+            tri.fused_experts(x, w13, w2, weights, ids, out=out)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for seed, boost in ((12, None), (13, 4)):
+        logits = torch.randn(tokens, E, generator=torch.Generator().manual_seed(seed))
+        if boost is not None:
+            logits[:, boost] += 20.0  # every token to expert 4
+        new_weights, new_ids = moe.route(logits.to(dtype).to(DEVICE), top_k, renormalize=True)
+        weights.copy_(new_weights)
+        ids.copy_(new_ids)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_matches(out, moe.fused_experts(x, w13, w2, weights, ids))
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda a: {**a, "w2": a["w2"][:, :, :-1]}, r"w2 has shape \(8, 48, 39\), expected \(8, 48, 40\)"),
+        (
+            lambda a: {**a, "w13": a["w13"][:, :-1]},
+            r"w13 has shape \(8, 79, 48\), expected \(E, 2 \* I, 48\)",
+        ),
+        (
+            lambda a: {**a, "w13": a["w13"].float()},
+            "w13 has dtype torch.float32, expected x's torch.bfloat16",
+        ),
+        (lambda a: {**a, "weights": a["weights"].float()}, "weights has dtype torch.float32, expected x's"),
+        (lambda a: {**a, "ids": a["ids"].float()}, "ids has dtype torch.float32, expected torch.int64"),
+        (lambda a: {**a, "ids": a["ids"][:, :1]}, r"ids has shape \(3, 1\), expected weights' \(3, 2\)"),
+        (lambda a: {**a, "x": a["x"][None]}, r"x has shape \(1, 3, 48\), expected 2-D"),
+        (
+            lambda a: {**a, "out": torch.zeros(3, H, dtype=torch.float32)},
+            "out must be a contiguous torch.bfloat16",
+        ),
+    ],
+)
+def test_bad_inputs_are_rejected_naming_the_argument(change, match: str) -> None:
+    x, w13, w2, weights, ids = make_inputs(3, 2, torch.bfloat16, seed=0)
+    args = change(dict(x=x, w13=w13, w2=w2, weights=weights, ids=ids))
+    with pytest.raises(ValueError, match=match):
+        tri.fused_experts(**args)
