@@ -94,14 +94,18 @@ class CudaGraphRunner:
                 f"bucket ({max_num_seqs}); every captured row needs its own slot"
             )
         n, dev = self.max_rows, self.device
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
+        # Inputs live in two device buffers (int64 rows; int32 lengths + block table) with pinned host
+        # twins, so a replay's inputs go over in two copies. The named tensors are views into them.
+        self._longs = torch.zeros(4, n, dtype=torch.int64, device=dev)
+        self._ints = torch.zeros(2 * n + n * self.max_pages, dtype=torch.int32, device=dev)
+        self._longs_host = torch.zeros(4, n, dtype=torch.int64).pin_memory()
+        self._ints_host = torch.zeros(self._ints.shape, dtype=torch.int32).pin_memory()
+        self._copied = torch.cuda.Event()  # the host twins may be rewritten once this has passed
+        self.input_ids, self.positions, self.state_slots, self.slot_mapping = self._longs.unbind(0)
+        self.context_lens = self._ints[:n]
+        self.seq_lens = self._ints[n : 2 * n]
+        self.block_tables = self._ints[2 * n :].view(n, self.max_pages)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        self.context_lens = torch.zeros(n, dtype=torch.int32, device=dev)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
-        self.block_tables = torch.zeros(n, self.max_pages, dtype=torch.int32, device=dev)
-        self.slot_mapping = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.state_slots = torch.zeros(n, dtype=torch.int64, device=dev)
         self.logits_indices = torch.arange(n, dtype=torch.int64, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
@@ -162,27 +166,30 @@ class CudaGraphRunner:
         n = len(rows)
         bucket = next(b for b in self.buckets if b >= n)
         page = self.cache.page_size
-        pad = bucket - n
-        ctx = [r.context_len for r in rows] + [1] * pad
-        ids = [r.token_ids[0] for r in rows] + [0] * pad
-        slots = [r.state_slot for r in rows] + [DUMMY_SLOT] * pad
-        mapping = [r.pages[r.context_len // page] * page + r.context_len % page for r in rows]
-        mapping += [DUMMY_PAGE * page] * pad
-        width = max(len(r.pages) for r in rows)
-        # Columns past `width` keep stale page ids: attention never reads past a row's seq_len.
-        table = [list(r.pages) + [DUMMY_PAGE] * (width - len(r.pages)) for r in rows] + [
-            [DUMMY_PAGE] * width
-        ] * pad
-        longs = torch.tensor([ids, ctx, slots, mapping], dtype=torch.int64).pin_memory()
-        ints = torch.tensor([ctx, [c + 1 for c in ctx]], dtype=torch.int32).pin_memory()
-        pages = torch.tensor(table, dtype=torch.int32).pin_memory()
-        self.input_ids[:bucket].copy_(longs[0], non_blocking=True)
-        self.positions[:bucket].copy_(longs[1], non_blocking=True)
-        self.state_slots[:bucket].copy_(longs[2], non_blocking=True)
-        self.slot_mapping[:bucket].copy_(longs[3], non_blocking=True)
-        self.context_lens[:bucket].copy_(ints[0], non_blocking=True)
-        self.seq_lens[:bucket].copy_(ints[1], non_blocking=True)
-        self.block_tables[:bucket, :width].copy_(pages, non_blocking=True)
+        self._copied.synchronize()  # the previous replay's inputs have left the host twins
+        longs = self._longs_host.numpy()
+        ints = self._ints_host.numpy()
+        m = self.max_rows
+        ctx = [r.context_len for r in rows]
+        longs[0, :n] = [r.token_ids[0] for r in rows]
+        longs[1, :n] = ctx
+        longs[2, :n] = [r.state_slot for r in rows]
+        longs[3, :n] = [r.pages[c // page] * page + c % page for r, c in zip(rows, ctx, strict=True)]
+        ints[:n] = ctx
+        ints[m : m + n] = longs[1, :n] + 1
+        tables = ints[2 * m : 2 * m + bucket * self.max_pages].reshape(bucket, self.max_pages)
+        for i, r in enumerate(rows):
+            # Columns past a row's pages keep stale ids: attention never reads past its seq_len.
+            tables[i, : len(r.pages)] = r.pages
+        # Padding rows: one token at position 1 of the reserved page, state in the reserved slot.
+        longs[:, n:bucket] = [[0], [1], [DUMMY_SLOT], [DUMMY_PAGE * page + 1]]
+        ints[n:bucket] = 1
+        ints[m + n : m + bucket] = 2
+        tables[n:bucket, 0] = DUMMY_PAGE
+        self._longs.copy_(self._longs_host, non_blocking=True)
+        used = 2 * m + bucket * self.max_pages
+        self._ints[:used].copy_(self._ints_host[:used], non_blocking=True)
+        self._copied.record()
         graph, logits = self.graphs[bucket]
         graph.replay()
         return logits[:n]
