@@ -110,25 +110,51 @@ def add_bench_latency_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-iters", type=int, default=3)
     parser.add_argument("--num-iters-warmup", type=int, default=1)
     parser.add_argument("--output-json", default=None, help="write all results here")
+    parser.add_argument(
+        "--cell",
+        action="append",
+        default=None,
+        metavar="IN:OUT:BATCH",
+        help="measure this cell (repeatable; replaces --input-len/--output-len/--batch-size): one engine "
+        "start for a whole matrix, e.g. --cell 1:256:1 --cell 8192:1:1 --cell 1024:256:16",
+    )
+
+
+def parse_cell(text: str) -> tuple[int, int, int]:
+    """'IN:OUT:BATCH' -> (input_len, output_len, batch_size), each a positive integer."""
+    parts = text.split(":")
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"--cell expects IN:OUT:BATCH with three positive integers, got {text!r}")
+    input_len, output_len, batch_size = map(int, parts)
+    return input_len, output_len, batch_size
+
+
+def bench_cells(args: argparse.Namespace) -> list[tuple[int, int, int]]:
+    if args.cell:
+        return [parse_cell(c) for c in args.cell]
+    return [(args.input_len, args.output_len, bs) for bs in args.batch_size]
 
 
 def run_bench_latency(args: argparse.Namespace, engine_config: EngineConfig) -> list[LatencyResult]:
+    cells = bench_cells(args)
     engine = EngineCore(engine_config)
     collector = Collector()
     engine.start(collector)
     results = []
     try:
-        for bs in args.batch_size:
+        for input_len, output_len, bs in cells:
             for i in range(args.num_iters_warmup):
-                run_iteration(engine, collector, bs, args.input_len, args.output_len, seed=1000 + i)
+                run_iteration(engine, collector, bs, input_len, output_len, seed=1000 + i)
             runs = [
-                run_iteration(engine, collector, bs, args.input_len, args.output_len, seed=i)
+                run_iteration(engine, collector, bs, input_len, output_len, seed=i)
                 for i in range(args.num_iters)
             ]
-            best = sorted(runs, key=lambda r: r.tpot_ms)[len(runs) // 2]
+            # The median iteration: by TPOT, or by TTFT for prefill-only cells (one output token).
+            key = (lambda r: r.tpot_ms) if output_len > 1 else (lambda r: r.ttft_ms)
+            best = sorted(runs, key=key)[len(runs) // 2]
             results.append(best)
             print(
-                f"batch {bs:4d}  in {args.input_len}  out {args.output_len}  TTFT {best.ttft_ms:9.2f} ms  "
+                f"batch {bs:4d}  in {input_len}  out {output_len}  TTFT {best.ttft_ms:9.2f} ms  "
                 f"TPOT {best.tpot_ms:7.3f} ms  ITL p50/p99/max {best.itl_p50_ms:.2f}/{best.itl_p99_ms:.2f}/"
                 f"{best.itl_max_ms:.2f} ms  {best.output_tok_s:9.1f} out tok/s",
                 flush=True,
