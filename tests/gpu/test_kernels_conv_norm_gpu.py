@@ -91,8 +91,10 @@ def test_conv_mixed_batch_at_4b_shape():
 
 
 def test_conv_decode_cuda_graph_replay_follows_new_inputs_and_slots():
-    # Capture once; each replay gets new x, slots (one of them a fresh context-0 sequence on a stale
-    # slot) and pool contents through the captured buffers, and must match an eager reference.
+    # Capture once; each replay gets new x, slots, context lengths and pool contents through the
+    # captured buffers, and must match an eager reference. Decode rows always have context (a one-token
+    # row at context 0 is a prefill row and never reaches a decode graph); a slot outside the batch
+    # holds NaN and must stay unread and unwritten.
     gen = torch.Generator().manual_seed(20)
     b, pool_slots = 8, 64
     proj = torch.zeros(b, IN_PROJ, dtype=BF16, device=DEV)
@@ -108,11 +110,12 @@ def test_conv_decode_cuda_graph_replay_follows_new_inputs_and_slots():
         triton_conv.causal_conv1d(x, weight, pool, batch, out=out)
 
     for step in range(3):
-        slots = (torch.randperm(pool_slots - 1, generator=gen)[:b] + 1).tolist()
-        ctx = [0 if i == step else 4 + i for i in range(b)]
+        slots = (torch.randperm(pool_slots - 1, generator=gen)[: b + 1] + 1).tolist()
+        slots, unused = slots[:b], slots[b]
+        ctx = [1 + step + 3 * i for i in range(b)]
         proj.copy_(randn(gen, b, IN_PROJ))
         pool.copy_(randn(gen, pool_slots, CONV_DIM, K - 1))
-        pool[slots[step]] = float("nan")
+        pool[unused] = float("nan")
         batch.state_slots.copy_(torch.tensor(slots, dtype=torch.int64))
         batch.context_lens.copy_(torch.tensor(ctx, dtype=torch.int32))
         want_pool = pool.clone()
