@@ -16,7 +16,7 @@ from deltaserve.errors import RequestValidationError, UnsupportedRequestError
 GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
-SEED_LIMIT = 2**63
+SEED_LIMIT = 2**63  # seeds are int64 values: [-2**63, 2**63), as OpenAI-style clients send any integer
 
 _BOOL_FIELDS = (
     "ignore_eos",
@@ -97,8 +97,8 @@ class SamplingParams:
                 raise _invalid(field, expected, value)
         if not (_is_int(self.top_k) and self.top_k >= -1):
             raise _invalid("top_k", "an integer: -1 or 0 (disabled) or >= 1", self.top_k)
-        if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < SEED_LIMIT):
-            raise _invalid("seed", "None or an integer in [0, 2**63)", self.seed)
+        if self.seed is not None and not (_is_int(self.seed) and -SEED_LIMIT <= self.seed < SEED_LIMIT):
+            raise _invalid("seed", "None or an integer in [-2**63, 2**63)", self.seed)
         self._validate_lengths()
         self._validate_stops()
         if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):

@@ -42,12 +42,13 @@ def splitmix64(z: int) -> int:
 
 
 def uniform_bits(seed: int, step: int, token: int) -> int:
-    key = splitmix64((splitmix64(seed) + step) & MASK64)
+    key = splitmix64((splitmix64(seed & MASK64) + step) & MASK64)  # a negative seed is its int64 bits
     return splitmix64((key + (token + 1) * 0x9E3779B97F4A7C15) & MASK64) >> 41
 
 
 @pytest.mark.parametrize(
-    ("seed", "step"), [(0, 0), (1, 0), (0, 1), (12345, 7), (2**63 - 1, 3), (2**62 + 5, 1000)]
+    ("seed", "step"),
+    [(0, 0), (1, 0), (0, 1), (12345, 7), (2**63 - 1, 3), (2**62 + 5, 1000), (-1, 2), (-(2**63), 5)],
 )
 def test_flat_distribution_draws_the_token_with_the_largest_documented_uniform(seed: int, step: int) -> None:
     # With equal logits, argmax(logit - log(-log u)) is argmax u: the draw exposes the hash bit for bit,

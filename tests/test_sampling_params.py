@@ -55,7 +55,7 @@ def test_stop_is_normalised_to_a_list() -> None:
         ("logprobs", -1),
         ("logprobs", 21),
         ("logprobs", True),
-        ("seed", -1),
+        ("seed", -(2**63) - 1),
         ("seed", 2**63),
         ("seed", 1.5),
         ("n", 0),
