@@ -61,6 +61,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="launch prefill chunks asynchronously while decode continues",
     )
+    g.add_argument(
+        "--no-decode-ahead",
+        dest="decode_ahead",
+        action="store_false",
+        help="read each decode step's tokens before launching the next (by default the next step is "
+        "launched first, so host work overlaps the device; a stopped request costs one wasted step)",
+    )
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
 
 
@@ -80,6 +87,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         gpu_memory_utilization=args.gpu_memory_utilization,
         scheduler_policy=args.scheduler_policy,
         prefill_overlap=args.prefill_overlap,
+        decode_ahead=args.decode_ahead,
         enforce_eager=args.enforce_eager,
     )
     config.validate()

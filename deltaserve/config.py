@@ -386,6 +386,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     scheduler_policy: str = "fcfs"
     prefill_overlap: bool = False
+    decode_ahead: bool = True  # launch decode step N+1 before step N's tokens reach the host
     enforce_eager: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 

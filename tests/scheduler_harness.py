@@ -39,6 +39,7 @@ class Run:
         max_model_len: int = 2048,
         policy: str = "fcfs",
         prefill_overlap: bool = False,
+        decode_ahead: bool = True,
         eos: tuple[int, ...] = (),
     ) -> None:
         cache = build_cache(
@@ -57,6 +58,7 @@ class Run:
             eos_token_ids=eos,
             policy=policy,
             prefill_overlap=prefill_overlap,
+            decode_ahead=decode_ahead,
         )
         self.updates: dict[str, list[RequestUpdate]] = defaultdict(list)
         self.loads = []

@@ -62,9 +62,9 @@ def test_batched_outputs_equal_each_prompt_alone(model, alone, budget, max_num_s
 def test_unified_step_is_one_forward_over_decode_rows_and_chunks(model):
     run = Run(model, max_num_batched_tokens=16)
     calls = []
-    execute = run.sched.backend.execute
-    run.sched.backend.execute = lambda items: (
-        calls.append([len(i.token_ids) for i in items]) or execute(items)
+    launch = run.sched.backend.launch
+    run.sched.backend.launch = lambda items, **kw: (
+        calls.append([len(i.token_ids) for i in items]) or launch(items, **kw)
     )
     run.add("a", [1, 2, 3], GREEDY8)
     run.tick()  # prefill a
@@ -206,10 +206,10 @@ def test_fatal_error_fans_out_one_error_per_request_and_zero_load(model):
         )
     run.tick(2)
 
-    def broken(items):
+    def broken(items, **kw):
         raise RuntimeError("device lost")
 
-    run.sched.backend.execute = broken
+    run.sched.backend.launch = broken
     with pytest.raises(RuntimeError, match="device lost"):
         run.sched.run()
     for i in range(4):
@@ -294,9 +294,9 @@ def test_unsupported_contracts_are_rejected_fail_closed(model):
 def test_auto_policy_runs_decode_only_ticks_near_a_finish(model):
     run = Run(model, policy="auto", max_num_batched_tokens=64)
     calls = []
-    execute = run.sched.backend.execute
-    run.sched.backend.execute = lambda items: (
-        calls.append([len(i.token_ids) for i in items]) or execute(items)
+    launch = run.sched.backend.launch
+    run.sched.backend.launch = lambda items, **kw: (
+        calls.append([len(i.token_ids) for i in items]) or launch(items, **kw)
     )
     run.add("short", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
     run.tick()  # prefill "short": 1 token out, 2 left (<= 4: within the finish window)
@@ -340,3 +340,149 @@ def test_invalid_policy_combinations_are_refused_before_the_model_loads(tmp_path
         )
     with pytest.raises(ConfigError, match="--scheduler-policy must be one of"):
         EngineCore(EngineConfig(model=str(tmp_path / "does-not-exist"), scheduler_policy="sjf"))
+
+
+# ---- decode-ahead ------------------------------------------------------------------------------------
+
+
+def assert_same_updates(a: Run, b: Run) -> None:
+    """Tokens, finish, counts and logprob ranks/ids exactly; logprob values to 1e-4 (a batch of another
+    size may round the last fp32 bits of a logit differently)."""
+    assert a.updates.keys() == b.updates.keys()
+    for rid in a.updates:
+        ups_a, ups_b = a.updates[rid], b.updates[rid]
+        assert len(ups_a) == len(ups_b), rid
+        for u, v in zip(ups_a, ups_b, strict=True):
+            assert (u.new_token_ids, u.finish_reason, u.stop_reason, u.num_output_tokens) == (
+                v.new_token_ids,
+                v.finish_reason,
+                v.stop_reason,
+                v.num_output_tokens,
+            ), rid
+            assert (u.new_logprobs is None) == (v.new_logprobs is None), rid
+            for x, y in zip(u.new_logprobs or [], v.new_logprobs or [], strict=True):
+                assert x.rank == y.rank and [t for t, _ in x.top] == [t for t, _ in y.top], rid
+                assert x.logprob == pytest.approx(y.logprob, abs=1e-4), rid
+                assert [p for _, p in x.top] == pytest.approx([p for _, p in y.top], abs=1e-4), rid
+
+
+def _mixed_decode_workload(run: Run) -> None:
+    """Greedy, seeded sampling with top-p, logprobs, min_tokens against EOS, a one-token request, and
+    arrivals while others decode."""
+    prompts = prompts_mixed(8, seed=3)
+    eos_free = SamplingParams(temperature=0.0, max_tokens=12)  # EOS applies
+    seeded = SamplingParams(temperature=0.9, top_p=0.8, seed=-7, max_tokens=10, ignore_eos=True)
+    with_logprobs = SamplingParams(temperature=0.0, max_tokens=9, logprobs=3, ignore_eos=True)
+    min_tokens = SamplingParams(temperature=0.0, max_tokens=11, min_tokens=6)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    for i, params in enumerate([eos_free, seeded, with_logprobs, min_tokens, one]):
+        run.add(f"r{i}", prompts[i], params)
+    run.tick(6)
+    run.add("late0", prompts[5], eos_free)
+    run.add("late1", prompts[6], seeded)
+    run.run_until_idle()
+
+
+def test_decode_ahead_gives_the_same_updates_as_reading_every_step(model):
+    # EOS is a token the greedy requests produce a few steps in, so stops land mid-pipeline.
+    probe = Run(model, decode_ahead=False)
+    _mixed_decode_workload(probe)
+    eos = (probe.tokens("r0")[3],)
+    runs = {}
+    for ahead in (False, True):
+        runs[ahead] = Run(model, decode_ahead=ahead, eos=eos)
+        _mixed_decode_workload(runs[ahead])
+    assert_same_updates(runs[True], runs[False])
+    assert runs[True].terminal("r0").finish_reason == "stop"
+    for run in runs.values():
+        assert run.sched.load.kv_pages_used == 0 and run.sched.load.state_slots_free == 16
+
+
+def _log_launches(run: Run) -> list[tuple]:
+    """Records ("launch", fed rows or None, rows) and ("wait",) in the order the scheduler does them."""
+    log: list[tuple] = []
+    launch = run.sched.backend.launch
+
+    def logged(items, feed=None):
+        pending = launch(items, feed=feed)
+        log.append(("launch", None if feed is None else len(feed.rows), len(items)))
+        wait = pending.wait
+        pending.wait = lambda: log.append(("wait",)) or wait()
+        return pending
+
+    run.sched.backend.launch = logged
+    return log
+
+
+def test_the_next_decode_step_is_launched_before_the_previous_tokens_are_read(model):
+    run = Run(model)
+    log = _log_launches(run)
+    run.add("a", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    run.add("b", [4, 5], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    run.run_until_idle()
+    fed = [i for i, entry in enumerate(log) if entry[0] == "launch" and entry[1] is not None]
+    assert len(fed) >= 6
+    # Each fed launch comes before the wait of the step it is fed from.
+    assert all(log[i + 1] == ("wait",) for i in fed)
+    assert len(run.tokens("a")) == len(run.tokens("b")) == 10
+
+
+def test_length_limited_requests_get_no_step_past_their_last_token(model):
+    # The first token comes from the prefill; each later one from one decode row, and no more.
+    run = Run(model)
+    log = _log_launches(run)
+    for i, n in enumerate([1, 2, 5, 9]):
+        run.add(f"r{i}", [7 + i, 8, 9], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    run.run_until_idle()
+    decode_rows = sum(entry[2] for entry in log if entry[0] == "launch") - 4  # less the prefill rows
+    assert decode_rows == (1 - 1) + (2 - 1) + (5 - 1) + (9 - 1)
+
+
+def test_a_stop_token_mid_pipeline_costs_one_dropped_step_and_frees_everything(model):
+    probe = Run(model, decode_ahead=False)
+    probe.add("s", [3, 1, 4, 1, 5], SamplingParams(temperature=0.0, max_tokens=20))
+    probe.run_until_idle()
+    stop_at = 4
+    eos = probe.tokens("s")[stop_at]
+    run = Run(model, eos=(eos,))
+    log = _log_launches(run)
+    run.add("s", [3, 1, 4, 1, 5], SamplingParams(temperature=0.0, max_tokens=20))
+    run.run_until_idle()
+    tokens = run.tokens("s")
+    assert tokens == probe.tokens("s")[: tokens.index(eos) + 1]
+    assert run.terminal("s").finish_reason == "stop"
+    decode_rows = sum(entry[2] for entry in log if entry[0] == "launch") - 1
+    assert decode_rows == len(tokens)  # len(tokens) - 1 useful decode steps plus the dropped one
+    assert run.sched.load.kv_pages_used == 0 and run.sched.load.state_slots_free == 16
+
+
+def test_abort_while_a_step_is_ahead_emits_nothing_after_the_terminal(model):
+    run = Run(model)
+    long = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    run.add("gone", [1, 2, 3], long)
+    run.add("kept", [4, 5, 6], GREEDY8)
+    run.tick(4)
+    assert run.sched.decode_ahead is not None and run.sched.by_id["gone"] in run.sched.decode_ahead.requests
+    run.abort("gone")
+    run.run_until_idle()
+    assert run.terminal("gone").finish_reason == "abort"
+    assert run.updates["gone"][-1].finished  # no token after the terminal
+    alone = Run(model)
+    alone.add("kept", [4, 5, 6], GREEDY8)
+    alone.run_until_idle()
+    assert run.tokens("kept") == alone.tokens("kept")
+    assert run.sched.load.kv_pages_used == 0 and run.sched.load.state_slots_free == 16
+
+
+def test_penalised_requests_decode_synchronously_with_the_same_tokens(model):
+    params = SamplingParams(temperature=0.0, max_tokens=10, repetition_penalty=1.3, ignore_eos=True)
+    outs = {}
+    for ahead in (False, True):
+        run = Run(model, decode_ahead=ahead)
+        log = _log_launches(run)
+        run.add("p", [9, 9, 9, 2], params)
+        run.add("q", [5, 6], GREEDY8)
+        run.run_until_idle()
+        outs[ahead] = (run.tokens("p"), run.tokens("q"))
+        assert all(entry[1] is None for entry in log if entry[0] == "launch")
+    assert outs[True] == outs[False]

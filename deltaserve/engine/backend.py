@@ -4,6 +4,16 @@ The backend is the only code that mutates device state. Each `StepItem` continue
 `token_ids`; after the forward every sequence's cursor has advanced by exactly its tokens (the state
 transaction: KV pages, conv/SSM state and position move together). Sampled tokens and logprobs come
 back to the host in one transfer per step.
+
+`launch` returns before the device has finished: the step's results are copied into pinned host memory
+behind an event, so waiting for them never waits for steps launched later. A launch may take the input
+token of its first rows from an earlier, still running step's sampled tokens on the device (a
+`TokenFeed`): decode step N+1 is launched before step N's tokens reach the host.
+
+All device work runs in launch order on one stream. So a sequence's pages and slot, released on the
+host while a launched step still writes them, are reused only by steps that run after it; a reused
+slot starts from context 0 (its stale state is never read) and a reused page position is written by
+its new owner before it is read.
 """
 
 from __future__ import annotations
@@ -35,17 +45,36 @@ class StepResult:
 
 
 class PendingStep:
-    """A launched step whose result is read later. The items' sequences must not be released, and
-    their caches not touched, until `wait()` returned (the device may still be reading them)."""
+    """A launched step whose result is read later. `token_ids` holds the sampled tokens on the device
+    (what a later step's TokenFeed reads); `wait()` returns the host copy."""
 
-    def __init__(self, result: StepResult) -> None:
-        self._result = result
+    def __init__(
+        self,
+        token_ids: torch.Tensor | None,
+        staged: _StagedResult | None,
+        rows: Sequence[SamplingRow],
+    ) -> None:
+        self.token_ids = token_ids  # [sampled items] int64 on the device; None when nothing samples
+        self._staged = staged
+        self._rows = rows
+        self._result: StepResult | None = None
 
     def ready(self) -> bool:
-        return True
+        return self._staged is None or self._staged.done is None or self._staged.done.query()
 
     def wait(self) -> StepResult:
+        if self._result is None:
+            self._result = StepResult([], []) if self._staged is None else self._staged.read(self._rows)
         return self._result
+
+
+@dataclass(slots=True)
+class TokenFeed:
+    """The first len(rows) items of a step take their input token from `source`'s sampled tokens on
+    the device, row rows[i] for item i (their host `token_ids` are placeholders)."""
+
+    source: PendingStep
+    rows: list[int]
 
 
 class Backend:
@@ -63,7 +92,9 @@ class Backend:
         self.device = model.device
 
     @torch.inference_mode()
-    def forward(self, items: Sequence[StepItem], *, all_logits: bool = False) -> torch.Tensor:
+    def forward(
+        self, items: Sequence[StepItem], *, all_logits: bool = False, feed: TokenFeed | None = None
+    ) -> torch.Tensor:
         """Runs all items as one varlen forward (decode items first). Returns float32 logits [R, vocab]
         for the items that sample (every item when all_logits), in item order."""
         rows = []
@@ -72,43 +103,92 @@ class Backend:
             self.cache.reserve(seq, seq.num_computed + len(item.token_ids))
             need = all_logits or item.sampling is not None
             rows.append(BatchRow(item.token_ids, seq.num_computed, seq.pages, seq.slot, need))
+        fed = None
+        if feed is not None:
+            _check_fed_rows(rows, len(feed.rows))
+            fed = _fed_tokens(feed, self.device)
         graphs = self.graph_runner
         if graphs is not None and all(r.need_logits for r in rows) and graphs.can_run(rows):
-            logits = graphs.run(rows)
+            logits = graphs.run(rows, fed)
         else:
             batch = build_forward_batch(rows, self.cache.page_size, self.device)
+            if fed is not None:
+                batch.input_ids[: fed.shape[0]] = fed
             logits = self.model.compute_logits(self.model(batch, self.cache.kv, self.cache.states))
         for item in items:
             self.cache.advance(item.seq, len(item.token_ids))
         return logits
 
-    @torch.inference_mode()
     def execute(self, items: Sequence[StepItem]) -> StepResult:
-        logits = self.forward(items)
+        return self.launch(items).wait()
+
+    @torch.inference_mode()
+    def launch(self, items: Sequence[StepItem], *, feed: TokenFeed | None = None) -> PendingStep:
+        """Runs the forward and the sampler and starts copying the results to the host; returns without
+        waiting for the device. The sequences have advanced when this returns."""
+        logits = self.forward(items, feed=feed)
         rows = [item.sampling for item in items if item.sampling is not None]
         if not rows:
-            return StepResult([], [])
-        return _to_host(self.sampler(logits, rows), rows)
-
-    def launch(self, items: Sequence[StepItem]) -> PendingStep:
-        """Starts a step whose result is read later (the overlap path). Synchronous on CPU."""
-        return PendingStep(self.execute(items))
+            return PendingStep(None, None, rows)
+        out = self.sampler(logits, rows)
+        return PendingStep(out.token_ids, _StagedResult.start(out), rows)
 
 
-def _to_host(out: SamplerOutput, rows: Sequence[SamplingRow]) -> StepResult:
-    token_ids = out.token_ids.tolist()
-    if out.logprobs is None:
-        return StepResult(token_ids, [None] * len(rows))
-    lp = out.logprobs
-    sampled, ranks = lp.sampled_logprob.tolist(), lp.sampled_rank.tolist()
-    top_ids, top_lps = lp.top_ids.tolist(), lp.top_logprobs.tolist()
-    logprobs: list[TokenLogprobs | None] = []
-    for i, row in enumerate(rows):
-        k = row.params.logprobs
-        if k is None:
-            logprobs.append(None)
-        else:
-            logprobs.append(
-                TokenLogprobs(sampled[i], ranks[i], list(zip(top_ids[i][:k], top_lps[i][:k], strict=True)))
-            )
-    return StepResult(token_ids, logprobs)
+def _fed_tokens(feed: TokenFeed, device: torch.device) -> torch.Tensor:
+    source = feed.source.token_ids
+    if source is None:
+        raise ValueError("a token feed needs a source step that sampled tokens")
+    n = len(feed.rows)
+    if feed.rows == list(range(n)):
+        return source[:n]
+    index = torch.tensor(feed.rows, dtype=torch.int64, pin_memory=device.type == "cuda")
+    return source.index_select(0, index.to(device, non_blocking=True))
+
+
+def _check_fed_rows(rows: Sequence[BatchRow], fed: int) -> None:
+    if fed > len(rows) or any(len(r.token_ids) != 1 for r in rows[:fed]):
+        raise ValueError(
+            f"a token feed covers {fed} rows; each must be one of the step's first one-token rows"
+        )
+
+
+@dataclass(slots=True)
+class _StagedResult:
+    """A step's sampled tokens (and logprobs) on their way to pinned host memory; `done` marks the end
+    of the copies on CUDA (None on CPU, where the copies are synchronous)."""
+
+    tensors: list[torch.Tensor]  # token ids, then sampled logprob, rank, top ids, top logprobs
+    done: torch.cuda.Event | None
+
+    @classmethod
+    def start(cls, out: SamplerOutput) -> _StagedResult:
+        device = out.token_ids.device
+        sources = [out.token_ids]
+        if out.logprobs is not None:
+            lp = out.logprobs
+            sources += [lp.sampled_logprob, lp.sampled_rank, lp.top_ids, lp.top_logprobs]
+        if device.type != "cuda":
+            return cls([t.clone() for t in sources], None)
+        staged = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in sources]
+        for host, dev in zip(staged, sources, strict=True):
+            host.copy_(dev, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return cls(staged, done)
+
+    def read(self, rows: Sequence[SamplingRow]) -> StepResult:
+        if self.done is not None:
+            self.done.synchronize()  # this step's copies only: later launches are not waited for
+        token_ids = self.tensors[0].tolist()
+        if len(self.tensors) == 1:
+            return StepResult(token_ids, [None] * len(rows))
+        sampled, ranks, top_ids, top_lps = (t.tolist() for t in self.tensors[1:])
+        logprobs: list[TokenLogprobs | None] = []
+        for i, row in enumerate(rows):
+            k = row.params.logprobs
+            if k is None:
+                logprobs.append(None)
+            else:
+                pairs = list(zip(top_ids[i][:k], top_lps[i][:k], strict=True))
+                logprobs.append(TokenLogprobs(sampled[i], ranks[i], pairs))
+        return StepResult(token_ids, logprobs)

@@ -119,6 +119,7 @@ class EngineCore:
             eos_token_ids=self.model_config.eos_token_ids,
             policy=config.scheduler_policy,
             prefill_overlap=config.prefill_overlap,
+            decode_ahead=config.decode_ahead,
         )
         self.info = EngineInfo(
             model_dir=str(self.model_dir),

@@ -162,7 +162,9 @@ class CudaGraphRunner:
         )
 
     @torch.inference_mode()
-    def run(self, rows: Sequence[BatchRow]) -> torch.Tensor:
+    def run(self, rows: Sequence[BatchRow], fed: torch.Tensor | None = None) -> torch.Tensor:
+        """`fed`: input tokens of the first fed.shape[0] rows, on the device (their host token ids are
+        placeholders), copied in after the host inputs."""
         n = len(rows)
         bucket = next(b for b in self.buckets if b >= n)
         page = self.cache.page_size
@@ -190,6 +192,8 @@ class CudaGraphRunner:
         used = 2 * m + bucket * self.max_pages
         self._ints[:used].copy_(self._ints_host[:used], non_blocking=True)
         self._copied.record()
+        if fed is not None:
+            self.input_ids[: fed.shape[0]].copy_(fed)
         graph, logits = self.graphs[bucket]
         graph.replay()
         return logits[:n]

@@ -94,7 +94,7 @@ def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
         for tok, b in r.params.logit_bias.items()
     ]
     suppressed = [(i, tok) for i, r in enumerate(rows) for tok in r.suppressed_token_ids]
-    penalised = [i for i, r in enumerate(rows) if _uses_penalties(r.params)]
+    penalised = [i for i, r in enumerate(rows) if uses_penalties(r.params)]
     if not (bias or suppressed or penalised):
         return logits
     x = logits.to(torch.float32, copy=True)
@@ -110,7 +110,7 @@ def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
     return x
 
 
-def _uses_penalties(p: SamplingParams) -> bool:
+def uses_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
 
 

@@ -40,6 +40,7 @@ from deltaserve.tokenizer import Tokenizer
 logger = logging.getLogger("deltaserve.server")
 
 DEAD_EXIT_DELAY_S = 1.0  # /health answers 503 this long before the port closes
+DEAD_ERROR_GRACE_S = 5.0  # then at most this long for in-flight responses to finish writing their error
 DEFAULT_MODEL_NAME = "deltaserve-tiny-random"
 SHUTDOWN_REASON = "the server is shutting down"
 
@@ -88,6 +89,7 @@ class _Lifecycle:
         self.server: _Server | None = None
         self._engine_closed = False
         self._drain_task: asyncio.Task[None] | None = None  # held so the task is not collected
+        self._dead_task: asyncio.Future[None] | None = None
         self._loop = asyncio.get_running_loop()
 
     def on_signal(self) -> None:
@@ -116,7 +118,16 @@ class _Lifecycle:
     def on_engine_dead(self, reason: str) -> None:
         self.state.dead_reason = reason
         logger.error("%s: /health is 503 and the server exits in %.1f s", reason, DEAD_EXIT_DELAY_S)
-        self._loop.call_later(DEAD_EXIT_DELAY_S, self._exit)
+        self._dead_task = asyncio.ensure_future(self._exit_after_errors_written())
+
+    async def _exit_after_errors_written(self) -> None:
+        """Exits once every in-flight response has ended (each got the engine's error; on a loaded
+        machine writing them can take longer than the 503 window), or after the grace period."""
+        await asyncio.sleep(DEAD_EXIT_DELAY_S)
+        deadline = time.monotonic() + DEAD_ERROR_GRACE_S
+        while self.state.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self._exit()
 
     def _exit(self) -> None:
         if self.server is not None:

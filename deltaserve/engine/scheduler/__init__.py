@@ -10,12 +10,14 @@ telemetry in telemetry.py and pure policy in plan.py. One tick, in this fixed or
   5. publish load
   6. admit (context length -> KV budget -> state slots -> FCFS)
   7. choose the prefill budget and take chunks
-  8. build the plan: Prefill | Decode | Unified (or launch an overlapped prefill)
-  9. execute; dispatch tokens; retire
+  8. build the plan: Prefill | Decode | Unified (or launch an overlapped prefill); a pure-decode step
+     following a decode-ahead step is launched before that step's tokens are read
+  9. execute (or launch ahead); dispatch tokens; retire
  10. ITL telemetry line
 
 Ownership: a request is in exactly one of `waiting`, `prefilling`, `inflight` (an async prefill) or
-`running`, or it has had its single terminal update. Only the scheduler thread touches these.
+`running`, or it has had its single terminal update. A decode-ahead step's requests stay in `running`
+(`decode_ahead` only holds the step's unread tokens). Only the scheduler thread touches these.
 """
 
 from __future__ import annotations
@@ -105,6 +107,7 @@ class SchedulerConfig:
     eos_token_ids: tuple[int, ...] = ()
     policy: str = "fcfs"
     prefill_overlap: bool = False  # launch prefill chunks asynchronously while decode continues
+    decode_ahead: bool = True  # launch decode step N+1 before reading step N's tokens
 
     def validate(self) -> None:
         error = policy_error(self.policy, self.prefill_overlap)
@@ -132,6 +135,7 @@ class Scheduler:
         self.prefilling: deque[Request] = deque()
         self.running: list[Request] = []
         self.inflight: steps.InflightPrefill | None = None
+        self.decode_ahead: steps.DecodeAhead | None = None
         self.by_id: dict[str, Request] = {}
         self.updates: list[RequestUpdate] = []  # produced this tick, published at its end
         self.load = LoadSnapshot()  # replaced whole each tick: readable from other threads without locks
@@ -176,7 +180,7 @@ class Scheduler:
         emit.prune_closed_requests(self)
         emit.reject_unsupported(self)
         self._publish_load()
-        if not (self.waiting or self.prefilling or self.running or self.inflight):
+        if not (self.waiting or self.prefilling or self.running or self.inflight or self.decode_ahead):
             self._flush()
             return False
         steps.admit(self)

@@ -7,6 +7,8 @@
 - terminal_scheduler_shutdown: on shutdown or a fatal error every owned request (queued, prefilling, in
   flight, decoding, or still in the inbox) gets one error, then a zero load snapshot is published.
 An async prefill is always drained (waited for) before any of its requests' KV or state is released.
+A decode-ahead step is not: its requests may retire while it runs, because device work runs in launch
+order on one stream (see engine/backend.py) and its tokens are dispatched only to running requests.
 """
 
 from __future__ import annotations
@@ -126,6 +128,7 @@ def _submission_problem(sched: Scheduler, req: Request) -> tuple[str, str] | Non
 def terminal_scheduler_shutdown(sched: Scheduler, message: str) -> None:
     """Fans out exactly one error to every owned request, releases every cache, publishes zero load."""
     sched.stopped = True
+    sched.decode_ahead = None  # its requests are in `running`; its tokens are dropped with them
     if sched.inflight is not None:
         inflight = sched.inflight
         sched.inflight = None

@@ -1,11 +1,18 @@
-"""Step drivers: admission, batch prefill, overlap launch, unified prefill+decode, pure decode, token
-dispatch and retirement, and the chunk vocabulary (ScheduledChunk, InflightPrefill, take_prefill_chunks,
-promote_or_requeue).
+"""Step drivers: admission, batch prefill, overlap launch, unified prefill+decode, pure decode (with
+decode-ahead), token dispatch and retirement, and the chunk vocabulary (ScheduledChunk, InflightPrefill,
+take_prefill_chunks, promote_or_requeue).
 
 Every step is ONE backend forward over a flattened batch: decode rows first, then prefill chunks. A
 chunk that reaches the end of its request's tokens samples the request's next token there ("promote");
 a partial chunk goes back to the front of the prefilling FIFO ("requeue"). Only the last chunk of a
 step may be partial.
+
+Decode-ahead: a pure-decode step is launched without waiting for its tokens (a `DecodeAhead`). At the
+next tick, while nothing else needs planning, the following decode step is launched first, fed the
+running step's tokens on the device, and only then are the running step's tokens read and dispatched:
+the host's dispatch, emission and planning overlap the device's next step. A request whose token ends
+it (a stop token) has had one step too many computed; that step's token is dropped. Requests stay in
+`running` throughout; a token is dispatched only to a request still running.
 """
 
 from __future__ import annotations
@@ -16,9 +23,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from deltaserve.engine.backend import PendingStep, StepItem, StepResult
+from deltaserve.engine.backend import PendingStep, StepItem, StepResult, TokenFeed
 from deltaserve.engine.protocol import RequestUpdate, TokenLogprobs
-from deltaserve.engine.sampler import SamplingRow
+from deltaserve.engine.sampler import SamplingRow, uses_penalties
 from deltaserve.engine.scheduler import emit, telemetry
 from deltaserve.engine.scheduler.plan import (
     AdmissionCapacity,
@@ -59,6 +66,15 @@ class InflightPrefill:
     @property
     def requests(self) -> list[Request]:
         return [c.request for c in self.chunks]
+
+
+@dataclass(slots=True)
+class DecodeAhead:
+    """A pure-decode step whose tokens have not been read. Its requests stay in `running`; row i of
+    `pending` is `requests[i]`'s next token."""
+
+    requests: list[Request]
+    pending: PendingStep
 
 
 # ---- admission ---------------------------------------------------------------------------------
@@ -107,6 +123,16 @@ def admit(sched: Scheduler) -> None:
 
 def run_step(sched: Scheduler) -> None:
     started = time.monotonic() if telemetry.ITL_DEBUG else 0.0
+    ahead = sched.decode_ahead
+    if ahead is not None:
+        sched.decode_ahead = None
+        follow = _launch_following_decode(sched, ahead)
+        finish_decode_ahead(sched, ahead)
+        if follow is not None:
+            sched.decode_ahead = follow
+            if telemetry.ITL_DEBUG:
+                telemetry.log_itl_step("decode_ahead", 0, 0, len(follow.requests), started, time.monotonic())
+            return
     decode_pages = _ensure_decode_pages(sched)
     decode = list(sched.running)
     chunks: list[ScheduledChunk] = []
@@ -134,6 +160,9 @@ def run_step(sched: Scheduler) -> None:
     elif kind is PlanKind.DECODE and sched.inflight is not None:
         _execute(sched, decode, [])
         label = "overlap_decode"
+    elif kind is PlanKind.DECODE and _may_decode_ahead(sched, decode):
+        sched.decode_ahead = _launch_decode(sched, decode, None)
+        label = "decode_ahead"
     else:
         _execute(sched, decode, chunks)
     if telemetry.ITL_DEBUG:
@@ -146,12 +175,57 @@ def _execute(sched: Scheduler, decode: list[Request], chunks: list[ScheduledChun
     items = [StepItem(r.seq, [r.output_token_ids[-1]], _sampling_row(sched, r)) for r in decode]
     items += [_chunk_item(sched, c) for c in chunks]
     try:
-        result = sched.backend.execute(items)
+        result = sched.backend.launch(items).wait()
     except (torch.OutOfMemoryError, MemoryError) as exc:
         emit.fail_requests(sched, decode + [c.request for c in chunks], f"step failed: out of memory ({exc})")
         return
     dispatch_decode_tokens(sched, decode, result)
     promote_or_requeue(sched, chunks, result, offset=len(decode))
+
+
+def _may_decode_ahead(sched: Scheduler, decode: list[Request]) -> bool:
+    """Decode-ahead needs no host knowledge of the token in flight: penalties count output tokens on
+    the host, so a step with a penalised row runs synchronously."""
+    return sched.config.decode_ahead and not any(uses_penalties(r.params) for r in decode)
+
+
+def _launch_decode(sched: Scheduler, decode: list[Request], feed: TokenFeed | None) -> DecodeAhead | None:
+    """Launches a pure-decode step without reading its tokens. With `feed`, each request's input token
+    is the one in flight (not yet on the host), so its sampling step index counts it."""
+    pending = 0 if feed is None else 1
+    items = [
+        StepItem(r.seq, [r.output_token_ids[-1] if feed is None else 0], _sampling_row(sched, r, pending))
+        for r in decode
+    ]
+    try:
+        return DecodeAhead(decode, sched.backend.launch(items, feed=feed))
+    except (torch.OutOfMemoryError, MemoryError) as exc:
+        emit.fail_requests(sched, decode, f"step failed: out of memory ({exc})")
+        return None
+
+
+def _launch_following_decode(sched: Scheduler, ahead: DecodeAhead) -> DecodeAhead | None:
+    """The step after `ahead`, fed its tokens on the device, when the next step is pure decode over
+    requests of `ahead` with free pages for all of them; None otherwise (the caller then finishes
+    `ahead` and plans normally)."""
+    if sched.waiting or sched.prefilling or sched.inflight is not None:
+        return None
+    rows = {id(r): i for i, r in enumerate(ahead.requests)}
+    if any(id(r) not in rows for r in sched.running):
+        return None
+    # A request whose token in flight is its last (by length) does not continue.
+    follow = [r for r in sched.running if len(r.output_token_ids) + 1 < r.max_tokens]
+    if not follow or not _may_decode_ahead(sched, follow):
+        return None
+    cache = sched.cache
+    if sum(cache.pages_needed(r.seq, r.num_computed + 1) for r in follow) > cache.kv.num_free:
+        return None  # preemption is planned by the normal path, after the tokens are known
+    return _launch_decode(sched, follow, TokenFeed(ahead.pending, [rows[id(r)] for r in follow]))
+
+
+def finish_decode_ahead(sched: Scheduler, ahead: DecodeAhead) -> None:
+    """Reads the step's tokens and dispatches them to its requests that are still running."""
+    dispatch_decode_tokens(sched, ahead.requests, ahead.pending.wait())
 
 
 def _chunk_item(sched: Scheduler, c: ScheduledChunk) -> StepItem:
@@ -240,8 +314,14 @@ def promote_or_requeue(
 
 
 def dispatch_decode_tokens(sched: Scheduler, decode: list[Request], result: StepResult) -> None:
+    """Row i's token goes to decode[i] if it is still running (not aborted, failed or retired since the
+    step was launched)."""
+    from deltaserve.engine.scheduler import Phase
+
     finished = []
     for i, req in enumerate(decode):
+        if req.phase is not Phase.RUNNING:
+            continue
         if _append_token(sched, req, result.token_ids[i], result.logprobs[i]):
             finished.append(req)
     if finished:
@@ -284,9 +364,10 @@ def _check_stop(sched: Scheduler, req: Request, token: int) -> tuple[str | None,
     return None, None
 
 
-def _sampling_row(sched: Scheduler, req: Request) -> SamplingRow:
+def _sampling_row(sched: Scheduler, req: Request, pending: int = 0) -> SamplingRow:
+    """`pending`: tokens already sampled for the request but not yet on the host (decode-ahead)."""
     params = req.params
-    step = len(req.output_token_ids)
+    step = len(req.output_token_ids) + pending
     suppressed: tuple[int, ...] = ()
     if step < params.min_tokens:
         eos = () if params.ignore_eos else sched.config.eos_token_ids
