@@ -68,6 +68,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="read each decode step's tokens before launching the next (by default the next step is "
         "launched first, so host work overlaps the device; a stopped request costs one wasted step)",
     )
+    g.add_argument(
+        "--mamba-ssm-cache-dtype",
+        default=d.mamba_ssm_cache_dtype,
+        help="auto | float32 | bfloat16 | float16: the GDN SSM state (auto: the checkpoint's, float32); "
+        "16-bit halves the state memory at a measured accuracy cost",
+    )
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
 
 
@@ -88,6 +94,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         scheduler_policy=args.scheduler_policy,
         prefill_overlap=args.prefill_overlap,
         decode_ahead=args.decode_ahead,
+        mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
         enforce_eager=args.enforce_eager,
     )
     config.validate()

@@ -387,6 +387,9 @@ class EngineConfig:
     scheduler_policy: str = "fcfs"
     prefill_overlap: bool = False
     decode_ahead: bool = True  # launch decode step N+1 before step N's tokens reach the host
+    # SSM state dtype: auto = the checkpoint's mamba_ssm_dtype (float32 for Qwen3.5). A 16-bit state halves
+    # the state memory but costs accuracy (docs/benchmarks/2026-11-30-ssm-state-bf16-accuracy.md): opt-in.
+    mamba_ssm_cache_dtype: str = "auto"
     enforce_eager: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -398,6 +401,8 @@ class EngineConfig:
 
         if self.dtype != "auto":
             parse_dtype(self.dtype, what="--dtype")
+        if self.mamba_ssm_cache_dtype != "auto":
+            parse_dtype(self.mamba_ssm_cache_dtype, what="--mamba-ssm-cache-dtype")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise fail("device", "'auto', 'cpu', 'cuda' or 'cuda:N'", self.device)
         if self.load_format not in LOAD_FORMATS:

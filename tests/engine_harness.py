@@ -15,7 +15,13 @@ from deltaserve.model.weights import load_weights
 
 class Harness:
     def __init__(
-        self, model_dir: Path, *, page_size: int = 4, num_pages: int = 512, num_slots: int = 8
+        self,
+        model_dir: Path,
+        *,
+        page_size: int = 4,
+        num_pages: int = 512,
+        num_slots: int = 8,
+        ssm_dtype: torch.dtype | None = None,
     ) -> None:
         cfg = ModelConfig.from_dir(model_dir)
         device = torch.device("cpu")
@@ -28,6 +34,7 @@ class Harness:
             num_slots=num_slots,
             dtype=torch.float32,
             device=device,
+            ssm_dtype=ssm_dtype,
         )
         self.backend = Backend(self.model, self.cache)
 

@@ -7,6 +7,7 @@ The offline LLM runs it in-process; the API server runs it in its own process (e
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -68,6 +69,16 @@ class EngineCore:
         self.config = config
         self.model_dir = resolve_model_dir(config.model)
         self.model_config = ModelConfig.from_dir(self.model_dir)
+        if config.mamba_ssm_cache_dtype not in ("auto", self.model_config.ssm_state_dtype):
+            logger.warning(
+                "SSM state in %s instead of the checkpoint's %s (--mamba-ssm-cache-dtype): less state memory, "
+                "lower accuracy",
+                config.mamba_ssm_cache_dtype,
+                self.model_config.ssm_state_dtype,
+            )
+            self.model_config = dataclasses.replace(
+                self.model_config, ssm_state_dtype=config.mamba_ssm_cache_dtype
+            )
         self.tokenizer_vocab = Tokenizer.from_dir(self.model_dir).vocab_size
         device = config.resolved_device()
         dtype = config.resolved_dtype(device)
