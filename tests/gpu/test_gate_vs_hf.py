@@ -122,19 +122,26 @@ class Gate:
         self.diffs: list[torch.Tensor] = []
         self.ours_vs_fp32: list[torch.Tensor] = []
         self.hf_vs_fp32: list[torch.Tensor] = []
+        self.regrets: list[tuple[float, float | None, float | None]] = []  # vs HF bf16; ours, HF's on fp32
+        self.failures: list[str] = []  # collected, so a run reports the whole surface before failing
 
     def check(
         self, ours: torch.Tensor, ref: torch.Tensor, step: str, truth: torch.Tensor | None = None
     ) -> None:
         ours = ours.float().log_softmax(-1)
         regret = float(ref.max() - ref[ours.argmax()])
-        if regret > REGRET:
-            # A near-tie that bf16 noise flips: fine if, on HF fp32, the engine's pick is no worse than
-            # HF bf16's own pick (or within the tolerance of the best).
-            assert truth is not None, f"{self.what} {step}: argmax regret {regret:.3f} nat"
+        ours_true = hf_true = None
+        if truth is not None:
             ours_true = float(truth.max() - truth[ours.argmax()])
             hf_true = float(truth.max() - truth[ref.argmax()])
-            assert ours_true <= max(REGRET, hf_true), f"{self.what} {step}: argmax regret {regret:.3f} nat"
+        self.regrets.append((regret, ours_true, hf_true))
+        # A near-tie that bf16 noise flips is fine if, on HF fp32, the engine's pick is no worse than HF
+        # bf16's own pick (or within the tolerance of the best).
+        if regret > REGRET and (ours_true is None or ours_true > max(REGRET, hf_true)):
+            on_fp32 = (
+                "" if ours_true is None else f" (on HF fp32: ours {ours_true:.3f}, HF bf16's {hf_true:.3f})"
+            )
+            self.failures.append(f"{self.what} {step}: argmax regret {regret:.3f} nat{on_fp32}")
         top = ours.topk(8).indices
         self.diffs.append((ours[top] - ref[top]).abs())
         if truth is not None:
@@ -149,16 +156,26 @@ class Gate:
             o, h = torch.cat(self.ours_vs_fp32), torch.cat(self.hf_vs_fp32)
             line += f"; vs HF fp32: engine mean {float(o.mean()):.4f} p99 {float(o.quantile(0.99)):.4f}, "
             line += f"HF bf16 mean {float(h.mean()):.4f} p99 {float(h.quantile(0.99)):.4f}"
+            ours_r = [r[1] for r in self.regrets if r[1] is not None]
+            hf_r = [r[2] for r in self.regrets if r[2] is not None]
+            line += (
+                f"; argmax regret on HF fp32: engine mean {sum(ours_r) / len(ours_r):.4f} max {max(ours_r):.3f}, "
+                f"HF bf16 mean {sum(hf_r) / len(hf_r):.4f} max {max(hf_r):.3f}"
+            )
         print(line)
-        if mean <= MEAN and p99 <= P99:
-            return
-        # Where bf16 rounding noise on both sides exceeds the tolerance (random weights amplify it), HF
-        # fp32 decides: the engine must be no further from it than HF bf16 is (25% slack).
-        assert self.ours_vs_fp32, f"{self.what}: mean {mean:.4f} p99 {p99:.4f} vs HF bf16"
-        o, h = torch.cat(self.ours_vs_fp32), torch.cat(self.hf_vs_fp32)
-        assert float(o.mean()) <= 1.25 * float(h.mean()) and float(o.quantile(0.99)) <= 1.25 * float(
-            h.quantile(0.99)
-        ), f"{self.what}: further from HF fp32 than HF bf16 is"
+        if mean > MEAN or p99 > P99:
+            # Where bf16 rounding noise on both sides exceeds the tolerance (random weights amplify it),
+            # HF fp32 decides: the engine must be no further from it than HF bf16 is (25% slack).
+            if not self.ours_vs_fp32:
+                self.failures.append(f"{self.what}: mean {mean:.4f} p99 {p99:.4f} vs HF bf16")
+            else:
+                o, h = torch.cat(self.ours_vs_fp32), torch.cat(self.hf_vs_fp32)
+                if not (
+                    float(o.mean()) <= 1.25 * float(h.mean())
+                    and float(o.quantile(0.99)) <= 1.25 * float(h.quantile(0.99))
+                ):
+                    self.failures.append(f"{self.what}: further from HF fp32 than HF bf16 is")
+        assert not self.failures, "; ".join(self.failures)
 
 
 def prompt_of(length: int, seed: int) -> list[int]:
