@@ -486,3 +486,39 @@ def test_penalised_requests_decode_synchronously_with_the_same_tokens(model):
         outs[ahead] = (run.tokens("p"), run.tokens("q"))
         assert all(entry[1] is None for entry in log if entry[0] == "launch")
     assert outs[True] == outs[False]
+
+
+def test_a_request_leaving_under_a_running_decode_step_keeps_its_caches_until_the_step_is_waited(model):
+    # Guard: no KV or state is released under a launched step that may still write it.
+    from deltaserve.engine.scheduler import emit
+
+    run = Run(model)
+    run.add("x", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
+    run.add("y", [4, 5, 6], SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
+    run.tick(4)
+    step = run.sched.decode_ahead
+    assert step is not None and not step.waited
+    slots_free, pages_used = run.sched.cache.states.num_free, run.sched.cache.kv.num_used
+    run.sched.by_id["x"].closed = True
+    emit.prune_closed_requests(run.sched)  # what the next tick does first: x retires...
+    assert "x" not in run.sched.by_id and run.sched.updates[-1].finish_reason == "abort"
+    # ...but its slot and pages stay held while the step may still write them.
+    assert run.sched.cache.states.num_free == slots_free and run.sched.cache.kv.num_used == pages_used
+    run.tick()  # the step is waited for in this tick: x's slot and pages come back in it
+    assert step.waited and run.sched.cache.states.num_free == slots_free + 1
+    assert run.terminal("x").finish_reason == "abort"
+    run.run_until_idle()
+    assert run.sched.load.kv_pages_used == 0 and run.sched.load.state_slots_free == 16
+
+
+def test_shutdown_drains_a_running_decode_step_and_publishes_zero_load(model):
+    from deltaserve.engine.protocol import Shutdown
+
+    run = Run(model)
+    run.add("x", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
+    run.tick(4)
+    assert run.sched.decode_ahead is not None
+    run.sched.submit(Shutdown("stopping"))
+    run.tick()
+    assert run.terminal("x").finish_reason == "error"
+    assert run.loads[-1].kv_pages_used == 0 and run.loads[-1].state_slots_free == 16

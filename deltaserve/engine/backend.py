@@ -10,10 +10,9 @@ behind an event, so waiting for them never waits for steps launched later. A lau
 token of its first rows from an earlier, still running step's sampled tokens on the device (a
 `TokenFeed`): decode step N+1 is launched before step N's tokens reach the host.
 
-All device work runs in launch order on one stream. So a sequence's pages and slot, released on the
-host while a launched step still writes them, are reused only by steps that run after it; a reused
-slot starts from context 0 (its stale state is never read) and a reused page position is written by
-its new owner before it is read.
+All device work runs in launch order on one stream. Even so, the scheduler releases a sequence's
+pages and slot only after every launched step over it has been waited for, so the rule holds for any
+future second stream as well.
 """
 
 from __future__ import annotations

@@ -76,6 +76,7 @@ class Request:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     checked: bool = False  # submission checks (contract, fields, token ids) ran
+    decode_step: steps.DecodeAhead | None = None  # the latest decode-ahead step launched over it
 
     @property
     def num_tokens(self) -> int:

@@ -7,8 +7,8 @@
 - terminal_scheduler_shutdown: on shutdown or a fatal error every owned request (queued, prefilling, in
   flight, decoding, or still in the inbox) gets one error, then a zero load snapshot is published.
 An async prefill is always drained (waited for) before any of its requests' KV or state is released.
-A decode-ahead step is not: its requests may retire while it runs, because device work runs in launch
-order on one stream (see engine/backend.py) and its tokens are dispatched only to running requests.
+So is a decode-ahead step: a request retiring while one runs over it hands its pages and slot to the
+step, which releases them once waited for (steps.release_caches); its tokens go only to running requests.
 """
 
 from __future__ import annotations
@@ -29,13 +29,12 @@ UNSUPPORTED_ECHO_MESSAGE = "echo=true is not supported: the engine does not retu
 def retire(
     sched: Scheduler, req: Request, *, update: RequestUpdate | None = None, finish_reason: str | None = None
 ) -> None:
-    """The request's single terminal: frees its pages and slot in this tick and emits `update` (or a
-    bare update with `finish_reason`)."""
-    from deltaserve.engine.scheduler import Phase
+    """The request's single terminal: frees its pages and slot (at once, or when a decode-ahead step
+    over it has been waited for, within the tick for an abort) and emits `update` (or a bare update
+    with `finish_reason`)."""
+    from deltaserve.engine.scheduler import Phase, steps
 
-    if req.seq is not None:
-        sched.cache.release(req.seq)
-        req.seq = None
+    steps.release_caches(sched, req)
     req.phase = Phase.DONE
     sched.by_id.pop(req.request_id, None)
     if update is None:
@@ -128,7 +127,11 @@ def _submission_problem(sched: Scheduler, req: Request) -> tuple[str, str] | Non
 def terminal_scheduler_shutdown(sched: Scheduler, message: str) -> None:
     """Fans out exactly one error to every owned request, releases every cache, publishes zero load."""
     sched.stopped = True
-    sched.decode_ahead = None  # its requests are in `running`; its tokens are dropped with them
+    if sched.decode_ahead is not None:
+        ahead = sched.decode_ahead
+        sched.decode_ahead = None  # its requests are in `running`; its tokens are dropped with them
+        with contextlib.suppress(Exception):  # its own failure does not change the outcome
+            ahead.wait(sched.cache)  # drained before its requests' caches are released
     if sched.inflight is not None:
         inflight = sched.inflight
         sched.inflight = None

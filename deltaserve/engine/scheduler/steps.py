@@ -18,11 +18,12 @@ it (a stop token) has had one step too many computed; that step's token is dropp
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
+from deltaserve.cache.manager import CacheManager, SequenceCache
 from deltaserve.engine.backend import PendingStep, StepItem, StepResult, TokenFeed
 from deltaserve.engine.protocol import RequestUpdate, TokenLogprobs
 from deltaserve.engine.sampler import SamplingRow, uses_penalties
@@ -71,10 +72,38 @@ class InflightPrefill:
 @dataclass(slots=True)
 class DecodeAhead:
     """A pure-decode step whose tokens have not been read. Its requests stay in `running`; row i of
-    `pending` is `requests[i]`'s next token."""
+    `pending` is `requests[i]`'s next token. A request that retires while the step may still run keeps
+    its pages and slot until the step has been waited for (`deferred`, released by `wait`)."""
 
     requests: list[Request]
     pending: PendingStep
+    deferred: list[SequenceCache] = field(default_factory=list)
+    waited: bool = False
+
+    def wait(self, cache: CacheManager) -> StepResult:
+        result = self.pending.wait()
+        self.waited = True
+        for seq in self.deferred:
+            cache.release(seq)
+        self.deferred.clear()
+        for r in self.requests:
+            if r.decode_step is self:
+                r.decode_step = None
+        return result
+
+
+def release_caches(sched: Scheduler, req: Request) -> None:
+    """Gives the request's pages and slot back, or, while a decode-ahead step over it may still run,
+    hands them to that step to release once it has been waited for (no KV or state is released under
+    a running step)."""
+    if req.seq is None:
+        return
+    step = req.decode_step
+    if step is not None and not step.waited:
+        step.deferred.append(req.seq)
+    else:
+        sched.cache.release(req.seq)
+    req.seq = None
 
 
 # ---- admission ---------------------------------------------------------------------------------
@@ -198,10 +227,13 @@ def _launch_decode(sched: Scheduler, decode: list[Request], feed: TokenFeed | No
         for r in decode
     ]
     try:
-        return DecodeAhead(decode, sched.backend.launch(items, feed=feed))
+        step = DecodeAhead(decode, sched.backend.launch(items, feed=feed))
     except (torch.OutOfMemoryError, MemoryError) as exc:
         emit.fail_requests(sched, decode, f"step failed: out of memory ({exc})")
         return None
+    for r in decode:
+        r.decode_step = step
+    return step
 
 
 def _launch_following_decode(sched: Scheduler, ahead: DecodeAhead) -> DecodeAhead | None:
@@ -225,7 +257,7 @@ def _launch_following_decode(sched: Scheduler, ahead: DecodeAhead) -> DecodeAhea
 
 def finish_decode_ahead(sched: Scheduler, ahead: DecodeAhead) -> None:
     """Reads the step's tokens and dispatches them to its requests that are still running."""
-    dispatch_decode_tokens(sched, ahead.requests, ahead.pending.wait())
+    dispatch_decode_tokens(sched, ahead.requests, ahead.wait(sched.cache))
 
 
 def _chunk_item(sched: Scheduler, c: ScheduledChunk) -> StepItem:
@@ -399,8 +431,7 @@ def preempt(sched: Scheduler, req: Request) -> None:
     waiting queue and later recomputes prompt + outputs (the state transaction restarts at zero)."""
     from deltaserve.engine.scheduler import Phase
 
-    sched.cache.release(req.seq)
-    req.seq = None
+    release_caches(sched, req)
     req.phase = Phase.WAITING
     req.num_preemptions += 1
     sched.num_preemptions += 1
