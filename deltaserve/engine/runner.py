@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from deltaserve.cache.manager import CacheManager
@@ -37,6 +38,36 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
         b += 8 if b < 128 else 16 if b < 256 else 32
     buckets.append(max_num_seqs)
     return buckets
+
+
+def fill_decode_inputs(
+    longs: np.ndarray, ints: np.ndarray, rows: Sequence[BatchRow], bucket: int, page_size: int
+) -> None:
+    """Writes a decode graph's inputs for `rows` padded to `bucket` rows. longs [4, M] int64: token id,
+    position (= context), state slot, KV slot (page * page_size + offset) per row. ints [2M + M*P]
+    int32: context lengths [M], sequence lengths [M], then the block table [M, P] row-major (only its
+    first `bucket` rows are written). Padding rows hold one token at position 1 of the reserved page,
+    with the reserved state slot, so they never touch a live sequence."""
+    m = longs.shape[1]
+    n = len(rows)
+    max_pages = (ints.shape[0] - 2 * m) // m
+    ctx = [r.context_len for r in rows]
+    longs[0, :n] = [r.token_ids[0] for r in rows]
+    longs[1, :n] = ctx
+    longs[2, :n] = [r.state_slot for r in rows]
+    longs[3, :n] = [
+        r.pages[c // page_size] * page_size + c % page_size for r, c in zip(rows, ctx, strict=True)
+    ]
+    ints[:n] = ctx
+    ints[m : m + n] = longs[1, :n] + 1
+    tables = ints[2 * m : 2 * m + bucket * max_pages].reshape(bucket, max_pages)
+    for i, r in enumerate(rows):
+        # Columns past a row's pages keep stale ids: attention never reads past its seq_len.
+        tables[i, : len(r.pages)] = r.pages
+    longs[:, n:bucket] = [[0], [1], [DUMMY_SLOT], [DUMMY_PAGE * page_size + 1]]
+    ints[n:bucket] = 1
+    ints[m + n : m + bucket] = 2
+    tables[n:bucket, 0] = DUMMY_PAGE
 
 
 def dummy_rows(num_seqs: int, tokens_each: int, page_size: int, *, context: int = 0) -> list[BatchRow]:
@@ -169,27 +200,9 @@ class CudaGraphRunner:
         bucket = next(b for b in self.buckets if b >= n)
         page = self.cache.page_size
         self._copied.synchronize()  # the previous replay's inputs have left the host twins
-        longs = self._longs_host.numpy()
-        ints = self._ints_host.numpy()
-        m = self.max_rows
-        ctx = [r.context_len for r in rows]
-        longs[0, :n] = [r.token_ids[0] for r in rows]
-        longs[1, :n] = ctx
-        longs[2, :n] = [r.state_slot for r in rows]
-        longs[3, :n] = [r.pages[c // page] * page + c % page for r, c in zip(rows, ctx, strict=True)]
-        ints[:n] = ctx
-        ints[m : m + n] = longs[1, :n] + 1
-        tables = ints[2 * m : 2 * m + bucket * self.max_pages].reshape(bucket, self.max_pages)
-        for i, r in enumerate(rows):
-            # Columns past a row's pages keep stale ids: attention never reads past its seq_len.
-            tables[i, : len(r.pages)] = r.pages
-        # Padding rows: one token at position 1 of the reserved page, state in the reserved slot.
-        longs[:, n:bucket] = [[0], [1], [DUMMY_SLOT], [DUMMY_PAGE * page + 1]]
-        ints[n:bucket] = 1
-        ints[m + n : m + bucket] = 2
-        tables[n:bucket, 0] = DUMMY_PAGE
+        fill_decode_inputs(self._longs_host.numpy(), self._ints_host.numpy(), rows, bucket, page)
         self._longs.copy_(self._longs_host, non_blocking=True)
-        used = 2 * m + bucket * self.max_pages
+        used = 2 * self.max_rows + bucket * self.max_pages
         self._ints[:used].copy_(self._ints_host[:used], non_blocking=True)
         self._copied.record()
         if fed is not None:
