@@ -19,8 +19,10 @@ def test_gemv_matches_linear_on_strided_rows_and_ragged_blocks(n, k, dtype):
     gen = torch.Generator().manual_seed(n * 1000 + k)
     x = torch.randn(3, k + 24, generator=gen).to(dtype).to(DEVICE)[1:2, 8 : 8 + k]
     w = torch.randn(n + 5, k, generator=gen).to(dtype).to(DEVICE)[2 : 2 + n]
-    got = triton_linear.gemv(x, w)
+    out = torch.full((1, n), float("nan"), dtype=dtype, device=DEVICE)  # unwritten rows would stay NaN
+    got = triton_linear.gemv(x, w, out=out)
     want = F.linear(x.double(), w.double())
+    assert got.data_ptr() == out.data_ptr()
     assert got.shape == (1, n) and got.dtype == dtype
     if dtype == torch.float32:
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)

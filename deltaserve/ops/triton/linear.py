@@ -48,9 +48,10 @@ _gemv_tuned = triton.autotune(
 )(_gemv_kernel)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """x: [1, K] (any row stride, unit column stride); weight: [N, K] with unit column stride (row
-    slices of a larger matrix are fine). Returns [1, N] in x's dtype."""
+    slices of a larger matrix are fine). Returns [1, N] in x's dtype, written into `out` when given
+    (contiguous)."""
     if x.dim() != 2 or x.shape[0] != 1:
         raise ValueError(f"gemv takes one row: x of shape (1, K), got {tuple(x.shape)}")
     n, k = weight.shape
@@ -60,7 +61,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"x dtype {x.dtype} differs from the weight dtype {weight.dtype}")
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("gemv needs a unit column stride in x and the weight")
-    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    elif out.shape != (1, n) or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(
+            f"out must be a contiguous {x.dtype} tensor of shape (1, {n}), got {tuple(out.shape)}"
+        )
     if _INTERPRETER:
         block_n, block_k = _INTERPRETER_BLOCKS
         _gemv_kernel[(triton.cdiv(n, block_n),)](
