@@ -26,7 +26,7 @@ from deltaserve.cache.manager import CacheManager, SequenceCache
 from deltaserve.engine.protocol import TokenLogprobs
 from deltaserve.engine.runner import CudaGraphRunner
 from deltaserve.engine.sampler import Sampler, SamplerOutput, SamplingRow
-from deltaserve.model.batch import BatchRow, build_forward_batch
+from deltaserve.model.batch import BatchRow, build_forward_batch, to_device
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
 
 
@@ -140,8 +140,7 @@ def _fed_tokens(feed: TokenFeed, device: torch.device) -> torch.Tensor:
     n = len(feed.rows)
     if feed.rows == list(range(n)):
         return source[:n]
-    index = torch.tensor(feed.rows, dtype=torch.int64, pin_memory=device.type == "cuda")
-    return source.index_select(0, index.to(device, non_blocking=True))
+    return source.index_select(0, to_device(feed.rows, torch.int64, device))
 
 
 def _check_fed_rows(rows: Sequence[BatchRow], fed: int) -> None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deltaserve.model.batch import to_device
 from deltaserve.sampling_params import SamplingParams
 
 
@@ -100,10 +101,10 @@ def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
     x = logits.to(torch.float32, copy=True)
     if bias:
         row_ids, tok_ids, values = zip(*bias, strict=True)
-        index = _to_device([row_ids, tok_ids], torch.int64, x.device)
-        x.index_put_((index[0], index[1]), _to_device(values, torch.float32, x.device), accumulate=True)
+        index = to_device([row_ids, tok_ids], torch.int64, x.device)
+        x.index_put_((index[0], index[1]), to_device(values, torch.float32, x.device), accumulate=True)
     if suppressed:
-        index = _to_device(list(zip(*suppressed, strict=True)), torch.int64, x.device)
+        index = to_device(list(zip(*suppressed, strict=True)), torch.int64, x.device)
         x[index[0], index[1]] = float("-inf")
     if penalised:
         x = _apply_penalties(x, rows, penalised)
@@ -114,12 +115,6 @@ def uses_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
 
 
-def _to_device(data: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """One host→device copy; on CUDA from pinned memory, so it neither blocks the host nor the stream."""
-    staged = torch.tensor(data, dtype=dtype, pin_memory=device.type == "cuda")
-    return staged.to(device, non_blocking=True)
-
-
 def _flat_token_index(token_lists: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
     """Index of (row j, token t) into a flattened [len(token_lists), vocab] tensor: j * vocab + t."""
     row_of: list[int] = []
@@ -127,7 +122,7 @@ def _flat_token_index(token_lists: Sequence[Sequence[int]], vocab: int, device: 
     for j, ids in enumerate(token_lists):
         row_of.extend([j] * len(ids))
         flat.extend(ids)
-    pairs = _to_device([row_of, flat], torch.int64, device)
+    pairs = to_device([row_of, flat], torch.int64, device)
     return pairs[0] * vocab + pairs[1]
 
 
@@ -135,7 +130,7 @@ def _apply_penalties(x: torch.Tensor, rows: Sequence[SamplingRow], penalised: li
     """Penalties over the penalised rows only; token counts come from one scatter over their token ids."""
     prows = [rows[i] for i in penalised]
     n, vocab = len(prows), x.shape[1]
-    params = _to_device(
+    params = to_device(
         [
             [r.params.repetition_penalty for r in prows],
             [r.params.frequency_penalty for r in prows],
@@ -145,7 +140,7 @@ def _apply_penalties(x: torch.Tensor, rows: Sequence[SamplingRow], penalised: li
         x.device,
     )
     whole = n == x.shape[0]
-    row_index = None if whole else _to_device(penalised, torch.int64, x.device)
+    row_index = None if whole else to_device(penalised, torch.int64, x.device)
     sub = x if whole else x.index_select(0, row_index)
 
     out_index = _flat_token_index([r.output_token_ids for r in prows], vocab, x.device)
@@ -181,12 +176,12 @@ def _sample(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     vocab = x.shape[1]
     # top_k >= vocab keeps everything: encoded as 0 (disabled) like top_k in {-1, 0}.
     top_k = [r.params.top_k if 0 < r.params.top_k < vocab else 0 for r in srows]
-    ints = _to_device(
+    ints = to_device(
         [sampled, [r.seed for r in srows], [r.step for r in srows], top_k], torch.int64, x.device
     )
     # top_p == 1 keeps everything: encoded as +inf, because a float32 cumulative sum over a large vocabulary
     # can reach 1.0 before its last tokens, and "mass before < 1.0" would then drop them.
-    floats = _to_device(
+    floats = to_device(
         [
             [r.params.temperature for r in srows],
             [r.params.top_p if r.params.top_p < 1.0 else float("inf") for r in srows],

@@ -51,6 +51,13 @@ class BatchRow:
     need_logits: bool = True  # logits of the last token of this row
 
 
+def to_device(data: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host values to `device` in one copy; on CUDA staged in pinned memory, so the copy blocks neither
+    the host nor the stream."""
+    staged = torch.tensor(data, dtype=dtype, pin_memory=device.type == "cuda")
+    return staged.to(device, non_blocking=True)
+
+
 def build_forward_batch(rows: Sequence[BatchRow], page_size: int, device: torch.device) -> ForwardBatch:
     if not rows:
         raise ValueError("a forward batch needs at least one row")

@@ -284,6 +284,8 @@ def causal_conv1d(
     num_prefills = num_seqs - batch.num_decodes
     if tokens == 0 or num_seqs == 0:
         return out
+    # x row, weight channel/tap, state slot/channel/column strides: the same for both kernels.
+    strides = (x.stride(0), weight.stride(0), weight.stride(1), *conv_state.stride())
     if batch.num_decodes == num_seqs == tokens:
         _conv1d_decode_kernel[(tokens, triton.cdiv(channels, _DECODE_BLOCK_C))](
             x,
@@ -292,12 +294,7 @@ def causal_conv1d(
             out,
             batch.state_slots,
             channels,
-            x.stride(0),
-            weight.stride(0),
-            weight.stride(1),
-            conv_state.stride(0),
-            conv_state.stride(1),
-            conv_state.stride(2),
+            *strides,
             KW=width,
             BLOCK_C=_DECODE_BLOCK_C,
             num_warps=_DECODE_NUM_WARPS,
@@ -317,12 +314,7 @@ def causal_conv1d(
         batch.num_decodes,
         (num_prefills - 1).bit_length() if num_prefills > 0 else 0,
         channels,
-        x.stride(0),
-        weight.stride(0),
-        weight.stride(1),
-        conv_state.stride(0),
-        conv_state.stride(1),
-        conv_state.stride(2),
+        *strides,
         KW=width,
         BLOCK_T=block_t,
         BLOCK_C=block_c,

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deltaserve.model.batch import ForwardBatch
+from deltaserve.model.batch import ForwardBatch, to_device
 
 
 @triton.jit
@@ -149,15 +149,12 @@ def prefill_index(batch: ForwardBatch, first: int) -> PrefillIndex:
         cu.append(cu[-1] + n)
     chunks = [(seq, c) for seq, n in enumerate(lens) for c in range(-(-n // _FLA_CHUNK))]
     device = batch.query_start_loc.device
-    pin = device.type == "cuda"
-    cu_cpu = torch.tensor(cu, dtype=torch.int64)
-    chunks_cpu = torch.tensor(chunks, dtype=torch.int64).view(-1, 2)
     index = PrefillIndex(
         first=first,
         start=sum(batch.query_lens_host[:first]),
-        cu_seqlens=(cu_cpu.pin_memory() if pin else cu_cpu).to(device, non_blocking=True),
-        cu_seqlens_cpu=cu_cpu,
-        chunk_indices=(chunks_cpu.pin_memory() if pin else chunks_cpu).to(device, non_blocking=True),
+        cu_seqlens=to_device(cu, torch.int64, device),
+        cu_seqlens_cpu=torch.tensor(cu, dtype=torch.int64),
+        chunk_indices=to_device(chunks, torch.int64, device).view(-1, 2),
     )
     batch.gdn_prefill_index = index
     return index
