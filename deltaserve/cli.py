@@ -75,6 +75,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "16-bit halves the state memory at a measured accuracy cost",
     )
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=d.tensor_parallel_size,
+        help="shard the model over this many GPUs (or CPU processes), one process per rank; eager, "
+        "without decode-ahead",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -96,6 +104,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         decode_ahead=args.decode_ahead,
         mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
         enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     config.validate()
     return config

@@ -5,6 +5,7 @@ Both fail before anything is loaded, with a message naming the key, the expected
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -34,6 +35,15 @@ def parse_dtype(name: str, *, what: str) -> torch.dtype:
     if name not in DTYPES:
         raise ConfigError(f"{what} must be one of {sorted(DTYPES)}, got {name!r}")
     return DTYPES[name]
+
+
+SHARDED_DENSE = (
+    "num_attention_heads",
+    "num_key_value_heads",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+)
+SHARDED_MOE = ("moe_intermediate_size", "shared_expert_intermediate_size")
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +123,22 @@ class ModelConfig:
             * _itemsize(DTYPES[self.ssm_state_dtype])
         )
         return (conv + ssm) * len(self.linear_attention_layers)
+
+    def shard(self, tp_size: int) -> ModelConfig:
+        """The per-rank geometry under `tp_size`-way tensor parallelism: heads, kv heads, GDN key and
+        value heads and MLP/expert widths divided by `tp_size` (deltaserve.model.layers.parallel)."""
+        if tp_size == 1:
+            return self
+        sharded = SHARDED_DENSE + (SHARDED_MOE if self.is_moe else ("intermediate_size",))
+        changes = {}
+        for name in sharded:
+            value = getattr(self, name)
+            if value % tp_size:
+                raise ConfigError(
+                    f"--tensor-parallel-size {tp_size} must divide the model's {name}, got {name}={value}"
+                )
+            changes[name] = value // tp_size
+        return dataclasses.replace(self, **changes)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -391,6 +417,8 @@ class EngineConfig:
     # the state memory but costs accuracy (docs/benchmarks/2026-11-30-ssm-state-bf16-accuracy.md): opt-in.
     mamba_ssm_cache_dtype: str = "auto"
     enforce_eager: bool = False
+    # Ranks 1..N-1 run in their own processes (engine/tp.py); eager, without decode-ahead or prefill overlap.
+    tensor_parallel_size: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -410,7 +438,7 @@ class EngineConfig:
         policy = policy_error(self.scheduler_policy, self.prefill_overlap)
         if policy is not None:
             raise ConfigError(policy)
-        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "tensor_parallel_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise fail(name, "an integer >= 1", value)
@@ -422,6 +450,16 @@ class EngineConfig:
             raise fail("max_model_len", "an integer >= 1", self.max_model_len)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise fail("gpu_memory_utilization", "in (0, 1]", self.gpu_memory_utilization)
+        if self.tensor_parallel_size > 1:
+            if self.prefill_overlap:
+                raise ConfigError(
+                    f"--prefill-overlap is not supported with --tensor-parallel-size {self.tensor_parallel_size}"
+                )
+            if self.device.startswith("cuda:"):
+                raise ConfigError(
+                    f"--device {self.device}: with --tensor-parallel-size {self.tensor_parallel_size}, "
+                    "rank r runs on cuda:r; give --device cuda or auto"
+                )
         if self.num_kv_pages is not None and self.num_kv_pages < 2:
             raise fail("num_kv_pages", "an integer >= 2 (one page is reserved)", self.num_kv_pages)
 

@@ -106,17 +106,20 @@ class Backend:
         if feed is not None:
             _check_fed_rows(rows, len(feed.rows))
             fed = _fed_tokens(feed, self.device)
-        graphs = self.graph_runner
-        if graphs is not None and all(r.need_logits for r in rows) and graphs.can_run(rows):
-            logits = graphs.run(rows, fed)
-        else:
-            batch = build_forward_batch(rows, self.cache.page_size, self.device)
-            if fed is not None:
-                batch.input_ids[: fed.shape[0]] = fed
-            logits = self.model.compute_logits(self.model(batch, self.cache.kv, self.cache.states))
+        logits = self.run_rows(rows, fed)
         for item in items:
             self.cache.advance(item.seq, len(item.token_ids))
         return logits
+
+    def run_rows(self, rows: list[BatchRow], fed: torch.Tensor | None) -> torch.Tensor:
+        """The forward over `rows` (a decode graph when one fits) and the logits of the rows that need them."""
+        graphs = self.graph_runner
+        if graphs is not None and all(r.need_logits for r in rows) and graphs.can_run(rows):
+            return graphs.run(rows, fed)
+        batch = build_forward_batch(rows, self.cache.page_size, self.device)
+        if fed is not None:
+            batch.input_ids[: fed.shape[0]] = fed
+        return self.model.compute_logits(self.model(batch, self.cache.kv, self.cache.states))
 
     def execute(self, items: Sequence[StepItem]) -> StepResult:
         return self.launch(items).wait()

@@ -17,13 +17,15 @@ from pathlib import Path
 
 import torch
 
-from deltaserve.cache.manager import build_cache
+from deltaserve.cache.manager import CacheManager, build_cache
 from deltaserve.config import EngineConfig, ModelConfig
 from deltaserve.engine.backend import Backend
 from deltaserve.engine.protocol import ClientMessage, Shutdown, StepOutputs
 from deltaserve.engine.runner import CudaGraphRunner, WarmupReport, warm_up
 from deltaserve.engine.scheduler import Scheduler, SchedulerConfig, start_scheduler
+from deltaserve.engine.tp import RankWorkers, TensorParallelBackend, agree_on_minimum
 from deltaserve.errors import ConfigError
+from deltaserve.model.layers.parallel import TensorParallel
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
 from deltaserve.model.weights import init_dummy_weights, load_weights
 from deltaserve.tokenizer import Tokenizer
@@ -80,39 +82,29 @@ class EngineCore:
                 self.model_config, ssm_state_dtype=config.mamba_ssm_cache_dtype
             )
         self.tokenizer_vocab = Tokenizer.from_dir(self.model_dir).vocab_size
-        device = config.resolved_device()
-        dtype = config.resolved_dtype(device)
-        started = time.monotonic()
-        self.model = Qwen35ForCausalLM(
-            self.model_config, dtype=dtype, device=device, logits_vocab_size=self.tokenizer_vocab
-        )
-        if config.load_format == "dummy":
-            init_dummy_weights(self.model, seed=config.seed)
-        else:
-            load_weights(self.model, self.model_dir)
-        logger.info(
-            "model loaded from %s in %.1f s (%s, %s)",
-            self.model_dir,
-            time.monotonic() - started,
-            device,
-            dtype,
-        )
-        warmup = None
-        if device.type == "cuda":
-            warmup = self._warm_up(dtype, device)
-        num_pages = self._plan_kv_pages(device, dtype, warmup)
-        cache = build_cache(
-            self.model_config,
-            num_pages=num_pages,
-            page_size=config.page_size,
-            num_slots=config.max_num_seqs + 1,
-            dtype=dtype,
-            device=device,
-        )
+        self.workers: RankWorkers | None = None
+        if config.tensor_parallel_size > 1:
+            self.model_config.shard(config.tensor_parallel_size)  # divisibility, before any process starts
+            self.workers = RankWorkers.start(config, self.model_dir, self.model_config, self.tokenizer_vocab)
+        try:
+            rank = build_rank(
+                config,
+                self.model_dir,
+                self.model_config,
+                self.tokenizer_vocab,
+                TensorParallel(0, config.tensor_parallel_size),
+            )
+            if self.workers is not None:
+                self.workers.wait_ready()
+        except BaseException:
+            if self.workers is not None:
+                self.workers.close()
+            raise
+        self.model, cache, device, dtype = rank.model, rank.cache, rank.device, rank.dtype
         capacity_tokens = cache.kv.capacity * config.page_size
         max_model_len = self._resolve_max_model_len(capacity_tokens)
         graphs = None
-        if device.type == "cuda" and not config.enforce_eager:
+        if device.type == "cuda" and not config.enforce_eager and self.workers is None:
             graphs = CudaGraphRunner(self.model, cache, config.max_num_seqs, max_model_len)
             seconds = graphs.capture()
             logger.info(
@@ -121,7 +113,11 @@ class EngineCore:
                 config.max_num_seqs,
                 seconds,
             )
-        self.backend = Backend(self.model, cache, graph_runner=graphs)
+        self.backend = (
+            Backend(self.model, cache, graph_runner=graphs)
+            if self.workers is None
+            else TensorParallelBackend(self.model, cache, self.workers)
+        )
         self.scheduler_config = SchedulerConfig(
             max_model_len=max_model_len,
             max_num_seqs=config.max_num_seqs,
@@ -130,7 +126,7 @@ class EngineCore:
             eos_token_ids=self.model_config.eos_token_ids,
             policy=config.scheduler_policy,
             prefill_overlap=config.prefill_overlap,
-            decode_ahead=config.decode_ahead,
+            decode_ahead=config.decode_ahead and self.workers is None,
         )
         self.info = EngineInfo(
             model_dir=str(self.model_dir),
@@ -159,54 +155,6 @@ class EngineCore:
         self.scheduler: Scheduler | None = None
         self.thread: threading.Thread | None = None
 
-    def _warm_up(self, dtype: torch.dtype, device: torch.device) -> WarmupReport:
-        """Kernels compile and autotune at the real chunk shapes on a throwaway two-page KV pool."""
-        cfg = self.config
-        scratch = build_cache(
-            self.model_config,
-            num_pages=2,
-            page_size=cfg.page_size,
-            num_slots=cfg.max_num_seqs + 1,
-            dtype=dtype,
-            device=device,
-        )
-        report = warm_up(self.model, scratch, cfg.max_num_batched_tokens, cfg.max_num_seqs)
-        del scratch
-        torch.cuda.empty_cache()
-        logger.info(
-            "warm-up at the real chunk shapes: %.1f s, activation peak %.2f GiB",
-            report.seconds,
-            report.peak_activation_bytes / 2**30,
-        )
-        return report
-
-    def _plan_kv_pages(self, device: torch.device, dtype: torch.dtype, warmup: WarmupReport | None) -> int:
-        cfg = self.config
-        if cfg.num_kv_pages is not None:
-            return cfg.num_kv_pages
-        page_bytes = self.model_config.kv_bytes_per_token(dtype) * cfg.page_size
-        state_bytes = (cfg.max_num_seqs + 1) * self.model_config.state_bytes_per_sequence(dtype)
-        if device.type == "cuda":
-            assert warmup is not None
-            free, total = torch.cuda.mem_get_info(device)
-            # The state pool is allocated after this; graph capture needs a little room of its own.
-            reserve = state_bytes + warmup.peak_activation_bytes + GRAPH_RESERVE_BYTES
-            budget = cfg.gpu_memory_utilization * total - (total - free) - reserve
-            where = (
-                f"GPU {total / 2**30:.1f} GiB x {cfg.gpu_memory_utilization} utilization, "
-                f"{(total - free) / 2**30:.1f} GiB in use (weights, context), state slots {state_bytes / 2**30:.2f} GiB, "
-                f"activations {warmup.peak_activation_bytes / 2**30:.2f} GiB"
-            )
-            flag = "raise --gpu-memory-utilization, or lower --max-num-seqs or --max-num-batched-tokens"
-        else:
-            budget = (cfg.kv_cache_memory_gb or CPU_DEFAULT_KV_GB) * 2**30
-            where = f"--kv-cache-memory-gb {cfg.kv_cache_memory_gb or CPU_DEFAULT_KV_GB}"
-            flag = "raise --kv-cache-memory-gb"
-        pages = int(budget // page_bytes) + 1  # + the reserved page
-        if pages < 2:
-            raise ConfigError(f"no memory left for the KV cache ({where}); {flag}")
-        return pages
-
     def _resolve_max_model_len(self, capacity_tokens: int) -> int:
         limit = self.model_config.max_position_embeddings
         asked = self.config.max_model_len
@@ -231,7 +179,122 @@ class EngineCore:
         self.scheduler.submit(msg)
 
     def shutdown(self, reason: str = "engine shutdown", timeout: float = 30.0) -> None:
-        if self.scheduler is None or self.thread is None:
-            return
-        self.scheduler.submit(Shutdown(reason))
-        self.thread.join(timeout)
+        if self.scheduler is not None and self.thread is not None:
+            self.scheduler.submit(Shutdown(reason))
+            self.thread.join(timeout)
+        self.close()
+
+    def close(self) -> None:
+        """Stops the tensor-parallel rank processes (bounded waits); idempotent."""
+        if self.workers is not None:
+            self.workers.close()
+
+
+@dataclass(slots=True)
+class RankState:
+    """What one rank owns: its model shard and its caches."""
+
+    model: Qwen35ForCausalLM
+    cache: CacheManager
+    device: torch.device
+    dtype: torch.dtype
+
+
+def build_rank(
+    config: EngineConfig, model_dir: Path, model_config: ModelConfig, tokenizer_vocab: int, tp: TensorParallel
+) -> RankState:
+    """Model shard -> weights -> warm-up at the real chunk shapes (GPU) -> KV pages from what is left ->
+    caches. Every rank runs this in the same order: under tensor parallelism the warm-up's forwards and
+    the page-count agreement are collectives."""
+    device = config.resolved_device()
+    if tp.size > 1 and device.type == "cuda":
+        device = torch.device("cuda", tp.rank)
+        torch.cuda.set_device(device)
+    dtype = config.resolved_dtype(device)
+    started = time.monotonic()
+    model = Qwen35ForCausalLM(
+        model_config, dtype=dtype, device=device, logits_vocab_size=tokenizer_vocab, tp=tp
+    )
+    if config.load_format == "dummy":
+        init_dummy_weights(model, seed=config.seed)
+    else:
+        load_weights(model, model_dir)
+    logger.info(
+        "model loaded from %s in %.1f s (%s, %s%s)",
+        model_dir,
+        time.monotonic() - started,
+        device,
+        dtype,
+        f", tensor-parallel rank {tp.rank} of {tp.size}" if tp.size > 1 else "",
+    )
+    local = model.local_config
+    warmup = _warm_up(config, model, local, dtype, device) if device.type == "cuda" else None
+    num_pages = _plan_kv_pages(config, local, device, dtype, warmup)
+    if tp.size > 1:
+        num_pages = agree_on_minimum(num_pages, device)
+    cache = build_cache(
+        local,
+        num_pages=num_pages,
+        page_size=config.page_size,
+        num_slots=config.max_num_seqs + 1,
+        dtype=dtype,
+        device=device,
+    )
+    return RankState(model, cache, device, dtype)
+
+
+def _warm_up(
+    cfg: EngineConfig, model: Qwen35ForCausalLM, local: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> WarmupReport:
+    """Kernels compile and autotune at the real chunk shapes on a throwaway two-page KV pool."""
+    scratch = build_cache(
+        local,
+        num_pages=2,
+        page_size=cfg.page_size,
+        num_slots=cfg.max_num_seqs + 1,
+        dtype=dtype,
+        device=device,
+    )
+    report = warm_up(model, scratch, cfg.max_num_batched_tokens, cfg.max_num_seqs)
+    del scratch
+    torch.cuda.empty_cache()
+    logger.info(
+        "warm-up at the real chunk shapes: %.1f s, activation peak %.2f GiB",
+        report.seconds,
+        report.peak_activation_bytes / 2**30,
+    )
+    return report
+
+
+def _plan_kv_pages(
+    cfg: EngineConfig,
+    local: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    warmup: WarmupReport | None,
+) -> int:
+    """KV pages for this rank (`local` is its geometry: its KV heads and GDN heads)."""
+    if cfg.num_kv_pages is not None:
+        return cfg.num_kv_pages
+    page_bytes = local.kv_bytes_per_token(dtype) * cfg.page_size
+    state_bytes = (cfg.max_num_seqs + 1) * local.state_bytes_per_sequence(dtype)
+    if device.type == "cuda":
+        assert warmup is not None
+        free, total = torch.cuda.mem_get_info(device)
+        # The state pool is allocated after this; graph capture needs a little room of its own.
+        reserve = state_bytes + warmup.peak_activation_bytes + GRAPH_RESERVE_BYTES
+        budget = cfg.gpu_memory_utilization * total - (total - free) - reserve
+        where = (
+            f"GPU {total / 2**30:.1f} GiB x {cfg.gpu_memory_utilization} utilization, "
+            f"{(total - free) / 2**30:.1f} GiB in use (weights, context), state slots {state_bytes / 2**30:.2f} GiB, "
+            f"activations {warmup.peak_activation_bytes / 2**30:.2f} GiB"
+        )
+        flag = "raise --gpu-memory-utilization, or lower --max-num-seqs or --max-num-batched-tokens"
+    else:
+        budget = (cfg.kv_cache_memory_gb or CPU_DEFAULT_KV_GB) * 2**30
+        where = f"--kv-cache-memory-gb {cfg.kv_cache_memory_gb or CPU_DEFAULT_KV_GB}"
+        flag = "raise --kv-cache-memory-gb"
+    pages = int(budget // page_bytes) + 1  # + the reserved page
+    if pages < 2:
+        raise ConfigError(f"no memory left for the KV cache ({where}); {flag}")
+    return pages

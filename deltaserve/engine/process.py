@@ -72,6 +72,7 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str, 
             core.shutdown("the API server process is gone")
             break
     thread.join(timeout=30)
+    core.close()
     failed = core.scheduler is not None and not core.scheduler.stopped
     time.sleep(0.1)  # let the last outputs leave the socket
     outbox.close(linger=2000)

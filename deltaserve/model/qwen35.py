@@ -20,27 +20,32 @@ from deltaserve.model.batch import ForwardBatch
 from deltaserve.model.layers.attention import GatedAttention
 from deltaserve.model.layers.gdn import GatedDeltaNet
 from deltaserve.model.layers.mlp import MLP, SparseMoeBlock
+from deltaserve.model.layers.parallel import SINGLE, TensorParallel
 from deltaserve.model.layers.params import WeightRequirement, new_param, single
 from deltaserve.ops import linear, rms_norm
 from deltaserve.ops.rotary import inv_frequencies
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_type: str, dtype: torch.dtype, device: torch.device) -> None:
+    """`cfg` is this rank's geometry (ModelConfig.shard under tensor parallelism)."""
+
+    def __init__(
+        self, cfg: ModelConfig, layer_type: str, dtype: torch.dtype, device: torch.device, tp: TensorParallel
+    ) -> None:
         super().__init__()
         self.is_full_attention = layer_type == FULL_ATTENTION
         self.eps = cfg.rms_norm_eps
         self.input_layernorm = new_param((cfg.hidden_size,), dtype, device)
         self.post_attention_layernorm = new_param((cfg.hidden_size,), dtype, device)
         self.mixer: GatedAttention | GatedDeltaNet = (
-            GatedAttention(cfg, dtype, device)
+            GatedAttention(cfg, dtype, device, tp)
             if self.is_full_attention
-            else GatedDeltaNet(cfg, dtype, device)
+            else GatedDeltaNet(cfg, dtype, device, tp)
         )
         self.mlp: MLP | SparseMoeBlock = (
-            SparseMoeBlock(cfg, dtype, device)
+            SparseMoeBlock(cfg, dtype, device, tp)
             if cfg.is_moe
-            else MLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
+            else MLP(cfg.hidden_size, cfg.intermediate_size, dtype, device, tp)
         )
 
     def weight_requirements(self, prefix: str) -> list[WeightRequirement]:
@@ -61,18 +66,25 @@ class Qwen35ForCausalLM(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         logits_vocab_size: int | None = None,
+        tp: TensorParallel = SINGLE,
     ) -> None:
+        """`cfg` is the checkpoint's config; under tensor parallelism (`tp`) the layers hold this rank's
+        shard (deltaserve.model.layers.parallel) and the caches follow `self.local_config`."""
         super().__init__()
         if logits_vocab_size is not None and not 0 < logits_vocab_size <= cfg.vocab_size:
             raise ValueError(
                 f"the tokenizer's id space ({logits_vocab_size}) must fit the model vocabulary ({cfg.vocab_size})"
             )
         self.config = cfg
+        self.local_config = cfg.shard(tp.size)
+        self.tp = tp
         self.dtype = dtype
         self.device = device
         self.logits_vocab_size = logits_vocab_size or cfg.vocab_size
         self.embed_tokens = new_param((cfg.vocab_size, cfg.hidden_size), dtype, device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, t, dtype, device) for t in cfg.layer_types)
+        self.layers = nn.ModuleList(
+            DecoderLayer(self.local_config, t, dtype, device, tp) for t in cfg.layer_types
+        )
         self.norm = new_param((cfg.hidden_size,), dtype, device)
         self.lm_head = (
             self.embed_tokens
@@ -114,8 +126,10 @@ class Qwen35ForCausalLM(nn.Module):
                 h = layer.mixer(x, batch, self.inv_freq, kv.layer(cache_index))
             else:
                 h = layer.mixer(x, batch, states.layer(cache_index))
-            x, residual = rms_norm(h, layer.post_attention_layernorm, layer.eps, residual)
-            h = layer.mlp(x)
+            x, residual = rms_norm(
+                self.tp.all_reduce_(h), layer.post_attention_layernorm, layer.eps, residual
+            )
+            h = self.tp.all_reduce_(layer.mlp(x))
         rows = batch.logits_indices
         return rms_norm(h[rows], self.norm, self.config.rms_norm_eps, residual[rows])[0]
 

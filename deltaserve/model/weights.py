@@ -97,11 +97,13 @@ def load_tensors(
             unexpected.append(name)
             continue
         tensor = read()
-        if tuple(tensor.shape) != tuple(spec.target.shape):
+        local = tuple(spec.target.shape)
+        expected = local if spec.shard is None else spec.shard.full_shape(local)
+        if tuple(tensor.shape) != expected:
             raise ConfigError(
-                f"{where}: tensor {name} has shape {list(tensor.shape)}, the config implies {list(spec.target.shape)}"
+                f"{where}: tensor {name} has shape {list(tensor.shape)}, the config implies {list(expected)}"
             )
-        spec.target.copy_(tensor)
+        spec.target.copy_(tensor if spec.shard is None else spec.shard.take(tensor))
         loaded.add(canonical)
     if unexpected:
         shown = ", ".join(unexpected[:5]) + (

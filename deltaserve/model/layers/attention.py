@@ -7,13 +7,20 @@ from torch import nn
 
 from deltaserve.config import ModelConfig
 from deltaserve.model.batch import ForwardBatch
+from deltaserve.model.layers.parallel import SINGLE, TensorParallel
 from deltaserve.model.layers.params import WeightRequirement, new_param, single, stacked
 from deltaserve.ops import linear, paged_attention, qk_norm_rope_write_kv
 
 
 class GatedAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    """`cfg` is this rank's geometry (ModelConfig.shard); `forward` returns o_proj's partial sum under
+    tensor parallelism (the caller all-reduces)."""
+
+    def __init__(
+        self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
+        self.tp = tp
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
@@ -37,8 +44,9 @@ class GatedAttention(nn.Module):
                     (f"{prefix}.k_proj.weight", self.kv_size),
                     (f"{prefix}.v_proj.weight", self.kv_size),
                 ],
+                self.tp.shard(0),  # whole heads: each head's [query | gate] rows are contiguous
             ),
-            single(f"{prefix}.o_proj.weight", self.o_proj),
+            single(f"{prefix}.o_proj.weight", self.o_proj, self.tp.shard(1)),
             single(f"{prefix}.q_norm.weight", self.q_norm),
             single(f"{prefix}.k_norm.weight", self.k_norm),
         ]

@@ -11,13 +11,20 @@ from torch import nn
 
 from deltaserve.config import ModelConfig
 from deltaserve.model.batch import ForwardBatch
+from deltaserve.model.layers.parallel import SINGLE, TensorParallel
 from deltaserve.model.layers.params import WeightRequirement, new_param, single, stacked
 from deltaserve.ops import causal_conv1d, gated_delta_rule, gated_rms_norm, linear
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    """`cfg` is this rank's geometry (ModelConfig.shard: its key and value heads); `forward` returns
+    out_proj's partial sum under tensor parallelism (the caller all-reduces)."""
+
+    def __init__(
+        self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
+        self.tp = tp
         self.num_k_heads = cfg.linear_num_key_heads
         self.num_v_heads = cfg.linear_num_value_heads
         self.head_k_dim = cfg.linear_key_head_dim
@@ -38,21 +45,25 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = new_param((hidden, self.value_dim), dtype, device)
 
     def weight_requirements(self, prefix: str) -> list[WeightRequirement]:
+        tp = self.tp
+        # The q | k | v channels (of in_proj_qkv's rows and of the conv) shard each by heads.
+        channels = tp.shard(0, tuple(tp.size * d for d in (self.key_dim, self.key_dim, self.value_dim)))
         return [
+            single(f"{prefix}.in_proj_qkv.weight", self.in_proj[: self.conv_dim], channels),
             stacked(
-                self.in_proj,
+                self.in_proj[self.conv_dim :],
                 [
-                    (f"{prefix}.in_proj_qkv.weight", self.conv_dim),
                     (f"{prefix}.in_proj_z.weight", self.value_dim),
                     (f"{prefix}.in_proj_b.weight", self.num_v_heads),
                     (f"{prefix}.in_proj_a.weight", self.num_v_heads),
                 ],
+                tp.shard(0),
             ),
-            single(f"{prefix}.conv1d.weight", self.conv1d.view(self.conv_dim, 1, -1)),
-            single(f"{prefix}.A_log", self.A_log),
-            single(f"{prefix}.dt_bias", self.dt_bias),
+            single(f"{prefix}.conv1d.weight", self.conv1d.view(self.conv_dim, 1, -1), channels),
+            single(f"{prefix}.A_log", self.A_log, tp.shard(0)),
+            single(f"{prefix}.dt_bias", self.dt_bias, tp.shard(0)),
             single(f"{prefix}.norm.weight", self.norm),
-            single(f"{prefix}.out_proj.weight", self.out_proj),
+            single(f"{prefix}.out_proj.weight", self.out_proj, tp.shard(1)),
         ]
 
     def forward(

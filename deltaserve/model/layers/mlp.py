@@ -6,14 +6,26 @@ import torch
 from torch import nn
 
 from deltaserve.config import ModelConfig
+from deltaserve.model.layers.parallel import SINGLE, TensorParallel
 from deltaserve.model.layers.params import CheckpointTensor, WeightRequirement, new_param, single, stacked
 from deltaserve.ops import fused_experts, linear, silu_and_mul
 from deltaserve.ops.moe import route
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, device: torch.device) -> None:
+    """`intermediate` is this rank's width; `forward` returns down_proj's partial sum under tensor
+    parallelism (the caller all-reduces)."""
+
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        tp: TensorParallel = SINGLE,
+    ) -> None:
         super().__init__()
+        self.tp = tp
         self.intermediate = intermediate
         self.gate_up_proj = new_param((2 * intermediate, hidden), dtype, device)
         self.down_proj = new_param((hidden, intermediate), dtype, device)
@@ -26,8 +38,9 @@ class MLP(nn.Module):
                     (f"{prefix}.gate_proj.weight", self.intermediate),
                     (f"{prefix}.up_proj.weight", self.intermediate),
                 ],
+                self.tp.shard(0),
             ),
-            single(f"{prefix}.down_proj.weight", self.down_proj),
+            single(f"{prefix}.down_proj.weight", self.down_proj, self.tp.shard(1)),
         ]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -35,8 +48,15 @@ class MLP(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    """`cfg` is this rank's geometry: every expert and the shared expert hold a slice of their
+    intermediate width, the router is replicated; `forward` returns a partial sum under tensor
+    parallelism (the caller all-reduces)."""
+
+    def __init__(
+        self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
+        self.tp = tp
         hidden = cfg.hidden_size
         self.num_experts = cfg.num_experts
         self.top_k = cfg.num_experts_per_tok
@@ -45,23 +65,23 @@ class SparseMoeBlock(nn.Module):
         self.gate = new_param((cfg.num_experts, hidden), dtype, device)
         self.w13 = new_param((cfg.num_experts, 2 * cfg.moe_intermediate_size, hidden), dtype, device)
         self.w2 = new_param((cfg.num_experts, hidden, cfg.moe_intermediate_size), dtype, device)
-        self.shared_expert = MLP(hidden, cfg.shared_expert_intermediate_size, dtype, device)
+        self.shared_expert = MLP(hidden, cfg.shared_expert_intermediate_size, dtype, device, tp)
         self.shared_expert_gate = new_param((1, hidden), dtype, device)
 
     def weight_requirements(self, prefix: str) -> list[WeightRequirement]:
-        inter = self.expert_intermediate
+        inter, tp = self.expert_intermediate, self.tp
         experts = f"{prefix}.experts"
         # Official checkpoints store experts fused in 3-D tensors; HF re-saves store them per expert.
         fused = [
-            CheckpointTensor(f"{experts}.gate_up_proj", self.w13),
-            CheckpointTensor(f"{experts}.down_proj", self.w2),
+            CheckpointTensor(f"{experts}.gate_up_proj", self.w13, tp.shard(1, (tp.size * inter,) * 2)),
+            CheckpointTensor(f"{experts}.down_proj", self.w2, tp.shard(2)),
         ]
         per_expert = []
         for e in range(self.num_experts):
             per_expert += [
-                CheckpointTensor(f"{experts}.{e}.gate_proj.weight", self.w13[e, :inter]),
-                CheckpointTensor(f"{experts}.{e}.up_proj.weight", self.w13[e, inter:]),
-                CheckpointTensor(f"{experts}.{e}.down_proj.weight", self.w2[e]),
+                CheckpointTensor(f"{experts}.{e}.gate_proj.weight", self.w13[e, :inter], tp.shard(0)),
+                CheckpointTensor(f"{experts}.{e}.up_proj.weight", self.w13[e, inter:], tp.shard(0)),
+                CheckpointTensor(f"{experts}.{e}.down_proj.weight", self.w2[e], tp.shard(1)),
             ]
         return [
             single(f"{prefix}.gate.weight", self.gate),

@@ -12,11 +12,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from deltaserve.model.layers.parallel import Shard
+
 
 @dataclass(slots=True)
 class CheckpointTensor:
     name: str  # canonical checkpoint name (HF text layout, e.g. "layers.3.self_attn.k_proj.weight")
-    target: torch.Tensor  # a view of a parameter; the checkpoint tensor must have exactly its shape
+    target: torch.Tensor  # a view of a parameter; the checkpoint tensor (or its shard) has exactly its shape
+    shard: Shard | None = None  # tensor parallelism: the part of the checkpoint tensor this rank loads
 
 
 @dataclass(slots=True)
@@ -30,16 +33,19 @@ def new_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) 
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
-def single(name: str, target: torch.Tensor) -> WeightRequirement:
-    return WeightRequirement([[CheckpointTensor(name, target)]])
+def single(name: str, target: torch.Tensor, shard: Shard | None = None) -> WeightRequirement:
+    return WeightRequirement([[CheckpointTensor(name, target, shard)]])
 
 
-def stacked(param: torch.Tensor, parts: list[tuple[str, int]]) -> WeightRequirement:
-    """`param` is the row-wise concatenation of checkpoint tensors `parts` = [(name, rows), ...]."""
+def stacked(
+    param: torch.Tensor, parts: list[tuple[str, int]], shard: Shard | None = None
+) -> WeightRequirement:
+    """`param` is the row-wise concatenation of checkpoint tensors `parts` = [(name, rows), ...] (their
+    local rows; each is sharded by `shard` when given)."""
     tensors = []
     start = 0
     for name, rows in parts:
-        tensors.append(CheckpointTensor(name, param[start : start + rows]))
+        tensors.append(CheckpointTensor(name, param[start : start + rows], shard))
         start += rows
     if start != param.shape[0]:
         raise ValueError(f"fused parameter has {param.shape[0]} rows, parts cover {start}")

@@ -1,0 +1,389 @@
+"""Tensor-parallel backend: rank processes, the start gate, exact-rank replies.
+
+Rank 0 is the EngineCore: it owns the scheduler, the logical page and slot allocation, the LM head and
+the sampler. Ranks 1..N-1 are processes that hold a model shard and caches of the same page and slot
+counts, and run every forward rank 0 runs, on the same rows (deltaserve.model.layers.parallel says what
+is sharded). The forwards meet in their all-reduces, so every rank must run every step, in order:
+
+- start gate: a step is sent to every rank first; only when all have it are they released. A rank that
+  cannot take it (its process gone) cancels the step on the ranks that got it, and no rank starts it.
+- exact-rank replies: after the step each rank replies once, for that step, naming itself and whether
+  it failed; a reply that is missing (bounded wait), late, for another step, from another rank or
+  reporting an error poisons the group.
+- poison is fail-stop: the first reason is kept, every later step raises it at once, the scheduler's
+  fatal path gives every request its one terminal and the rank processes are stopped. Never a hang:
+  collectives time out (`DELTASERVE_TP_TIMEOUT_S`, also the reply deadline).
+
+Tensor parallelism runs eager (no decode graphs) and without decode-ahead or prefill overlap: each rank
+needs the step's input tokens on the host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import multiprocessing as mp
+import os
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Protocol, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from deltaserve.cache.manager import CacheManager
+from deltaserve.config import EngineConfig, ModelConfig
+from deltaserve.engine.backend import Backend
+from deltaserve.model.batch import BatchRow, build_forward_batch
+from deltaserve.model.layers.parallel import TensorParallel
+from deltaserve.model.qwen35 import Qwen35ForCausalLM
+
+logger = logging.getLogger(__name__)
+
+TIMEOUT_S = float(os.environ.get("DELTASERVE_TP_TIMEOUT_S", "300"))
+JOIN_TIMEOUT_S = 30.0
+CHANNEL_ERRORS = (OSError, EOFError, ValueError)  # a closed or broken pipe, or a dead peer
+
+
+class TensorParallelError(RuntimeError):
+    """The rank group is poisoned: a rank failed, vanished or replied out of turn."""
+
+
+# ---- messages (rank 0 -> rank r, then rank r -> rank 0) -----------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RankStep:
+    step_id: int
+    rows: list[BatchRow]
+
+
+@dataclass(frozen=True, slots=True)
+class Execute:
+    step_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    step_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class RankStarted:
+    rank: int
+
+
+@dataclass(frozen=True, slots=True)
+class RankReady:
+    rank: int
+    error: str | None = None  # set: the rank failed to start
+
+
+@dataclass(frozen=True, slots=True)
+class RankReply:
+    rank: int
+    step_id: int
+    error: str | None = None
+
+
+_Startup = TypeVar("_Startup", RankStarted, RankReady)
+
+
+class Channel(Protocol):
+    """The part of multiprocessing.connection.Connection the gate uses (tests substitute fakes)."""
+
+    def send(self, obj: object) -> None: ...
+    def recv(self) -> object: ...
+    def poll(self, timeout: float) -> bool: ...
+
+
+# ---- rank 0's side --------------------------------------------------------------------------------
+
+
+class RankGroup:
+    """Rank 0's command channels to ranks 1..N-1: the start gate and the exact-rank reply check."""
+
+    def __init__(self, channels: Sequence[Channel], timeout_s: float = TIMEOUT_S) -> None:
+        self.channels = list(channels)  # channels[i] talks to rank i + 1
+        self.timeout_s = timeout_s
+        self.poisoned: str | None = None
+        self._next_step = 0
+
+    def poison(self, reason: str) -> TensorParallelError:
+        if self.poisoned is None:
+            self.poisoned = reason
+            logger.error("tensor-parallel group poisoned: %s", reason)
+        return TensorParallelError(self.poisoned)
+
+    def dispatch(self, rows: list[BatchRow]) -> int:
+        """Start gate: the step reaches every rank before any rank is released into it. Returns its id."""
+        if self.poisoned is not None:
+            raise TensorParallelError(self.poisoned)
+        step_id = self._next_step
+        self._next_step += 1
+        command = RankStep(step_id, rows)
+        for i, channel in enumerate(self.channels):
+            try:
+                channel.send(command)
+            except CHANNEL_ERRORS as exc:
+                for got in self.channels[:i]:
+                    # a second dead rank changes nothing: the poison below stops the group either way
+                    with contextlib.suppress(*CHANNEL_ERRORS):
+                        got.send(Cancel(step_id))
+                raise self.poison(f"rank {i + 1} could not take step {step_id} ({exc!r}); cancelled") from exc
+        for i, channel in enumerate(self.channels):
+            try:
+                channel.send(Execute(step_id))
+            except CHANNEL_ERRORS as exc:
+                raise self.poison(
+                    f"rank {i + 1} could not be released into step {step_id} ({exc!r})"
+                ) from exc
+        return step_id
+
+    def collect(self, step_id: int) -> None:
+        """Exactly one reply per rank, for `step_id`, from that rank, without error, before the deadline."""
+        deadline = time.monotonic() + self.timeout_s
+        for i, channel in enumerate(self.channels):
+            rank = i + 1
+            try:
+                if not channel.poll(max(0.0, deadline - time.monotonic())):
+                    raise self.poison(
+                        f"rank {rank} sent no reply to step {step_id} within {self.timeout_s:.0f} s"
+                    )
+                reply = channel.recv()
+            except CHANNEL_ERRORS as exc:
+                raise self.poison(f"rank {rank} is gone ({exc!r}) during step {step_id}") from exc
+            if not isinstance(reply, RankReply):
+                raise self.poison(
+                    f"rank {rank} replied {type(reply).__name__} to step {step_id}, expected RankReply"
+                )
+            if reply.rank != rank or reply.step_id != step_id:
+                raise self.poison(
+                    f"rank {rank}'s channel replied as rank {reply.rank} for step {reply.step_id}, "
+                    f"expected rank {rank} for step {step_id}"
+                )
+            if reply.error is not None:
+                raise self.poison(f"rank {rank} failed step {step_id}: {reply.error}")
+
+
+class TensorParallelBackend(Backend):
+    """Backend on rank 0: every forward is first dispatched to the other ranks, run here in step with
+    them, then their replies are checked."""
+
+    def __init__(self, model: Qwen35ForCausalLM, cache: CacheManager, workers: RankWorkers) -> None:
+        super().__init__(model, cache)
+        self.workers = workers
+
+    def run_rows(self, rows: list[BatchRow], fed: torch.Tensor | None) -> torch.Tensor:
+        if fed is not None:
+            raise ValueError("tensor parallelism takes every input token from the host (no token feed)")
+        group = self.workers.group
+        step_id = group.dispatch(rows)
+        try:
+            logits = super().run_rows(rows, None)
+        except Exception as exc:
+            raise group.poison(f"rank 0 failed step {step_id}: {type(exc).__name__}: {exc}") from exc
+        group.collect(step_id)
+        return logits
+
+
+# ---- the rank processes ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RankSpec:
+    config: EngineConfig
+    model_dir: str
+    model_config: ModelConfig
+    tokenizer_vocab: int
+    rank: int
+    size: int
+    init_method: str
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_process_group(device_type: str, init_method: str, rank: int, size: int) -> None:
+    dist.init_process_group(
+        "nccl" if device_type == "cuda" else "gloo",
+        init_method=init_method,
+        rank=rank,
+        world_size=size,
+        timeout=datetime.timedelta(seconds=TIMEOUT_S),
+    )
+
+
+def agree_on_minimum(value: int, device: torch.device) -> int:
+    """The smallest `value` over the ranks (KV pages: every rank's pool must hold the same pages)."""
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+class RankWorkers:
+    """The processes of ranks 1..N-1 and rank 0's group over them."""
+
+    def __init__(self, processes: list[mp.process.BaseProcess], channels: list[Connection]) -> None:
+        self.processes = processes
+        self.channels = channels
+        self.group = RankGroup(channels)
+        self._closed = False
+
+    @classmethod
+    def start(
+        cls, config: EngineConfig, model_dir: Path, model_config: ModelConfig, tokenizer_vocab: int
+    ) -> RankWorkers:
+        """Spawns ranks 1..N-1 and joins rank 0 (this process) to their process group."""
+        size = config.tensor_parallel_size
+        device_type = config.resolved_device().type
+        if device_type == "cuda" and torch.cuda.device_count() < size:
+            from deltaserve.errors import ConfigError
+
+            raise ConfigError(
+                f"--tensor-parallel-size {size} needs {size} GPUs, this machine has {torch.cuda.device_count()}"
+            )
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        ctx = mp.get_context("spawn")
+        processes, channels = [], []
+        for rank in range(1, size):
+            ours, theirs = ctx.Pipe()
+            spec = RankSpec(config, str(model_dir), model_config, tokenizer_vocab, rank, size, init_method)
+            proc = ctx.Process(
+                target=run_rank, args=(spec, theirs), name=f"deltaserve-rank{rank}", daemon=True
+            )
+            proc.start()
+            theirs.close()
+            processes.append(proc)
+            channels.append(ours)
+        workers = cls(processes, channels)
+        try:
+            # A rank that dies before joining (a bad interpreter, an import error) is seen here, not
+            # as a rendezvous timeout.
+            workers._expect(RankStarted)
+            init_process_group(device_type, init_method, 0, size)
+        except BaseException:
+            workers.close()
+            raise
+        return workers
+
+    def wait_ready(self) -> None:
+        """Every rank built its shard and caches (their start-up errors surface here, by rank)."""
+        for ready in self._expect(RankReady):
+            if ready.error is not None:
+                raise TensorParallelError(f"rank {ready.rank} failed to start: {ready.error}")
+
+    def _expect(self, kind: type[_Startup]) -> list[_Startup]:
+        """One `kind` message from every rank, in rank order, before a shared deadline."""
+        deadline = time.monotonic() + TIMEOUT_S
+        got = []
+        for i, channel in enumerate(self.channels):
+            rank = i + 1
+            try:
+                if not channel.poll(max(0.0, deadline - time.monotonic())):
+                    raise TensorParallelError(f"rank {rank} sent no {kind.__name__} within {TIMEOUT_S:.0f} s")
+                msg = channel.recv()
+            except CHANNEL_ERRORS as exc:
+                code = self.processes[i].exitcode
+                raise TensorParallelError(f"rank {rank} exited during start-up (exit code {code})") from exc
+            if not isinstance(msg, kind) or msg.rank != rank:
+                raise TensorParallelError(f"rank {rank} sent {msg!r} at start-up, expected {kind.__name__}")
+            got.append(msg)
+        return got
+
+    def close(self) -> None:
+        """Stop, then bounded joins; a rank that does not exit in time is killed. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for channel in self.channels:
+            with contextlib.suppress(*CHANNEL_ERRORS):
+                channel.send(Stop())
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        for proc in self.processes:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                logger.error("rank process %s did not stop in %.0f s; killing it", proc.name, JOIN_TIMEOUT_S)
+                proc.kill()
+                proc.join(5)
+        for channel in self.channels:
+            channel.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_rank(spec: RankSpec, channel: Connection) -> None:
+    """Entry point of rank `spec.rank`: build the shard (collectives in rank 0's order), report ready,
+    then run steps until Stop or until rank 0 is gone."""
+    from deltaserve.engine.core import build_rank
+
+    logging.basicConfig(
+        level=os.environ.get("DELTASERVE_LOG_LEVEL", "INFO"),
+        format=f"%(asctime)s rank{spec.rank} %(levelname)s %(message)s",
+    )
+    channel.send(RankStarted(spec.rank))
+    try:
+        device_type = spec.config.resolved_device().type
+        init_process_group(device_type, spec.init_method, spec.rank, spec.size)
+        state = build_rank(
+            spec.config,
+            Path(spec.model_dir),
+            spec.model_config,
+            spec.tokenizer_vocab,
+            TensorParallel(spec.rank, spec.size),
+        )
+    except Exception as exc:
+        logger.exception("rank %d failed to start", spec.rank)
+        channel.send(RankReady(spec.rank, f"{type(exc).__name__}: {exc}"))
+        return
+    channel.send(RankReady(spec.rank))
+    try:
+        _serve_steps(spec.rank, state.model, state.cache, channel)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@torch.inference_mode()
+def _serve_steps(rank: int, model: Qwen35ForCausalLM, cache: CacheManager, channel: Connection) -> None:
+    pending: RankStep | None = None
+    while True:
+        try:
+            msg = channel.recv()
+        except (EOFError, OSError):
+            logger.error("rank 0 is gone; rank %d exits", rank)
+            return
+        if isinstance(msg, Stop):
+            return
+        if isinstance(msg, RankStep):
+            pending = msg
+        elif isinstance(msg, Cancel):
+            pending = None
+        elif isinstance(msg, Execute):
+            if pending is None or pending.step_id != msg.step_id:
+                channel.send(RankReply(rank, msg.step_id, f"released into step {msg.step_id} it never got"))
+                return
+            error = None
+            try:
+                batch = build_forward_batch(pending.rows, cache.page_size, model.device)
+                model(batch, cache.kv, cache.states)  # rank 0 alone computes logits and samples
+            except Exception as exc:
+                logger.exception("rank %d failed step %d", rank, msg.step_id)
+                error = f"{type(exc).__name__}: {exc}"
+            channel.send(RankReply(rank, msg.step_id, error))
+            pending = None
+            if error is not None:
+                return
