@@ -218,6 +218,29 @@ def test_fatal_error_fans_out_one_error_per_request_and_zero_load(model):
     assert run.loads[-1].running == 0 and run.loads[-1].kv_pages_used == 0
 
 
+def test_a_prefill_step_that_fails_still_gives_its_requests_their_terminal(model):
+    """The failing step's prefill chunks are off the prefilling FIFO while it runs: the fatal path
+    must still reach their requests (and the decoding ones)."""
+    run = Run(model)
+    run.add("decoding", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
+    run.tick(2)
+    for i in range(3):
+        run.add(f"new{i}", list(range(1, 8 + i)), SamplingParams(temperature=0.0, max_tokens=5))
+
+    def broken(items, **kw):
+        assert any(len(item.token_ids) > 1 for item in items), "the failing step carries prefill chunks"
+        raise RuntimeError("device lost")
+
+    run.sched.backend.launch = broken
+    with pytest.raises(RuntimeError, match="device lost"):
+        run.sched.run()
+    for rid in ("decoding", "new0", "new1", "new2"):
+        end = run.terminal(rid)
+        assert end.finish_reason == "error" and "device lost" in end.error
+    assert run.loads[-1].running == 0 and run.loads[-1].kv_pages_used == 0
+    assert run.sched.cache.kv.num_used == 0
+
+
 def test_kv_pressure_every_request_finishes_or_is_rejected_and_outputs_match(model):
     """64 requests with large max_tokens on a pool far too small for all at once: recompute preemption
     lets each finish with the same tokens as an unpressured run; impossible ones are rejected."""

@@ -126,6 +126,8 @@ def _submission_problem(sched: Scheduler, req: Request) -> tuple[str, str] | Non
 
 def terminal_scheduler_shutdown(sched: Scheduler, message: str) -> None:
     """Fans out exactly one error to every owned request, releases every cache, publishes zero load."""
+    from deltaserve.engine.scheduler import Phase
+
     sched.stopped = True
     if sched.decode_ahead is not None:
         ahead = sched.decode_ahead
@@ -141,6 +143,10 @@ def terminal_scheduler_shutdown(sched: Scheduler, message: str) -> None:
     else:
         owned = []
     owned += list(sched.waiting) + list(sched.prefilling) + list(sched.running)
+    # A step that failed part-way holds requests no queue does (its prefill chunks are off the FIFO
+    # until promoted or requeued): every live request is owned, wherever the failure left it.
+    listed = {id(req) for req in owned}
+    owned += [req for req in sched.by_id.values() if id(req) not in listed and req.phase is not Phase.DONE]
     sched.waiting.clear()
     sched.prefilling.clear()
     sched.running = []

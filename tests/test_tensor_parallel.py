@@ -1,0 +1,259 @@
+"""Tensor parallelism: the per-rank geometry, checkpoint shards, the start gate, exact-rank replies, and
+two ranks (CPU processes over gloo) against one, end to end."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from deltaserve.config import EngineConfig, ModelConfig
+from deltaserve.engine.llm import LLM
+from deltaserve.engine.tp import (
+    Cancel,
+    Execute,
+    RankGroup,
+    RankReply,
+    RankStep,
+    TensorParallelError,
+)
+from deltaserve.errors import ConfigError
+from deltaserve.model.batch import BatchRow
+from deltaserve.model.layers.parallel import Shard, TensorParallel
+from deltaserve.model.qwen35 import Qwen35ForCausalLM
+from deltaserve.model.weights import load_weights
+from deltaserve.sampling_params import SamplingParams
+from deltaserve.tiny import make_tiny, official_config
+
+# ---- geometry and shards (pure) --------------------------------------------------------------------
+
+
+def test_shard_divides_heads_and_widths_of_the_4b_shape() -> None:
+    cfg = ModelConfig.from_dict(official_config("4b-shape"))
+    local = cfg.shard(2)
+    assert (local.num_attention_heads, local.num_key_value_heads) == (8, 2)
+    assert (local.linear_num_key_heads, local.linear_num_value_heads) == (8, 16)
+    assert local.intermediate_size == 4608
+    assert (local.hidden_size, local.head_dim, local.vocab_size) == (2560, 256, cfg.vocab_size)
+    assert local.kv_bytes_per_token(torch.bfloat16) * 2 == cfg.kv_bytes_per_token(torch.bfloat16)
+    assert cfg.shard(1) is cfg
+
+
+def test_shard_names_the_field_it_cannot_divide() -> None:
+    cfg = ModelConfig.from_dict(official_config("4b-shape"))  # 4 kv heads
+    with pytest.raises(
+        ConfigError,
+        match=r"--tensor-parallel-size 8 must divide the model's num_key_value_heads, got num_key_value_heads=4",
+    ):
+        cfg.shard(8)
+    moe = dataclasses.replace(ModelConfig.from_dict(official_config("tiny-moe")), moe_intermediate_size=65)
+    with pytest.raises(
+        ConfigError, match="must divide the model's moe_intermediate_size, got moe_intermediate_size=65"
+    ):
+        moe.shard(2)
+
+
+def test_a_shard_takes_its_chunk_of_each_segment() -> None:
+    full = torch.arange(12).view(12, 1)  # segments of 4, 4 and 4 rows: q | k | v
+    second = Shard(dim=0, rank=1, size=2, segments=(4, 4, 4))
+    assert second.take(full).flatten().tolist() == [2, 3, 6, 7, 10, 11]
+    assert second.full_shape((6, 1)) == (12, 1)
+    columns = Shard(dim=1, rank=0, size=3)
+    assert columns.take(torch.arange(6).view(1, 6)).tolist() == [[0, 1]]
+    assert columns.full_shape((5, 2)) == (5, 6)
+    unequal = Shard(dim=0, rank=1, size=2, segments=(2, 2, 6))  # GDN: key channels, key, value
+    assert unequal.take(torch.arange(10)).tolist() == [1, 3, 7, 8, 9]
+
+
+def test_single_rank_has_no_shards() -> None:
+    assert TensorParallel().shard(0) is None
+    assert TensorParallel(1, 2).shard(1) == Shard(1, 1, 2)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tp")
+    return {preset: make_tiny(root / preset, preset) for preset in ("tiny", "tiny-moe")}
+
+
+def fused_segments(name: str, full: torch.Tensor, cfg: ModelConfig) -> tuple[int, tuple[int, ...]]:
+    """(dim, full segment sizes) of a sharded parameter: the pieces a fused parameter concatenates."""
+    kd, vd, hv = cfg.linear_key_dim, cfg.linear_value_dim, cfg.linear_num_value_heads
+    if name.endswith("mixer.in_proj"):
+        return 0, (kd, kd, vd, vd, hv, hv)  # q | k | v channels, z, b, a
+    if name.endswith("mixer.conv1d"):
+        return 0, (kd, kd, vd)
+    if name.endswith("mixer.qkv_proj"):
+        q, kv = 2 * cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        return 0, (q, kv, kv)
+    if name.endswith("gate_up_proj"):
+        return 0, (full.shape[0] // 2,) * 2
+    if name.endswith("w13"):
+        return 1, (full.shape[1] // 2,) * 2
+    if name.endswith(("o_proj", "out_proj", "down_proj", "w2")):
+        return full.dim() - 1, (full.shape[-1],)
+    return 0, (full.shape[0],)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
+def test_the_shards_of_every_rank_rebuild_every_parameter(checkpoints, preset) -> None:
+    """Rank 0's and rank 1's parameters (of two), put back together segment by segment, are the
+    single-rank parameters exactly; replicated parameters are equal on both ranks."""
+    model_dir = checkpoints[preset]
+    cfg = ModelConfig.from_dir(model_dir)
+    cpu = torch.device("cpu")
+    whole = Qwen35ForCausalLM(cfg, dtype=torch.float32, device=cpu)
+    load_weights(whole, model_dir)
+    ranks = []
+    for rank in range(2):
+        m = Qwen35ForCausalLM(cfg, dtype=torch.float32, device=cpu, tp=TensorParallel(rank, 2))
+        load_weights(m, model_dir)
+        ranks.append(dict(m.named_parameters()))
+    sharded = 0
+    for name, full in whole.named_parameters():
+        a, b = ranks[0][name], ranks[1][name]
+        if a.shape == full.shape:
+            assert torch.equal(a, full) and torch.equal(b, full), name
+            continue
+        sharded += 1
+        dim, segments = fused_segments(name, full, cfg)
+        local = [n // 2 for n in segments]
+        rebuilt = [
+            torch.cat([x, y], dim) for x, y in zip(a.split(local, dim), b.split(local, dim), strict=True)
+        ]
+        assert torch.equal(torch.cat(rebuilt, dim), full), name
+    assert sharded > 0
+
+
+def test_tensor_parallel_flags_are_validated_up_front() -> None:
+    with pytest.raises(ConfigError, match="--tensor-parallel-size must be an integer >= 1, got 0"):
+        EngineConfig(tensor_parallel_size=0).validate()
+    with pytest.raises(ConfigError, match="--prefill-overlap is not supported with --tensor-parallel-size 2"):
+        EngineConfig(tensor_parallel_size=2, prefill_overlap=True).validate()
+    with pytest.raises(ConfigError, match="rank r runs on cuda:r"):
+        EngineConfig(tensor_parallel_size=2, device="cuda:1").validate()
+
+
+# ---- the start gate and the reply check (rank 0's side, over fake channels) ------------------------
+
+
+class FakeChannel:
+    """Records what rank 0 sends (into a log shared by all ranks); replies from a script."""
+
+    def __init__(self, rank: int, log: list, *, broken: bool = False, replies: tuple = ()) -> None:
+        self.rank, self.log, self.broken, self.replies = rank, log, broken, list(replies)
+
+    def send(self, obj: object) -> None:
+        if self.broken:
+            raise BrokenPipeError(f"rank {self.rank} is gone")
+        self.log.append((self.rank, obj))
+
+    def poll(self, timeout: float) -> bool:
+        return bool(self.replies)
+
+    def recv(self) -> object:
+        reply = self.replies.pop(0)
+        if isinstance(reply, BaseException):
+            raise reply
+        return reply
+
+
+ROWS = [BatchRow([5, 6, 7], 0, [1], 1, True)]
+
+
+def test_the_start_gate_releases_a_step_only_after_every_rank_has_it() -> None:
+    log: list = []
+    group = RankGroup([FakeChannel(r, log, replies=(RankReply(r, 0),)) for r in (1, 2, 3)], timeout_s=1)
+    assert group.dispatch(ROWS) == 0
+    kinds = [type(msg) for _, msg in log]
+    assert kinds == [RankStep] * 3 + [Execute] * 3
+    assert [rank for rank, _ in log] == [1, 2, 3, 1, 2, 3]
+    assert all(msg.step_id == 0 for _, msg in log)
+    group.collect(0)
+    assert group.poisoned is None
+
+
+def test_a_rank_that_cannot_take_a_step_cancels_it_everywhere_and_poisons_the_group() -> None:
+    log: list = []
+    channels = [FakeChannel(1, log), FakeChannel(2, log, broken=True), FakeChannel(3, log)]
+    group = RankGroup(channels, timeout_s=1)
+    with pytest.raises(TensorParallelError, match="rank 2 could not take step 0"):
+        group.dispatch(ROWS)
+    assert log == [(1, RankStep(0, ROWS)), (1, Cancel(0))]  # rank 3 never saw it; nobody was released
+    channels[1].broken = False
+    with pytest.raises(TensorParallelError, match="rank 2 could not take step 0"):  # fail-stop
+        group.dispatch(ROWS)
+    assert len(log) == 2
+
+
+@pytest.mark.parametrize(
+    ("reply", "reason"),
+    [
+        (RankReply(2, 0), "rank 1's channel replied as rank 2 for step 0, expected rank 1 for step 0"),
+        (RankReply(1, 7), "rank 1's channel replied as rank 1 for step 7, expected rank 1 for step 0"),
+        (RankReply(1, 0, "RuntimeError: boom"), "rank 1 failed step 0: RuntimeError: boom"),
+        (Cancel(0), "rank 1 replied Cancel to step 0, expected RankReply"),
+        (EOFError(), "rank 1 is gone"),
+        (None, "rank 1 sent no reply to step 0 within"),
+    ],
+)
+def test_every_rank_replies_exactly_once_for_the_step_or_the_group_is_poisoned(reply, reason) -> None:
+    log: list = []
+    first = FakeChannel(1, log, replies=() if reply is None else (reply,))
+    second = FakeChannel(2, log, replies=(RankReply(2, 0),))
+    group = RankGroup([first, second], timeout_s=0.01)
+    step = group.dispatch(ROWS)
+    with pytest.raises(TensorParallelError, match=reason):
+        group.collect(step)
+    assert group.poisoned is not None and reason in group.poisoned
+    sent = len(log)
+    with pytest.raises(TensorParallelError):
+        group.dispatch(ROWS)
+    assert len(log) == sent  # nothing more reaches any rank
+
+
+# ---- two ranks end to end (CPU processes over gloo) -------------------------------------------------
+
+
+def _generate(model_dir: Path, tp: int) -> list:
+    prompts = [
+        {"prompt_token_ids": list(range(1000 + 7 * i, 1000 + 7 * i + n))}
+        for i, n in enumerate((3, 40, 17, 90))
+    ]
+    params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2) for _ in prompts]
+    params[2] = SamplingParams(
+        temperature=0.9, top_p=0.9, seed=11, max_tokens=10, ignore_eos=True, logprobs=2
+    )
+    # 32-token steps: chunked prefill, and steps that mix prefill chunks with decode rows.
+    with LLM(str(model_dir), tensor_parallel_size=tp, max_num_batched_tokens=32, max_num_seqs=4) as llm:
+        outs = llm.generate(prompts, params)
+    assert all(o.error is None for o in outs), [o.error for o in outs]
+    return [o.outputs[0] for o in outs]
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
+def test_two_ranks_generate_what_one_rank_generates(checkpoints, preset) -> None:
+    one, two = _generate(checkpoints[preset], 1), _generate(checkpoints[preset], 2)
+    for a, b in zip(one, two, strict=True):
+        assert a.token_ids == b.token_ids
+        for x, y in zip(a.logprobs, b.logprobs, strict=True):
+            assert abs(x.logprob - y.logprob) < 1e-4  # partial sums added in another order
+
+
+@pytest.mark.filterwarnings(
+    "ignore::pytest.PytestUnhandledThreadExceptionWarning"
+)  # the fatal path re-raises
+def test_a_dead_rank_fails_the_requests_instead_of_hanging(checkpoints) -> None:
+    with LLM(str(checkpoints["tiny"]), tensor_parallel_size=2, max_num_seqs=2) as llm:
+        rank1 = llm.engine.workers.processes[0]
+        rank1.kill()
+        rank1.join(10)
+        started = time.monotonic()
+        outs = llm.generate(
+            [{"prompt_token_ids": [1, 2, 3]}], [SamplingParams(max_tokens=4, ignore_eos=True)]
+        )
+        assert time.monotonic() - started < 30
+    assert outs[0].error is not None and "rank 1" in outs[0].error
