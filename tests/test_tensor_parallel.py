@@ -4,11 +4,14 @@ two ranks (CPU processes over gloo) against one, end to end."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
+from server_fixture import MODEL, running_server
 
 from deltaserve.config import EngineConfig, ModelConfig
 from deltaserve.engine.llm import LLM
@@ -257,3 +260,38 @@ def test_a_dead_rank_fails_the_requests_instead_of_hanging(checkpoints) -> None:
         )
         assert time.monotonic() - started < 30
     assert outs[0].error is not None and "rank 1" in outs[0].error
+
+
+@pytest.mark.filterwarnings(
+    "ignore::pytest.PytestUnhandledThreadExceptionWarning"
+)  # the fatal path re-raises
+def test_a_rank_dying_mid_generation_fails_the_request_within_seconds(checkpoints) -> None:
+    """Rank 0 is then inside a collective with the dead rank: the transport error, not a hang, ends it."""
+    with LLM(str(checkpoints["tiny"]), tensor_parallel_size=2, max_num_seqs=2) as llm:
+        rank1 = llm.engine.workers.processes[0]
+        killer = threading.Timer(1.0, rank1.kill)
+        killer.start()
+        started = time.monotonic()
+        outs = llm.generate(
+            [{"prompt_token_ids": [1, 2, 3]}], [SamplingParams(max_tokens=20_000, ignore_eos=True)]
+        )
+        killer.join()
+        assert time.monotonic() - started < 60
+    assert outs[0].error is not None and "engine failed" in outs[0].error
+    assert 0 < len(outs[0].outputs[0].token_ids) < 20_000
+
+
+def test_serve_with_two_ranks_answers_and_exits_cleanly() -> None:
+    """`deltaserve serve -tp 2`: the engine process starts its rank process (so it is not daemonic),
+    answers over HTTP, and SIGTERM stops every process."""
+    with running_server("--tensor-parallel-size", "2") as server:
+        body = {"model": MODEL, "prompt": "Hello", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        response = httpx.post(f"{server.base_url}/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 6
+        engine = server.engine_pid()
+        ranks = Path(f"/proc/{engine}/task/{engine}/children").read_text().split()
+        assert len(ranks) >= 1  # rank 1 (the resource tracker may be a child too)
+        assert server.terminate(60) == 0
+    for pid in [engine, *map(int, ranks)]:
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]

@@ -91,7 +91,9 @@ class AsyncEngineClient:
             target=run_engine_process,
             args=(config, input_addr, output_addr, child_end),
             name="deltaserve-engine",
-            daemon=True,
+            # A daemonic process may not start processes: with tensor parallelism the engine starts
+            # its rank processes, so it is not daemonic (it still exits when this process is gone).
+            daemon=config.tensor_parallel_size == 1,
         )
         process.start()
         child_end.close()
