@@ -1,0 +1,36 @@
+"""Tensor parallelism on two GPUs (NCCL): two ranks generate what one generates, on the tiny checkpoint
+in float32 (bf16 rounding of sharded partial sums would make near-ties flip) and on the MoE preset."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltaserve.engine.llm import LLM
+from deltaserve.sampling_params import SamplingParams
+from deltaserve.tiny import make_tiny
+
+pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+
+
+def _generate(model_dir: str, tp: int) -> list:
+    prompts = [
+        {"prompt_token_ids": list(range(1000 + 7 * i, 1000 + 7 * i + n))} for i, n in enumerate((3, 40, 90))
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1)
+    with LLM(
+        model_dir, tensor_parallel_size=tp, dtype="float32", max_num_batched_tokens=32, max_num_seqs=4
+    ) as llm:
+        outs = llm.generate(prompts, params)
+    assert all(o.error is None for o in outs), [o.error for o in outs]
+    return [o.outputs[0] for o in outs]
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
+def test_two_gpus_generate_what_one_generates(tmp_path, preset) -> None:
+    model_dir = str(make_tiny(tmp_path / preset, preset))
+    one, two = _generate(model_dir, 1), _generate(model_dir, 2)
+    for a, b in zip(one, two, strict=True):
+        assert a.token_ids == b.token_ids
+        for x, y in zip(a.logprobs, b.logprobs, strict=True):
+            assert abs(x.logprob - y.logprob) < 1e-3
