@@ -19,8 +19,10 @@ from deltaserve.engine.tp import (
     Cancel,
     Execute,
     RankGroup,
+    RankReady,
     RankReply,
     RankStep,
+    RankWorkers,
     TensorParallelError,
 )
 from deltaserve.errors import ConfigError
@@ -163,6 +165,9 @@ class FakeChannel:
             raise reply
         return reply
 
+    def close(self) -> None:
+        pass
+
 
 ROWS = [BatchRow([5, 6, 7], 0, [1], 1, True)]
 
@@ -216,6 +221,24 @@ def test_every_rank_replies_exactly_once_for_the_step_or_the_group_is_poisoned(r
     with pytest.raises(TensorParallelError):
         group.dispatch(ROWS)
     assert len(log) == sent  # nothing more reaches any rank
+
+
+def test_a_rank_that_fails_to_start_is_reported_with_its_own_reason() -> None:
+    """Rank 0 meets such a failure as a transport error in a start-up collective; the rank's reason
+    (sent before it exited) is what the user is told."""
+    log: list = []
+    workers = RankWorkers(
+        [],
+        [
+            FakeChannel(1, log),
+            FakeChannel(2, log, replies=(RankReady(2, "OutOfMemoryError: CUDA out of memory"),)),
+        ],
+    )
+    assert workers.startup_failures(wait_s=0.01) == [
+        "rank 2 failed to start: OutOfMemoryError: CUDA out of memory"
+    ]
+    workers.close()
+    assert [type(msg).__name__ for _, msg in log] == ["Stop", "Stop"]
 
 
 # ---- two ranks end to end (CPU processes over gloo) -------------------------------------------------

@@ -23,7 +23,7 @@ from deltaserve.engine.backend import Backend
 from deltaserve.engine.protocol import ClientMessage, Shutdown, StepOutputs
 from deltaserve.engine.runner import CudaGraphRunner, WarmupReport, warm_up
 from deltaserve.engine.scheduler import Scheduler, SchedulerConfig, start_scheduler
-from deltaserve.engine.tp import RankWorkers, TensorParallelBackend, agree_on_minimum
+from deltaserve.engine.tp import RankWorkers, TensorParallelBackend, TensorParallelError, agree_on_minimum
 from deltaserve.errors import ConfigError
 from deltaserve.model.layers.parallel import TensorParallel
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
@@ -96,9 +96,13 @@ class EngineCore:
             )
             if self.workers is not None:
                 self.workers.wait_ready()
-        except BaseException:
-            if self.workers is not None:
-                self.workers.close()
+        except BaseException as exc:
+            if self.workers is None:
+                raise
+            reasons = self.workers.startup_failures()
+            self.workers.close(join_timeout_s=5.0)  # ranks still in a start-up collective never stop
+            if reasons:
+                raise TensorParallelError("; ".join(reasons)) from exc
             raise
         self.model, cache, device, dtype = rank.model, rank.cache, rank.device, rank.dtype
         capacity_tokens = cache.kv.capacity * config.page_size

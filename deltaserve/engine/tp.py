@@ -304,7 +304,21 @@ class RankWorkers:
             got.append(msg)
         return got
 
-    def close(self) -> None:
+    def startup_failures(self, wait_s: float = 2.0) -> list[str]:
+        """After a failed start: the reasons ranks reported (a rank that fails exits, so rank 0 often
+        sees only a transport error in a start-up collective; the rank's own reason is in its pipe)."""
+        deadline = time.monotonic() + wait_s
+        reasons = []
+        for i, channel in enumerate(self.channels):
+            with contextlib.suppress(*CHANNEL_ERRORS):
+                while channel.poll(max(0.0, deadline - time.monotonic())):
+                    msg = channel.recv()
+                    if isinstance(msg, RankReady) and msg.error is not None:
+                        reasons.append(f"rank {i + 1} failed to start: {msg.error}")
+                        break
+        return reasons
+
+    def close(self, join_timeout_s: float = JOIN_TIMEOUT_S) -> None:
         """Stop, then bounded joins; a rank that does not exit in time is killed. Idempotent."""
         if self._closed:
             return
@@ -312,11 +326,11 @@ class RankWorkers:
         for channel in self.channels:
             with contextlib.suppress(*CHANNEL_ERRORS):
                 channel.send(Stop())
-        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        deadline = time.monotonic() + join_timeout_s
         for proc in self.processes:
             proc.join(max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
-                logger.error("rank process %s did not stop in %.0f s; killing it", proc.name, JOIN_TIMEOUT_S)
+                logger.error("rank process %s did not stop in %.0f s; killing it", proc.name, join_timeout_s)
                 proc.kill()
                 proc.join(5)
         for channel in self.channels:
