@@ -66,7 +66,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None  # always a list after construction
     ignore_eos: bool = False
     logprobs: int | None = None  # top alternatives per output token; 0 = only the sampled token's logprob
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = None  # per prompt token: its logprob, rank and this many alternatives
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -103,9 +103,11 @@ class SamplingParams:
         self._validate_stops()
         if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise _invalid("logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]", self.logprobs)
-        if self.prompt_logprobs is not None:
-            raise UnsupportedRequestError(
-                "prompt_logprobs", f"prompt_logprobs is not supported, got {self.prompt_logprobs!r}; omit it"
+        if self.prompt_logprobs is not None and not (
+            _is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise _invalid(
+                "prompt_logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]", self.prompt_logprobs
             )
         self._validate_logit_bias()
         for field in _BOOL_FIELDS:

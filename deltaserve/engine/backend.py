@@ -18,16 +18,27 @@ future second stream as well.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from deltaserve.cache.manager import CacheManager, SequenceCache
 from deltaserve.engine.protocol import TokenLogprobs
 from deltaserve.engine.runner import CudaGraphRunner
-from deltaserve.engine.sampler import Sampler, SamplerOutput, SamplingRow
+from deltaserve.engine.sampler import Sampler, SamplerOutput, SamplingRow, logprobs_of
 from deltaserve.model.batch import BatchRow, build_forward_batch, to_device
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
+
+SCORE_BLOCK = 256  # prompt positions whose full-vocabulary logits exist at once
+
+
+@dataclass(slots=True)
+class PromptScoring:
+    """Prompt logprobs for an item: the distribution after its token i scores `targets[i]` (the next
+    prompt token), for the first len(targets) tokens of the item, with the `k` most likely tokens."""
+
+    targets: list[int]
+    k: int
 
 
 @dataclass(slots=True)
@@ -35,12 +46,14 @@ class StepItem:
     seq: SequenceCache
     token_ids: Sequence[int]
     sampling: SamplingRow | None = None  # set: sample a token from the item's last position
+    scoring: PromptScoring | None = None
 
 
 @dataclass(slots=True)
 class StepResult:
     token_ids: list[int]  # one per sampled item, in item order
     logprobs: list[TokenLogprobs | None]  # parallel to token_ids
+    prompt_logprobs: list[list[TokenLogprobs] | None] = field(default_factory=list)  # per item, if any scored
 
 
 class PendingStep:
@@ -52,10 +65,12 @@ class PendingStep:
         token_ids: torch.Tensor | None,
         staged: _StagedResult | None,
         rows: Sequence[SamplingRow],
+        prompt_logprobs: list[list[TokenLogprobs] | None] | None = None,
     ) -> None:
         self.token_ids = token_ids  # [sampled items] int64 on the device; None when nothing samples
         self._staged = staged
         self._rows = rows
+        self._prompt_logprobs = prompt_logprobs or []
         self._result: StepResult | None = None
 
     def ready(self) -> bool:
@@ -64,6 +79,7 @@ class PendingStep:
     def wait(self) -> StepResult:
         if self._result is None:
             self._result = StepResult([], []) if self._staged is None else self._staged.read(self._rows)
+            self._result.prompt_logprobs = self._prompt_logprobs
         return self._result
 
 
@@ -96,30 +112,72 @@ class Backend:
     ) -> torch.Tensor:
         """Runs all items as one varlen forward (decode items first). Returns float32 logits [R, vocab]
         for the items that sample (every item when all_logits), in item order."""
+        return self._forward(items, all_logits, feed)[0]
+
+    def _forward(
+        self, items: Sequence[StepItem], all_logits: bool, feed: TokenFeed | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """forward(), plus the final hidden states of the items' scored prompt tokens (item order)."""
         rows = []
         for item in items:
             seq = item.seq
             self.cache.reserve(seq, seq.num_computed + len(item.token_ids))
             need = all_logits or item.sampling is not None
-            rows.append(BatchRow(item.token_ids, seq.num_computed, seq.pages, seq.slot, need))
+            scored = len(item.scoring.targets) if item.scoring is not None else 0
+            rows.append(BatchRow(item.token_ids, seq.num_computed, seq.pages, seq.slot, need, scored))
         fed = None
         if feed is not None:
             _check_fed_rows(rows, len(feed.rows))
             fed = _fed_tokens(feed, self.device)
-        logits = self.run_rows(rows, fed)
+        logits, scored_hidden = self.run_rows(rows, fed)
         for item in items:
             self.cache.advance(item.seq, len(item.token_ids))
-        return logits
+        return logits, scored_hidden
 
-    def run_rows(self, rows: list[BatchRow], fed: torch.Tensor | None) -> torch.Tensor:
-        """The forward over `rows` (a decode graph when one fits) and the logits of the rows that need them."""
+    def run_rows(
+        self, rows: list[BatchRow], fed: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The forward over `rows` (a decode graph when one fits): logits of the rows that need them, and
+        the hidden states of the scored tokens (None when no row scores)."""
         graphs = self.graph_runner
-        if graphs is not None and all(r.need_logits for r in rows) and graphs.can_run(rows):
-            return graphs.run(rows, fed)
+        scoring = any(r.scored for r in rows)
+        if graphs is not None and not scoring and all(r.need_logits for r in rows) and graphs.can_run(rows):
+            return graphs.run(rows, fed), None
         batch = build_forward_batch(rows, self.cache.page_size, self.device)
         if fed is not None:
             batch.input_ids[: fed.shape[0]] = fed
-        return self.model.compute_logits(self.model(batch, self.cache.kv, self.cache.states))
+        hidden = self.model(batch, self.cache.kv, self.cache.states)
+        sampled = sum(r.need_logits for r in rows)
+        return self.model.compute_logits(hidden[:sampled]), hidden[sampled:] if scoring else None
+
+    def _score_prompts(
+        self, items: Sequence[StepItem], hidden: torch.Tensor
+    ) -> list[list[TokenLogprobs] | None]:
+        """Prompt logprobs of the scored items, from the raw distribution, SCORE_BLOCK positions at a time."""
+        out: list[list[TokenLogprobs] | None] = []
+        offset = 0
+        for item in items:
+            if item.scoring is None:
+                out.append(None)
+                continue
+            scoring, scored = item.scoring, []
+            for start in range(0, len(scoring.targets), SCORE_BLOCK):
+                targets = scoring.targets[start : start + SCORE_BLOCK]
+                rows = hidden[offset + start : offset + start + len(targets)]
+                lp = logprobs_of(
+                    self.model.compute_logits(rows), to_device(targets, torch.int64, self.device), scoring.k
+                )
+                for logprob, rank, ids, values in zip(
+                    lp.sampled_logprob.tolist(),
+                    lp.sampled_rank.tolist(),
+                    lp.top_ids.tolist(),
+                    lp.top_logprobs.tolist(),
+                    strict=True,
+                ):
+                    scored.append(TokenLogprobs(logprob, rank, list(zip(ids, values, strict=True))))
+            offset += len(scoring.targets)
+            out.append(scored)
+        return out
 
     def execute(self, items: Sequence[StepItem]) -> StepResult:
         return self.launch(items).wait()
@@ -128,12 +186,13 @@ class Backend:
     def launch(self, items: Sequence[StepItem], *, feed: TokenFeed | None = None) -> PendingStep:
         """Runs the forward and the sampler and starts copying the results to the host; returns without
         waiting for the device. The sequences have advanced when this returns."""
-        logits = self.forward(items, feed=feed)
+        logits, scored_hidden = self._forward(items, False, feed)
+        prompt = None if scored_hidden is None else self._score_prompts(items, scored_hidden)
         rows = [item.sampling for item in items if item.sampling is not None]
         if not rows:
-            return PendingStep(None, None, rows)
+            return PendingStep(None, None, rows, prompt)
         out = self.sampler(logits, rows)
-        return PendingStep(out.token_ids, _StagedResult.start(out), rows)
+        return PendingStep(out.token_ids, _StagedResult.start(out), rows, prompt)
 
 
 def _fed_tokens(feed: TokenFeed, device: torch.device) -> torch.Tensor:

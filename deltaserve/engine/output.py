@@ -35,6 +35,8 @@ class RequestOutput:
     finished: bool = False
     error: str | None = None  # set when finish_reason is rejected or error
     error_field: str | None = None
+    # Asked-for prompt logprobs: entry i scores prompt token i (None for the first).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass(slots=True)
@@ -51,6 +53,7 @@ class OutputDelta:
     abort_engine: bool = False  # a stop string ended it: the engine must be told to stop generating
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # in the first delta, when asked for
 
     @property
     def finished(self) -> bool:
@@ -72,6 +75,7 @@ class OutputState:
     stop_reason: int | str | None = None
     error: str | None = None
     error_field: str | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     _detok: IncrementalDetokenizer | None = field(default=None, init=False, repr=False)
     _holdback: int = field(default=0, init=False, repr=False)  # length of the longest stop string
 
@@ -90,6 +94,8 @@ class OutputState:
         if self.finished:  # a stop string already ended it; late engine updates are dropped
             return OutputDelta("", [], None)
         self.token_ids.extend(update.new_token_ids)
+        if update.prompt_logprobs is not None:
+            self.prompt_logprobs = update.prompt_logprobs
         if self.logprobs is not None and update.new_logprobs:
             self.logprobs.extend(update.new_logprobs)
         finish, stop_reason = update.finish_reason, update.stop_reason
@@ -121,6 +127,7 @@ class OutputState:
             abort_engine=abort,
             num_prompt_tokens=update.num_prompt_tokens or len(self.prompt_token_ids),
             num_output_tokens=len(self.token_ids),
+            prompt_logprobs=update.prompt_logprobs,
         )
         self.sent = end
         return delta
@@ -152,4 +159,5 @@ class OutputState:
             finished=self.finished,
             error=self.error,
             error_field=self.error_field,
+            prompt_logprobs=self.prompt_logprobs,
         )

@@ -57,6 +57,8 @@ class RequestUpdate:
     num_output_tokens: int = 0  # total so far
     num_preemptions: int = 0
     queued_time: float | None = None  # monotonic: first scheduled minus arrival, set on the first token
+    # Asked-for prompt logprobs, once, with the first token: entry i scores prompt token i (None for i=0).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:

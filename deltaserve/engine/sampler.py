@@ -80,7 +80,7 @@ class Sampler:
             raise ValueError(f"logits must be [rows={len(rows)}, vocab], got {tuple(logits.shape)}")
         token_ids = _sample(process_logits(logits, rows), rows)
         asked = [r.params.logprobs for r in rows if r.params.logprobs is not None]
-        logprobs = _logprobs(logits, token_ids, max(asked)) if asked else None
+        logprobs = logprobs_of(logits, token_ids, max(asked)) if asked else None
         return SamplerOutput(token_ids, logprobs)
 
 
@@ -274,7 +274,7 @@ def _mix64_(z: torch.Tensor, *, final_xorshift: bool = True) -> torch.Tensor:
     return z
 
 
-def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> LogprobsTensors:
+def logprobs_of(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> LogprobsTensors:
     """Log-probs of the raw distribution (before bias, penalties and temperature), as vLLM reports them."""
     logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
     sampled = logprobs.gather(1, token_ids[:, None])

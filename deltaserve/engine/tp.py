@@ -184,17 +184,19 @@ class TensorParallelBackend(Backend):
         super().__init__(model, cache)
         self.workers = workers
 
-    def run_rows(self, rows: list[BatchRow], fed: torch.Tensor | None) -> torch.Tensor:
+    def run_rows(
+        self, rows: list[BatchRow], fed: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if fed is not None:
             raise ValueError("tensor parallelism takes every input token from the host (no token feed)")
         group = self.workers.group
         step_id = group.dispatch(rows)
         try:
-            logits = super().run_rows(rows, None)
+            out = super().run_rows(rows, None)
         except Exception as exc:
             raise group.poison(f"rank 0 failed step {step_id}: {type(exc).__name__}: {exc}") from exc
         group.collect(step_id)
-        return logits
+        return out
 
 
 # ---- the rank processes ---------------------------------------------------------------------------

@@ -49,6 +49,9 @@ class BatchRow:
     pages: Sequence[int]  # the sequence's block table; covers context_len + len(token_ids) tokens
     state_slot: int
     need_logits: bool = True  # logits of the last token of this row
+    # Prompt scoring: the hidden states of the first `scored` tokens are returned too, after every row's
+    # last-token rows (logits_indices lists the sampling rows first, then the scored tokens, row order).
+    scored: int = 0
 
 
 def to_device(data: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -66,6 +69,7 @@ def build_forward_batch(rows: Sequence[BatchRow], page_size: int, device: torch.
     slot_mapping: list[int] = []
     query_start = [0]
     logits_indices: list[int] = []
+    scored_indices: list[int] = []
     max_pages = max(len(r.pages) for r in rows)
     block_tables: list[list[int]] = []
     num_decodes = 0
@@ -89,6 +93,9 @@ def build_forward_batch(rows: Sequence[BatchRow], page_size: int, device: torch.
         query_start.append(query_start[-1] + n)
         if row.need_logits:
             logits_indices.append(query_start[-1] - 1)
+        if not 0 <= row.scored <= n:
+            raise ValueError(f"a row of {n} tokens cannot score {row.scored} of them")
+        scored_indices.extend(range(query_start[-2], query_start[-2] + row.scored))
         block_tables.append(list(row.pages) + [0] * (max_pages - len(row.pages)))
 
     def t(values: list, dtype: torch.dtype) -> torch.Tensor:
@@ -105,7 +112,7 @@ def build_forward_batch(rows: Sequence[BatchRow], page_size: int, device: torch.
         block_tables=t(block_tables, torch.int32),
         slot_mapping=t(slot_mapping, torch.int64),
         state_slots=t([r.state_slot for r in rows], torch.int64),
-        logits_indices=t(logits_indices, torch.int64),
+        logits_indices=t(logits_indices + scored_indices, torch.int64),
         num_decodes=num_decodes,
         query_lens_host=tuple(query),
         context_lens_host=tuple(context),

@@ -41,6 +41,7 @@ from deltaserve.engine.protocol import (
     RequestUpdate,
     Shutdown,
     StepOutputs,
+    TokenLogprobs,
 )
 from deltaserve.engine.sampler import make_seed
 from deltaserve.engine.scheduler import emit, steps, telemetry
@@ -77,6 +78,10 @@ class Request:
     first_scheduled_time: float | None = None
     checked: bool = False  # submission checks (contract, fields, token ids) ran
     decode_step: steps.DecodeAhead | None = None  # the latest decode-ahead step launched over it
+    # Asked-for prompt logprobs so far (entry i scores prompt token i; entry 0 is None), sent with the
+    # first token. Invariant while scoring: a prefill chunk starting at s finds s + 1 entries.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprobs_sent: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -231,6 +236,8 @@ class Scheduler:
             arrival_time=msg.arrival_time or time.monotonic(),
             echo=msg.echo,
         )
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None]
         self.by_id[req.request_id] = req
         self.waiting.append(req)
 

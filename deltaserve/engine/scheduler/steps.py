@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from deltaserve.cache.manager import CacheManager, SequenceCache
-from deltaserve.engine.backend import PendingStep, StepItem, StepResult, TokenFeed
+from deltaserve.engine.backend import PendingStep, PromptScoring, StepItem, StepResult, TokenFeed
 from deltaserve.engine.protocol import RequestUpdate, TokenLogprobs
 from deltaserve.engine.sampler import SamplingRow, uses_penalties
 from deltaserve.engine.scheduler import emit, telemetry
@@ -264,7 +264,20 @@ def _chunk_item(sched: Scheduler, c: ScheduledChunk) -> StepItem:
     """A chunk's share of the forward; it samples only when it feeds the request's last pending token."""
     req = c.request
     sampling = _sampling_row(sched, req) if c.completes else None
-    return StepItem(req.seq, req.token_slice(c.start, c.length), sampling)
+    return StepItem(req.seq, req.token_slice(c.start, c.length), sampling, _prompt_scoring(req, c))
+
+
+def _prompt_scoring(req: Request, c: ScheduledChunk) -> PromptScoring | None:
+    """The chunk's prompt positions that score the next prompt token, when prompt logprobs were asked
+    for and not yet sent (a recomputed request scores nothing again)."""
+    if req.prompt_logprobs is None or req.prompt_logprobs_sent:
+        return None
+    prompt = req.prompt_token_ids
+    end = min(c.start + c.length, len(prompt) - 1)
+    if end <= c.start:
+        return None
+    assert len(req.prompt_logprobs) == c.start + 1, "prompt logprobs are scored chunk by chunk, in order"
+    return PromptScoring(list(prompt[c.start + 1 : end + 1]), req.params.prompt_logprobs)
 
 
 def launch_overlap_step(sched: Scheduler, chunks: list[ScheduledChunk]) -> None:
@@ -321,8 +334,11 @@ def promote_or_requeue(
 
     sampled = offset
     requeue: list[Request] = []
-    for c in chunks:
+    for i, c in enumerate(chunks):
         req = c.request
+        scored = result.prompt_logprobs[offset + i] if result.prompt_logprobs else None
+        if scored is not None and req.prompt_logprobs is not None:
+            req.prompt_logprobs.extend(scored)
         if req.closed:
             if c.completes:
                 sampled += 1
@@ -375,6 +391,8 @@ def _append_token(sched: Scheduler, req: Request, token: int, logprobs: TokenLog
     )
     if len(req.output_token_ids) == 1 and req.first_scheduled_time is not None:
         update.queued_time = req.first_scheduled_time - req.arrival_time
+    if req.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+        update.prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, True
     if reason is None:
         sched.updates.append(update)
         return False
@@ -433,6 +451,8 @@ def preempt(sched: Scheduler, req: Request) -> None:
 
     release_caches(sched, req)
     req.phase = Phase.WAITING
+    if req.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+        req.prompt_logprobs = [None]  # the recomputed prefill scores the prompt again from its start
     req.num_preemptions += 1
     sched.num_preemptions += 1
     sched.running = [r for r in sched.running if r is not req]
