@@ -113,12 +113,20 @@ def test_min_tokens_above_max_tokens_is_rejected() -> None:
     assert "max_tokens (5)" in str(err.value) and "got 6" in str(err.value)
 
 
-def test_n_above_one_and_prompt_logprobs_are_unsupported() -> None:
+def test_n_above_one_is_unsupported() -> None:
     with pytest.raises(UnsupportedRequestError, match="n > 1 is not supported") as err:
         SamplingParams(n=2).validate()
     assert err.value.field == "n"
-    with pytest.raises(UnsupportedRequestError, match="prompt_logprobs") as err:
-        SamplingParams(prompt_logprobs=0).validate()
+
+
+@pytest.mark.parametrize("value", [-1, 21, True, 1.5])
+def test_prompt_logprobs_is_an_integer_up_to_twenty(value) -> None:
+    SamplingParams(prompt_logprobs=0).validate()
+    SamplingParams(prompt_logprobs=20).validate()
+    with pytest.raises(
+        RequestValidationError, match=r"prompt_logprobs must be None or an integer in \[0, 20\]"
+    ) as err:
+        SamplingParams(prompt_logprobs=value).validate()
     assert err.value.field == "prompt_logprobs"
 
 

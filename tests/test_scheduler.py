@@ -308,7 +308,7 @@ def test_unsupported_contracts_are_rejected_fail_closed(model):
     run = Run(model)
     run.sched.submit(AddRequest("echo", [1, 2], GREEDY8, echo=True))
     run.add("n2", [1, 2], SamplingParams(n=2))
-    run.add("plp", [1, 2], SamplingParams(prompt_logprobs=1))
+    run.add("plp", [1, 2], SamplingParams(prompt_logprobs=21))
     run.run_until_idle()
     assert "echo=true is not supported" in run.terminal("echo").error
     assert run.terminal("n2").error_field == "n" and run.terminal("plp").error_field == "prompt_logprobs"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 
 import httpx
@@ -163,6 +164,68 @@ def test_logprobs_in_completions_format(client: openai.OpenAI) -> None:
     for sampled, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
         assert 3 <= len(top) <= 4 and sampled <= 0
         assert sampled == pytest.approx(max(top.values()))  # greedy: the sampled token is the most likely
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_evaluation_harnesses_ask(
+    server: ServerProcess, client: openai.OpenAI, offline: LLM
+) -> None:
+    """echo + logprobs + max_tokens=1 (lm-evaluation-harness' loglikelihood request): the prompt text
+    comes back first, then the completion; logprobs cover prompt tokens (the first has none) and
+    equal the engine's prompt logprobs."""
+    text = "The capital of France is Paris"
+    out = client.completions.create(
+        model=MODEL, prompt=text, max_tokens=1, temperature=0, logprobs=1, echo=True
+    )
+    choice = out.choices[0]
+    assert choice.text.startswith(text) and len(choice.text) > len(text)
+    lp = choice.logprobs
+    assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": text}).json()["tokens"]
+    assert len(lp.tokens) == len(ids) + 1 and "".join(lp.tokens[: len(ids)]) == text
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # type: ignore[index]
+    assert lp.text_offset[len(ids)] == len(text)  # type: ignore[index]
+    want = offline.generate(text, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))[0]
+    assert want.prompt_logprobs is not None
+    for got, ref in zip(lp.token_logprobs[1 : len(ids)], want.prompt_logprobs[1:], strict=True):
+        assert got == pytest.approx(ref.logprob, abs=1e-5)
+    assert out.usage is not None and out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 1
+
+
+def test_echo_streams_the_prompt_first_and_prompt_logprobs_by_token_id(server: ServerProcess) -> None:
+    body = {"model": MODEL, "prompt": [11, 22, 33, 44], "max_tokens": 3, "temperature": 0, "echo": True}
+    full = httpx.post(
+        f"{server.base_url}/completions", json={**body, "prompt_logprobs": 2}, timeout=60
+    ).json()
+    choice = full["choices"][0]
+    plp = choice["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == 4
+    for token, entry in zip([22, 33, 44], plp[1:], strict=True):
+        assert str(token) in entry and len(entry) <= 3  # the token itself and up to 2 alternatives
+        ranks = sorted(e["rank"] for e in entry.values())
+        assert ranks[0] >= 1 and all("decoded_token" in e for e in entry.values())
+    with httpx.stream(
+        "POST", f"{server.base_url}/completions", json={**body, "stream": True}, timeout=60
+    ) as r:
+        texts = [
+            json.loads(line[6:])["choices"][0]["text"]
+            for line in r.iter_lines()
+            if line.startswith("data: {")
+        ]
+    prompt_text = choice["text"][: len(choice["text"]) - len("".join(texts[1:]))]
+    assert texts[0].startswith(prompt_text) and "".join(texts) == choice["text"]
+
+
+def test_chat_returns_prompt_logprobs_of_the_rendered_prompt(server: ServerProcess) -> None:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 2,
+        "prompt_logprobs": 0,
+    }
+    out = httpx.post(f"{server.base_url}/chat/completions", json=body, timeout=60).json()
+    plp = out["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == out["usage"]["prompt_tokens"]
+    assert all(len(entry) == 1 for entry in plp[1:])
 
 
 def test_seeded_sampling_is_reproducible(client: openai.OpenAI) -> None:

@@ -35,7 +35,7 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None, str | None]] = [
     ("/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias", None),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 500}}, 400, "logit_bias", None),
     ("/v1/completions", {"prompt": [10**9]}, 400, "prompt", None),
-    ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo", "unsupported"),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs", None),
     ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n", "unsupported"),
     ("/v1/completions", {"prompt": "x", "best_of": 3}, 400, "best_of", "unsupported"),
     ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix", "unsupported"),
@@ -43,6 +43,14 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None, str | None]] = [
     ("/v1/completions", {"prompt": "x", "max_tokens": 5000}, 400, "max_tokens", "context_length_exceeded"),
     ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model", "model_not_found"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages", None),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 1, "stream": True},
+        400,
+        "prompt_logprobs",
+        "unsupported",
+    ),
+    ("/v1/responses", {"input": "x", "prompt_logprobs": 1}, 400, "prompt_logprobs", "unsupported"),
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages", None),
     (
         "/v1/chat/completions",

@@ -22,9 +22,9 @@ from deltaserve.sampling_params import SamplingParams
 from deltaserve.server.assistant_output import AssistantOutput
 from deltaserve.server.chat_prompt import ChatPrompt, ToolChoice, render_chat_prompt
 from deltaserve.server.disconnect import unless_disconnected
-from deltaserve.server.errors import APIError, bad_request
+from deltaserve.server.errors import APIError, bad_request, unsupported
 from deltaserve.server.generation import EngineRequest, generate, terminal_error
-from deltaserve.server.logprobs import chat_logprobs
+from deltaserve.server.logprobs import chat_logprobs, prompt_logprobs
 from deltaserve.server.parsers import ParsedDelta
 from deltaserve.server.protocol import (
     ChatChoice,
@@ -93,6 +93,11 @@ def _render(state: ServerState, body: ChatCompletionRequest) -> ChatPrompt:
 def _params(state: ServerState, body: ChatCompletionRequest) -> SamplingParams:
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+    if body.prompt_logprobs is not None and body.stream:
+        raise unsupported(
+            "prompt_logprobs",
+            "prompt_logprobs is not supported with stream=true (non-streaming chat completions return it); omit it or set stream=false",
+        )
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     rename = {"logprobs": "top_logprobs"}
     if body.max_completion_tokens is not None:
@@ -144,6 +149,7 @@ async def _complete(
     out = AssistantOutput.for_prompt(prompt)
     token_ids: list[int] = []
     logprobs: list[TokenLogprobs] = []
+    scored_prompt: list[TokenLogprobs | None] | None = None
     last: OutputDelta | None = None
     async with aclosing(generate(state, req, arrival)) as deltas:
         async for delta in deltas:
@@ -153,6 +159,7 @@ async def _complete(
             out.feed(delta.text, final=delta.finished)
             token_ids += delta.token_ids
             logprobs += delta.logprobs or []
+            scored_prompt = delta.prompt_logprobs or scored_prompt
             last = delta
     assert last is not None and last.finished, "generate() ends with a finished delta"
     message = ChatMessageOut(
@@ -170,7 +177,15 @@ async def _complete(
         stop_reason=last.stop_reason,
     )
     usage = UsageInfo.of(len(req.prompt_token_ids), last.num_output_tokens)
-    return ChatCompletionResponse(id=req.request_id, model=state.model_name, choices=[choice], usage=usage)
+    return ChatCompletionResponse(
+        id=req.request_id,
+        model=state.model_name,
+        choices=[choice],
+        usage=usage,
+        prompt_logprobs=None
+        if scored_prompt is None
+        else prompt_logprobs(state.token_texts, req.prompt_token_ids, scored_prompt),
+    )
 
 
 async def _stream(

@@ -1,7 +1,10 @@
 """POST /v1/completions: a string, a list of strings, token ids or a list of token-id lists.
 
-Each prompt is one engine request and one choice (index = the prompt's position); n > 1, best_of > 1,
-echo and suffix are refused. Usage sums over the prompts.
+Each prompt is one engine request and one choice (index = the prompt's position); n > 1, best_of > 1 and
+suffix are refused. Usage sums over the prompts. echo=true puts the prompt (its text, or the decoded
+token ids) before the completion; with logprobs the prompt tokens' logprobs come first too (None for the
+first token), which is how evaluation harnesses score text. vLLM's prompt_logprobs field returns them per
+token id instead. Streaming sends the echoed prompt and prompt_logprobs in the first chunk of a choice.
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ from deltaserve.engine.protocol import TokenLogprobs
 from deltaserve.server.disconnect import unless_disconnected
 from deltaserve.server.errors import APIError, bad_request, unsupported
 from deltaserve.server.generation import EngineRequest, generate, merge, terminal_error
-from deltaserve.server.logprobs import completion_logprobs
+from deltaserve.server.logprobs import completion_logprobs, echoed_prompt_logprobs, prompt_logprobs
 from deltaserve.server.protocol import (
     CompletionChoice,
     CompletionChunk,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    PromptLogprobs,
     UsageInfo,
     now,
 )
@@ -47,8 +52,13 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     state.warn_unknown_fields("/v1/completions", body.unknown_fields())
     _refuse_unsupported(body)
     prompts = _prompts(state, body)
+    echo_scores = body.logprobs if body.echo else None
     params = build_params(
-        body, max_tokens=body.max_tokens, logprobs=body.logprobs, vocab_size=state.vocab_size
+        body,
+        max_tokens=body.max_tokens,
+        logprobs=body.logprobs,
+        vocab_size=state.vocab_size,
+        prompt_logprobs=max(echo_scores, body.prompt_logprobs or 0) if echo_scores is not None else None,
     )
     for _, ids in prompts:
         check_context_window(len(ids), body.max_tokens, state.max_model_len)
@@ -60,8 +70,6 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
 
 
 def _refuse_unsupported(body: CompletionRequest) -> None:
-    if body.echo:
-        raise unsupported("echo", "echo=true is not supported: the engine does not return prompt tokens")
     if body.best_of is not None and body.best_of != 1:
         raise unsupported("best_of", f"best_of > 1 is not supported, got {body.best_of}; omit best_of")
     if body.suffix is not None:
@@ -100,8 +108,11 @@ class _Choice:
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    scored_prompt: list[TokenLogprobs | None] | None = None
 
     def add(self, delta: OutputDelta) -> None:
+        if delta.prompt_logprobs is not None:
+            self.scored_prompt = delta.prompt_logprobs
         self.text += delta.text
         self.token_ids += delta.token_ids
         self.logprobs += delta.logprobs or []
@@ -126,16 +137,61 @@ async def _complete(
                 raise error
             choices[i].add(delta)
     out = []
-    for i, c in enumerate(choices):
+    for i, (c, req) in enumerate(zip(choices, reqs, strict=True)):
+        echoed = _echo(state, body, req, c.scored_prompt)
         lp = None
         if body.logprobs is not None:
-            lp = completion_logprobs(state.token_texts, c.token_ids, c.logprobs, 0)
+            lp = completion_logprobs(state.token_texts, c.token_ids, c.logprobs, len(echoed.text))
+            lp = _joined(echoed.logprobs, lp)
         out.append(
             CompletionChoice(
-                index=i, text=c.text, logprobs=lp, finish_reason=c.finish_reason, stop_reason=c.stop_reason
+                index=i,
+                text=echoed.text + c.text,
+                logprobs=lp,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+                prompt_logprobs=_prompt_logprobs(state, body, req, c.scored_prompt),
             )
         )
     return CompletionResponse(id=rid, model=state.model_name, choices=out, usage=_usage(choices))
+
+
+@dataclass(slots=True)
+class _Echo:
+    text: str = ""
+    logprobs: CompletionLogprobs | None = None
+
+
+def _echo(
+    state: ServerState, body: CompletionRequest, req: EngineRequest, scored: list[TokenLogprobs | None] | None
+) -> _Echo:
+    """The echoed prompt of a choice (empty without echo)."""
+    if not body.echo:
+        return _Echo()
+    text = req.prompt if req.prompt is not None else state.tokenizer.decode(req.prompt_token_ids)
+    if body.logprobs is None:
+        return _Echo(text)
+    assert scored is not None, "echo with logprobs asks the engine for prompt logprobs"
+    return _Echo(text, echoed_prompt_logprobs(state.token_texts, req.prompt_token_ids, scored))
+
+
+def _joined(first: CompletionLogprobs | None, second: CompletionLogprobs) -> CompletionLogprobs:
+    if first is None:
+        return second
+    return CompletionLogprobs(
+        tokens=first.tokens + second.tokens,
+        token_logprobs=first.token_logprobs + second.token_logprobs,
+        top_logprobs=first.top_logprobs + second.top_logprobs,
+        text_offset=first.text_offset + second.text_offset,
+    )
+
+
+def _prompt_logprobs(
+    state: ServerState, body: CompletionRequest, req: EngineRequest, scored: list[TokenLogprobs | None] | None
+) -> PromptLogprobs | None:
+    if body.prompt_logprobs is None or scored is None:
+        return None
+    return prompt_logprobs(state.token_texts, req.prompt_token_ids, scored)
 
 
 async def _stream(
@@ -143,24 +199,32 @@ async def _stream(
 ) -> AsyncIterator[str]:
     created = now()
     choices = [_Choice(num_prompt_tokens=len(r.prompt_token_ids)) for r in reqs]
+    echoed = [0] * len(reqs)  # characters of each choice's echoed prompt
     try:
         async with aclosing(merge([generate(state, r, arrival) for r in reqs])) as deltas:
             async for i, delta in deltas:
                 error = terminal_error(delta)
                 if error is not None:
                     raise error
-                offset = len(choices[i].text)
+                first = not choices[i].token_ids and choices[i].scored_prompt is None
+                offset = echoed[i] + len(choices[i].text)
                 choices[i].add(delta)
+                echo = _echo(state, body, reqs[i], choices[i].scored_prompt) if first else _Echo()
+                echoed[i] += len(echo.text)
+                offset += len(echo.text)
                 lp = None
-                if body.logprobs is not None and delta.logprobs:
-                    lp = completion_logprobs(state.token_texts, delta.token_ids, delta.logprobs, offset)
-                if delta.text or lp is not None or delta.finished:
+                if body.logprobs is not None and (delta.logprobs or echo.logprobs is not None):
+                    lp = completion_logprobs(state.token_texts, delta.token_ids, delta.logprobs or [], offset)
+                    lp = _joined(echo.logprobs, lp)
+                prompt_lps = _prompt_logprobs(state, body, reqs[i], delta.prompt_logprobs)
+                if echo.text or delta.text or lp is not None or delta.finished or prompt_lps is not None:
                     choice = CompletionChoice(
                         index=i,
-                        text=delta.text,
+                        text=echo.text + delta.text,
                         logprobs=lp,
                         finish_reason=delta.finish_reason,
                         stop_reason=delta.stop_reason,
+                        prompt_logprobs=prompt_lps,
                     )
                     chunk = CompletionChunk(id=rid, created=created, model=state.model_name, choices=[choice])
                     yield data_event(chunk)

@@ -10,7 +10,14 @@ from __future__ import annotations
 from functools import lru_cache
 
 from deltaserve.engine.protocol import TokenLogprobs
-from deltaserve.server.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+from deltaserve.server.protocol import (
+    ChatLogprobs,
+    CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobs,
+    TokenLogprob,
+    TopLogprob,
+)
 from deltaserve.tokenizer import Tokenizer
 
 
@@ -66,6 +73,47 @@ def completion_logprobs(
         out.top_logprobs.append(top)
         out.text_offset.append(offset)
         offset += len(text)
+    return out
+
+
+def echoed_prompt_logprobs(
+    texts: TokenTexts, prompt_ids: list[int], scored: list[TokenLogprobs | None]
+) -> CompletionLogprobs:
+    """The completions format for an echoed prompt: its first token has no logprob (None)."""
+    out = CompletionLogprobs()
+    offset = 0
+    for token_id, lp in zip(prompt_ids, scored, strict=True):
+        text = texts.text(token_id)
+        out.tokens.append(text)
+        out.text_offset.append(offset)
+        offset += len(text)
+        if lp is None:
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            continue
+        top = {texts.text(t): v for t, v in lp.top}
+        top.setdefault(text, lp.logprob)
+        out.token_logprobs.append(lp.logprob)
+        out.top_logprobs.append(top)
+    return out
+
+
+def prompt_logprobs(
+    texts: TokenTexts, prompt_ids: list[int], scored: list[TokenLogprobs | None]
+) -> PromptLogprobs:
+    """vLLM's prompt_logprobs: per prompt token, {token id: logprob, rank, decoded_token} for the token
+    itself and its top alternatives (ranks of alternatives are their position)."""
+    out: PromptLogprobs = []
+    for token_id, lp in zip(prompt_ids, scored, strict=True):
+        if lp is None:
+            out.append(None)
+            continue
+        entry = {
+            str(token_id): PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=texts.text(token_id))
+        }
+        for rank, (t, v) in enumerate(lp.top, start=1):
+            entry.setdefault(str(t), PromptLogprob(logprob=v, rank=rank, decoded_token=texts.text(t)))
+        out.append(entry)
     return out
 
 

@@ -85,6 +85,11 @@ def _prepare(state: ServerState, body: ResponsesRequest, arrival: float) -> _Run
         tool_choice=_tool_choice(body, tools),
         template_kwargs={**state.config.default_chat_template_kwargs, **(body.chat_template_kwargs or {})},
     )
+    if body.prompt_logprobs is not None:
+        raise unsupported(
+            "prompt_logprobs",
+            "prompt_logprobs is not supported by the Responses API; use /v1/completions or /v1/chat/completions",
+        )
     params = build_params(
         body,
         max_tokens=body.max_output_tokens,

@@ -29,9 +29,10 @@ def build_params(
     logprobs: int | None,
     vocab_size: int,
     rename: dict[str, str] | None = None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """SamplingParams for `req`; `rename` maps SamplingParams field names to this endpoint's wire names
-    (for the `param` of errors)."""
+    (for the `param` of errors). `prompt_logprobs` overrides the request's (completions' echo)."""
     if req.response_format is not None and req.response_format.type != "text":
         raise unsupported(
             "response_format",
@@ -53,6 +54,7 @@ def build_params(
         logit_bias=_logit_bias(req.logit_bias),
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
+        prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else req.prompt_logprobs,
         **kwargs,  # type: ignore[arg-type]
     )
     try:
