@@ -253,17 +253,20 @@ def _generate(model_dir: Path, tp: int) -> list:
     params[2] = SamplingParams(
         temperature=0.9, top_p=0.9, seed=11, max_tokens=10, ignore_eos=True, logprobs=2
     )
+    params[3] = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2, prompt_logprobs=2)
     # 32-token steps: chunked prefill, and steps that mix prefill chunks with decode rows.
     with LLM(str(model_dir), tensor_parallel_size=tp, max_num_batched_tokens=32, max_num_seqs=4) as llm:
         outs = llm.generate(prompts, params)
     assert all(o.error is None for o in outs), [o.error for o in outs]
-    return [o.outputs[0] for o in outs]
+    return outs
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
 def test_two_ranks_generate_what_one_rank_generates(checkpoints, preset) -> None:
     one, two = _generate(checkpoints[preset], 1), _generate(checkpoints[preset], 2)
-    for a, b in zip(one, two, strict=True):
+    scored = list(zip(one[3].prompt_logprobs[1:], two[3].prompt_logprobs[1:], strict=True))
+    assert len(scored) == 89 and all(abs(x.logprob - y.logprob) < 1e-4 for x, y in scored)
+    for a, b in zip([o.outputs[0] for o in one], [o.outputs[0] for o in two], strict=True):
         assert a.token_ids == b.token_ids
         for x, y in zip(a.logprobs, b.logprobs, strict=True):
             assert abs(x.logprob - y.logprob) < 1e-4  # partial sums added in another order
