@@ -220,12 +220,19 @@ def _free_port() -> int:
 
 
 def init_process_group(device_type: str, init_method: str, rank: int, size: int) -> None:
+    """Joins the group; on CUDA rank r binds cuda:r first, so NCCL's communicator is built there
+    (not on whatever device happens to be current at the first collective)."""
+    device = None
+    if device_type == "cuda":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
     dist.init_process_group(
         "nccl" if device_type == "cuda" else "gloo",
         init_method=init_method,
         rank=rank,
         world_size=size,
         timeout=datetime.timedelta(seconds=TIMEOUT_S),
+        device_id=device,
     )
 
 
