@@ -90,6 +90,35 @@ def test_streaming_matches_non_streaming_and_sends_one_usage_chunk(client: opena
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
 
 
+def test_n_choices_stream_by_index_and_equal_the_non_streamed_ones(client: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = dict(
+        model=MODEL,
+        messages=USER,
+        max_completion_tokens=6,
+        temperature=1.0,
+        seed=9,
+        n=3,
+        extra_body={"ignore_eos": True},
+    )
+    whole = client.chat.completions.create(**kwargs)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert whole.usage is not None and whole.usage.completion_tokens == 18
+    chunks = list(
+        client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    )
+    streamed = ["", "", ""]
+    for c in chunks:
+        for choice in c.choices:
+            streamed[choice.index] += getattr(choice.delta, "reasoning_content", None) or ""
+            streamed[choice.index] += choice.delta.content or ""
+    assert streamed == [
+        (getattr(c.message, "reasoning_content", None) or "") + (c.message.content or "")
+        for c in whole.choices
+    ]
+    assert len(set(streamed)) > 1
+    assert [c.usage for c in chunks if c.usage is not None] == [whole.usage]
+
+
 def test_max_completion_tokens_is_exact_with_ignore_eos(client: openai.OpenAI) -> None:
     out = client.chat.completions.create(
         model=MODEL,

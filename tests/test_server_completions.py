@@ -228,6 +228,31 @@ def test_chat_returns_prompt_logprobs_of_the_rendered_prompt(server: ServerProce
     assert all(len(entry) == 1 for entry in plp[1:])
 
 
+def test_n_choices_per_prompt_in_order_with_the_prompt_counted_once(client: openai.OpenAI) -> None:
+    out = client.completions.create(
+        model=MODEL,
+        prompt=["One", "Two words"],
+        n=3,
+        max_tokens=8,
+        temperature=1.0,
+        seed=5,
+        extra_body={"ignore_eos": True},
+    )
+    assert [c.index for c in out.choices] == list(range(6))
+    assert len({c.text for c in out.choices[:3]}) > 1  # seeded choices differ from each other
+    again = client.completions.create(
+        model=MODEL,
+        prompt=["One", "Two words"],
+        n=3,
+        max_tokens=8,
+        temperature=1.0,
+        seed=5,
+        extra_body={"ignore_eos": True},
+    )
+    assert [c.text for c in again.choices] == [c.text for c in out.choices]  # and reproduce
+    assert out.usage is not None and out.usage.prompt_tokens == 1 + 2 and out.usage.completion_tokens == 48
+
+
 def test_seeded_sampling_is_reproducible(client: openai.OpenAI) -> None:
     def sample(seed: int) -> str:
         out = client.completions.create(

@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import dataclass, field
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -23,7 +24,7 @@ from deltaserve.server.assistant_output import AssistantOutput
 from deltaserve.server.chat_prompt import ChatPrompt, ToolChoice, render_chat_prompt
 from deltaserve.server.disconnect import unless_disconnected
 from deltaserve.server.errors import APIError, bad_request, unsupported
-from deltaserve.server.generation import EngineRequest, generate, terminal_error
+from deltaserve.server.generation import EngineRequest, generate, merge, terminal_error
 from deltaserve.server.logprobs import chat_logprobs, prompt_logprobs
 from deltaserve.server.parsers import ParsedDelta
 from deltaserve.server.protocol import (
@@ -42,7 +43,7 @@ from deltaserve.server.protocol import (
     UsageInfo,
     now,
 )
-from deltaserve.server.sampling import build_params, check_context_window
+from deltaserve.server.sampling import build_params, check_context_window, fan_out
 from deltaserve.server.sse import DONE, SSEResponse, data_event
 from deltaserve.server.state import ServerState, get_state
 
@@ -66,10 +67,13 @@ async def create_chat_completion(
         len(prompt.token_ids), params.max_tokens, state.max_model_len, max_tokens_field=max_field
     )
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    req = EngineRequest(rid, prompt.text, prompt.token_ids, params)
+    reqs = [
+        EngineRequest(rid if body.n == 1 else f"{rid}-{j}", prompt.text, prompt.token_ids, choice_params)
+        for j, choice_params in enumerate(fan_out(params, body.n))
+    ]
     if body.stream:
-        return SSEResponse(_stream(state, body, prompt, req, arrival))
-    return await unless_disconnected(request, _complete(state, body, prompt, req, arrival))
+        return SSEResponse(_stream(state, body, prompt, rid, reqs, arrival))
+    return await unless_disconnected(request, _complete(state, body, prompt, rid, reqs, arrival))
 
 
 def _render(state: ServerState, body: ChatCompletionRequest) -> ChatPrompt:
@@ -104,7 +108,12 @@ def _params(state: ServerState, body: ChatCompletionRequest) -> SamplingParams:
         rename["max_tokens"] = "max_completion_tokens"
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     return build_params(
-        body, max_tokens=max_tokens, logprobs=logprobs, vocab_size=state.vocab_size, rename=rename
+        body,
+        max_tokens=max_tokens,
+        logprobs=logprobs,
+        vocab_size=state.vocab_size,
+        rename=rename,
+        allow_n=True,
     )
 
 
@@ -122,7 +131,7 @@ def _delta_tool_calls(parsed: ParsedDelta) -> list[DeltaToolCall] | None:
 
 
 def stream_choice(
-    out: AssistantOutput, delta: OutputDelta, logprobs: ChatLogprobs | None
+    out: AssistantOutput, delta: OutputDelta, logprobs: ChatLogprobs | None, index: int = 0
 ) -> ChatStreamChoice | None:
     """The stream choice for one engine delta; None when it adds nothing a client would see (text held
     back by the stop-string or tag parsers)."""
@@ -135,7 +144,7 @@ def stream_choice(
     if not (message.content or message.reasoning_content or message.tool_calls or logprobs or delta.finished):
         return None
     return ChatStreamChoice(
-        index=0,
+        index=index,
         delta=message,
         logprobs=logprobs,
         finish_reason=out.finish_reason(delta.finish_reason),
@@ -143,78 +152,106 @@ def stream_choice(
     )
 
 
-async def _complete(
-    state: ServerState, body: ChatCompletionRequest, prompt: ChatPrompt, req: EngineRequest, arrival: float
-) -> ChatCompletionResponse:
-    out = AssistantOutput.for_prompt(prompt)
-    token_ids: list[int] = []
-    logprobs: list[TokenLogprobs] = []
+@dataclass(slots=True)
+class _ChoiceState:
+    """One choice of a non-streaming chat completion as it accumulates."""
+
+    out: AssistantOutput
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
     scored_prompt: list[TokenLogprobs | None] | None = None
     last: OutputDelta | None = None
-    async with aclosing(generate(state, req, arrival)) as deltas:
-        async for delta in deltas:
+
+    def add(self, delta: OutputDelta) -> None:
+        self.out.feed(delta.text, final=delta.finished)
+        self.token_ids += delta.token_ids
+        self.logprobs += delta.logprobs or []
+        self.scored_prompt = delta.prompt_logprobs or self.scored_prompt
+        self.last = delta
+
+    def choice(self, state: ServerState, body: ChatCompletionRequest, index: int) -> ChatChoice:
+        last, out = self.last, self.out
+        assert last is not None and last.finished, "generate() ends with a finished delta"
+        message = ChatMessageOut(
+            content=out.content or None,
+            reasoning_content=out.reasoning or None,
+            tool_calls=[
+                ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
+                for c in out.calls
+            ],
+        )
+        return ChatChoice(
+            index=index,
+            message=message,
+            logprobs=chat_logprobs(state.token_texts, self.token_ids, self.logprobs)
+            if body.logprobs
+            else None,
+            finish_reason=out.finish_reason(last.finish_reason),
+            stop_reason=last.stop_reason,
+        )
+
+
+async def _complete(
+    state: ServerState,
+    body: ChatCompletionRequest,
+    prompt: ChatPrompt,
+    rid: str,
+    reqs: list[EngineRequest],
+    arrival: float,
+) -> ChatCompletionResponse:
+    choices = [_ChoiceState(AssistantOutput.for_prompt(prompt)) for _ in reqs]
+    async with aclosing(merge([generate(state, r, arrival) for r in reqs])) as deltas:
+        async for i, delta in deltas:
             error = terminal_error(delta)
             if error is not None:
                 raise error
-            out.feed(delta.text, final=delta.finished)
-            token_ids += delta.token_ids
-            logprobs += delta.logprobs or []
-            scored_prompt = delta.prompt_logprobs or scored_prompt
-            last = delta
-    assert last is not None and last.finished, "generate() ends with a finished delta"
-    message = ChatMessageOut(
-        content=out.content or None,
-        reasoning_content=out.reasoning or None,
-        tool_calls=[
-            ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in out.calls
-        ],
-    )
-    choice = ChatChoice(
-        index=0,
-        message=message,
-        logprobs=chat_logprobs(state.token_texts, token_ids, logprobs) if body.logprobs else None,
-        finish_reason=out.finish_reason(last.finish_reason),
-        stop_reason=last.stop_reason,
-    )
-    usage = UsageInfo.of(len(req.prompt_token_ids), last.num_output_tokens)
+            choices[i].add(delta)
+    outputs = sum(c.last.num_output_tokens for c in choices if c.last is not None)
+    scored = choices[0].scored_prompt
     return ChatCompletionResponse(
-        id=req.request_id,
+        id=rid,
         model=state.model_name,
-        choices=[choice],
-        usage=usage,
+        choices=[c.choice(state, body, i) for i, c in enumerate(choices)],
+        usage=UsageInfo.of(len(prompt.token_ids), outputs),  # the prompt once: its n choices share it
         prompt_logprobs=None
-        if scored_prompt is None
-        else prompt_logprobs(state.token_texts, req.prompt_token_ids, scored_prompt),
+        if scored is None
+        else prompt_logprobs(state.token_texts, prompt.token_ids, scored),
     )
 
 
 async def _stream(
-    state: ServerState, body: ChatCompletionRequest, prompt: ChatPrompt, req: EngineRequest, arrival: float
+    state: ServerState,
+    body: ChatCompletionRequest,
+    prompt: ChatPrompt,
+    rid: str,
+    reqs: list[EngineRequest],
+    arrival: float,
 ) -> AsyncIterator[str]:
     created = now()
-    rid, model = req.request_id, state.model_name
+    model = state.model_name
 
     def chunk(choice: ChatStreamChoice) -> str:
         return data_event(ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice]))
 
-    out = AssistantOutput.for_prompt(prompt)
-    num_output_tokens = 0
+    outs = [AssistantOutput.for_prompt(prompt) for _ in reqs]
+    num_output_tokens = [0] * len(reqs)
     try:
-        yield chunk(ChatStreamChoice(index=0, delta=ChatDelta(role="assistant", content="")))
-        async with aclosing(generate(state, req, arrival)) as deltas:
-            async for delta in deltas:
+        for i in range(len(reqs)):
+            yield chunk(ChatStreamChoice(index=i, delta=ChatDelta(role="assistant", content="")))
+        async with aclosing(merge([generate(state, r, arrival) for r in reqs])) as deltas:
+            async for i, delta in deltas:
                 error = terminal_error(delta)
                 if error is not None:
                     raise error
-                num_output_tokens = delta.num_output_tokens
+                num_output_tokens[i] = delta.num_output_tokens
                 lp = None
                 if body.logprobs and delta.logprobs:
                     lp = chat_logprobs(state.token_texts, delta.token_ids, delta.logprobs)
-                choice = stream_choice(out, delta, lp)
+                choice = stream_choice(outs[i], delta, lp, i)
                 if choice is not None:
                     yield chunk(choice)
         if body.include_usage:
-            usage = UsageInfo.of(len(req.prompt_token_ids), num_output_tokens)
+            usage = UsageInfo.of(len(prompt.token_ids), sum(num_output_tokens))
             yield data_event(
                 ChatCompletionChunk(id=rid, created=created, model=model, choices=[], usage=usage)
             )

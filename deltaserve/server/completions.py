@@ -1,7 +1,7 @@
 """POST /v1/completions: a string, a list of strings, token ids or a list of token-id lists.
 
-Each prompt is one engine request and one choice (index = the prompt's position); n > 1, best_of > 1 and
-suffix are refused. Usage sums over the prompts. echo=true puts the prompt (its text, or the decoded
+Each prompt gives n choices, each its own engine request (choice index = prompt position * n + j);
+best_of > 1 and suffix are refused. Usage counts each prompt once and every choice's output. echo=true puts the prompt (its text, or the decoded
 token ids) before the completion; with logprobs the prompt tokens' logprobs come first too (None for the
 first token), which is how evaluation harnesses score text. vLLM's prompt_logprobs field returns them per
 token id instead. Streaming sends the echoed prompt and prompt_logprobs in the first chunk of a choice.
@@ -35,7 +35,7 @@ from deltaserve.server.protocol import (
     UsageInfo,
     now,
 )
-from deltaserve.server.sampling import build_params, check_context_window
+from deltaserve.server.sampling import build_params, check_context_window, fan_out
 from deltaserve.server.sse import DONE, SSEResponse, data_event
 from deltaserve.server.state import ServerState, get_state
 
@@ -59,11 +59,17 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         logprobs=body.logprobs,
         vocab_size=state.vocab_size,
         prompt_logprobs=max(echo_scores, body.prompt_logprobs or 0) if echo_scores is not None else None,
+        allow_n=True,
     )
     for _, ids in prompts:
         check_context_window(len(ids), body.max_tokens, state.max_model_len)
     rid = f"cmpl-{uuid.uuid4().hex}"
-    reqs = [EngineRequest(f"{rid}-{i}", text, ids, params) for i, (text, ids) in enumerate(prompts)]
+    per_choice = fan_out(params, body.n)
+    reqs = [
+        EngineRequest(f"{rid}-{i * body.n + j}", text, ids, choice_params)
+        for i, (text, ids) in enumerate(prompts)
+        for j, choice_params in enumerate(per_choice)
+    ]
     if body.stream:
         return SSEResponse(_stream(state, body, rid, reqs, arrival))
     return await unless_disconnected(request, _complete(state, body, rid, reqs, arrival))
@@ -122,8 +128,10 @@ class _Choice:
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
 
 
-def _usage(choices: list[_Choice]) -> UsageInfo:
-    return UsageInfo.of(sum(c.num_prompt_tokens for c in choices), sum(c.num_output_tokens for c in choices))
+def _usage(choices: list[_Choice], n: int) -> UsageInfo:
+    """Each prompt once (its n choices share it), every choice's output."""
+    prompt_tokens = sum(c.num_prompt_tokens for c in choices[::n])
+    return UsageInfo.of(prompt_tokens, sum(c.num_output_tokens for c in choices))
 
 
 async def _complete(
@@ -153,7 +161,7 @@ async def _complete(
                 prompt_logprobs=_prompt_logprobs(state, body, req, c.scored_prompt),
             )
         )
-    return CompletionResponse(id=rid, model=state.model_name, choices=out, usage=_usage(choices))
+    return CompletionResponse(id=rid, model=state.model_name, choices=out, usage=_usage(choices, body.n))
 
 
 @dataclass(slots=True)
@@ -230,7 +238,7 @@ async def _stream(
                     yield data_event(chunk)
         if body.include_usage:
             chunk = CompletionChunk(
-                id=rid, created=created, model=state.model_name, choices=[], usage=_usage(choices)
+                id=rid, created=created, model=state.model_name, choices=[], usage=_usage(choices, body.n)
             )
             yield data_event(chunk)
     except APIError as err:

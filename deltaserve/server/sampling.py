@@ -7,8 +7,10 @@ and never occupies the engine.
 
 from __future__ import annotations
 
+import dataclasses
+
 from deltaserve.errors import RequestValidationError
-from deltaserve.sampling_params import SamplingParams
+from deltaserve.sampling_params import SEED_LIMIT, SamplingParams
 from deltaserve.server.errors import APIError, bad_request, from_validation, unsupported
 from deltaserve.server.protocol import SamplingFields
 
@@ -30,9 +32,15 @@ def build_params(
     vocab_size: int,
     rename: dict[str, str] | None = None,
     prompt_logprobs: int | None = None,
+    allow_n: bool = False,
 ) -> SamplingParams:
-    """SamplingParams for `req`; `rename` maps SamplingParams field names to this endpoint's wire names
-    (for the `param` of errors). `prompt_logprobs` overrides the request's (completions' echo)."""
+    """SamplingParams for `req`, for ONE engine request (n = 1: with `allow_n` the endpoint fans `req.n`
+    choices out itself, see fan_out); `rename` maps SamplingParams field names to this endpoint's wire
+    names (for the `param` of errors). `prompt_logprobs` overrides the request's (completions' echo)."""
+    if allow_n:
+        choices_per_prompt(req)
+    elif req.n != 1:
+        raise unsupported("n", f"n > 1 is not supported by this endpoint, got {req.n}; send n requests")
     if req.response_format is not None and req.response_format.type != "text":
         raise unsupported(
             "response_format",
@@ -43,7 +51,6 @@ def build_params(
     if req.top_k is not None:
         kwargs["top_k"] = req.top_k
     params = SamplingParams(
-        n=req.n,
         seed=req.seed,
         max_tokens=max_tokens,
         min_tokens=req.min_tokens,
@@ -63,6 +70,30 @@ def build_params(
     except RequestValidationError as err:
         raise from_validation(err, rename) from err
     return params
+
+
+MAX_N = 128  # choices per prompt; each is its own engine request, so the prompt is computed n times
+
+
+def choices_per_prompt(req: SamplingFields) -> int:
+    n = req.n
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+        raise bad_request(f"n must be an integer in [1, {MAX_N}], got {n!r}", "n")
+    return n
+
+
+def fan_out(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """The engine requests of n choices: the same parameters, and a given seed becomes seed + j (wrapped
+    into the int64 range), so seeded choices differ from each other and still reproduce."""
+    if n == 1:
+        return [params]
+
+    def seed(j: int) -> int | None:
+        if params.seed is None:
+            return None
+        return (params.seed + j + SEED_LIMIT) % (2 * SEED_LIMIT) - SEED_LIMIT
+
+    return [dataclasses.replace(params, seed=seed(j)) for j in range(n)]
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
