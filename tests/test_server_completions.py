@@ -191,6 +191,31 @@ def test_echo_with_logprobs_scores_the_prompt_as_evaluation_harnesses_ask(
     assert out.usage is not None and out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 1
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_max_tokens_0_returns_only_the_scored_prompt(server: ServerProcess, stream: bool) -> None:
+    """Scoring text without generating (echo, logprobs, max_tokens=0), as scoring scripts ask."""
+    body = {"model": MODEL, "prompt": "Scoring only", "max_tokens": 0, "echo": True, "logprobs": 2}
+    if not stream:
+        out = httpx.post(f"{server.base_url}/completions", json=body, timeout=60).json()
+        choice = out["choices"][0]
+        assert choice["text"] == "Scoring only" and choice["finish_reason"] == "length"
+        assert choice["logprobs"]["token_logprobs"][0] is None and "".join(choice["logprobs"]["tokens"]) == "Scoring only"
+        assert out["usage"]["completion_tokens"] == 0 and out["usage"]["prompt_tokens"] == 3
+        return
+    with httpx.stream(
+        "POST", f"{server.base_url}/completions", json={**body, "stream": True}, timeout=60
+    ) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert "".join(e["choices"][0]["text"] for e in events) == "Scoring only"
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_max_tokens_0_without_echo_is_still_refused(server: ServerProcess) -> None:
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 0}
+    response = httpx.post(f"{server.base_url}/completions", json=body, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "max_tokens"
+
+
 def test_echo_streams_the_prompt_first_and_prompt_logprobs_by_token_id(server: ServerProcess) -> None:
     body = {"model": MODEL, "prompt": [11, 22, 33, 44], "max_tokens": 3, "temperature": 0, "echo": True}
     full = httpx.post(

@@ -3,12 +3,13 @@
 Each prompt gives n choices, each its own engine request (choice index = prompt position * n + j);
 best_of > 1 and suffix are refused. Usage counts each prompt once and every choice's output. echo=true puts the prompt (its text, or the decoded
 token ids) before the completion; with logprobs the prompt tokens' logprobs come first too (None for the
-first token), which is how evaluation harnesses score text. vLLM's prompt_logprobs field returns them per
+first token), which is how evaluation harnesses score text; max_tokens=0 then returns the prompt alone. vLLM's prompt_logprobs field returns them per
 token id instead. Streaming sends the echoed prompt and prompt_logprobs in the first chunk of a choice.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -55,7 +56,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     echo_scores = body.logprobs if body.echo else None
     params = build_params(
         body,
-        max_tokens=body.max_tokens,
+        max_tokens=1 if _scores_only(body) else body.max_tokens,
         logprobs=body.logprobs,
         vocab_size=state.vocab_size,
         prompt_logprobs=max(echo_scores, body.prompt_logprobs or 0) if echo_scores is not None else None,
@@ -73,6 +74,25 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     if body.stream:
         return SSEResponse(_stream(state, body, rid, reqs, arrival))
     return await unless_disconnected(request, _complete(state, body, rid, reqs, arrival))
+
+
+def _scores_only(body: CompletionRequest) -> bool:
+    """echo with max_tokens=0: the prompt and its logprobs, no completion. The engine samples the one
+    token every prefill produces anyway; it is dropped (completion_tokens 0, finish_reason "length")."""
+    return body.echo and body.max_tokens == 0
+
+
+def _without_output(delta: OutputDelta) -> OutputDelta:
+    return dataclasses.replace(
+        delta,
+        text="",
+        token_ids=[],
+        logprobs=None,
+        num_output_tokens=0,
+        finish_reason="length" if delta.finished and delta.error is None else delta.finish_reason,
+        stop_reason=None,
+        abort_engine=False,
+    )
 
 
 def _refuse_unsupported(body: CompletionRequest) -> None:
@@ -115,8 +135,10 @@ class _Choice:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     scored_prompt: list[TokenLogprobs | None] | None = None
+    seen: bool = False  # a delta arrived (the echo goes out with the first)
 
     def add(self, delta: OutputDelta) -> None:
+        self.seen = True
         if delta.prompt_logprobs is not None:
             self.scored_prompt = delta.prompt_logprobs
         self.text += delta.text
@@ -143,7 +165,7 @@ async def _complete(
             error = terminal_error(delta)
             if error is not None:
                 raise error
-            choices[i].add(delta)
+            choices[i].add(_without_output(delta) if _scores_only(body) else delta)
     out = []
     for i, (c, req) in enumerate(zip(choices, reqs, strict=True)):
         echoed = _echo(state, body, req, c.scored_prompt)
@@ -214,7 +236,9 @@ async def _stream(
                 error = terminal_error(delta)
                 if error is not None:
                     raise error
-                first = not choices[i].token_ids and choices[i].scored_prompt is None
+                if _scores_only(body):
+                    delta = _without_output(delta)
+                first = not choices[i].seen
                 offset = echoed[i] + len(choices[i].text)
                 choices[i].add(delta)
                 echo = _echo(state, body, reqs[i], choices[i].scored_prompt) if first else _Echo()
