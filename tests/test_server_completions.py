@@ -199,7 +199,10 @@ def test_echo_with_max_tokens_0_returns_only_the_scored_prompt(server: ServerPro
         out = httpx.post(f"{server.base_url}/completions", json=body, timeout=60).json()
         choice = out["choices"][0]
         assert choice["text"] == "Scoring only" and choice["finish_reason"] == "length"
-        assert choice["logprobs"]["token_logprobs"][0] is None and "".join(choice["logprobs"]["tokens"]) == "Scoring only"
+        assert (
+            choice["logprobs"]["token_logprobs"][0] is None
+            and "".join(choice["logprobs"]["tokens"]) == "Scoring only"
+        )
         assert out["usage"]["completion_tokens"] == 0 and out["usage"]["prompt_tokens"] == 3
         return
     with httpx.stream(
