@@ -6,6 +6,7 @@ Construction only normalises (`stop` and `stop_token_ids` become lists); `valida
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ from deltaserve.errors import RequestValidationError, UnsupportedRequestError
 GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
+MAX_N = 128  # choices per prompt; each is its own engine request, so the prompt is computed n times
 SEED_LIMIT = 2**63  # seeds are int64 values: [-2**63, 2**63), as OpenAI-style clients send any integer
 
 _BOOL_FIELDS = (
@@ -122,6 +124,20 @@ class SamplingParams:
         for tok in self.logit_bias or {}:
             if not 0 <= tok < vocab_size:
                 raise _invalid("logit_bias", f"keyed by token ids in [0, {vocab_size})", tok)
+
+    def per_choice(self, n: int) -> list[SamplingParams]:
+        """The engine requests of `n` choices (the engine runs one completion per request): the same
+        parameters with n = 1, and a given seed becomes seed + j (wrapped into the int64 range), so seeded
+        choices differ from each other and still reproduce."""
+        if not (_is_int(n) and 1 <= n <= MAX_N):
+            raise _invalid("n", f"an integer in [1, {MAX_N}]", n)
+
+        def seed(j: int) -> int | None:
+            if self.seed is None:
+                return None
+            return (self.seed + j + SEED_LIMIT) % (2 * SEED_LIMIT) - SEED_LIMIT
+
+        return [dataclasses.replace(self, n=1, seed=seed(j)) for j in range(n)]
 
     def _validate_n(self) -> None:
         if not (_is_int(self.n) and self.n >= 1):

@@ -110,11 +110,25 @@ def test_stop_strings_cut_the_text_and_end_the_request(llm):
     assert completion.text == full.text[: full.text.index(stop)]
 
 
+def test_n_completions_per_prompt_each_seeded_by_its_index(llm):
+    params = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, seed=3, n=3)
+    out = llm.generate(["Hello"], params)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2] and out.finished
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    for j, completion in enumerate(out.outputs):
+        alone = llm.generate(
+            ["Hello"], SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, seed=3 + j)
+        )
+        assert alone[0].outputs[0].token_ids == completion.token_ids
+
+
 def test_invalid_parameters_raise_before_anything_runs(llm):
     with pytest.raises(RequestValidationError, match="temperature"):
         llm.generate(["hi"], SamplingParams(temperature=-0.5))
     with pytest.raises(RequestValidationError, match="prompt_token_ids"):
         llm.generate([{"prompt_token_ids": "abc"}])
+    with pytest.raises(RequestValidationError, match=r"n must be an integer in \[1, 128\], got 0"):
+        llm.generate(["hi"], SamplingParams(n=0))
 
 
 def test_cli_generate_runs_on_the_embedded_default():

@@ -47,8 +47,9 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in order. Invalid prompts or parameters raise before anything
-        is submitted; a request the engine rejects or fails comes back with `error` set."""
+        """One RequestOutput per prompt, in order, with `n` completions (each its own engine request).
+        Invalid prompts or parameters raise before anything is submitted; a request the engine rejects
+        or fails comes back with `error` set."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         if sampling_params is None:
@@ -62,13 +63,18 @@ class LLM:
             raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
         states: dict[str, OutputState] = {}
         order: list[str] = []
+        choices: list[list[str]] = []  # per prompt, its choices' engine request ids
         for prompt, params in zip(prompts, params_list, strict=True):
             text, token_ids = self._tokenize(prompt)
-            params.validate()
-            params.validate_token_ids(self.engine.info.vocab_size)
-            rid = uuid.uuid4().hex
-            states[rid] = OutputState(rid, text, token_ids, params, self.tokenizer)
-            order.append(rid)
+            per_choice = params.per_choice(params.n)  # validates n
+            per_choice[0].validate()
+            per_choice[0].validate_token_ids(self.engine.info.vocab_size)
+            choices.append([])
+            for choice_params in per_choice:
+                rid = uuid.uuid4().hex
+                states[rid] = OutputState(rid, text, token_ids, choice_params, self.tokenizer)
+                order.append(rid)
+                choices[-1].append(rid)
         now = time.monotonic()
         for rid in order:
             st = states[rid]
@@ -84,7 +90,7 @@ class LLM:
                     self.engine.submit(AbortRequest(update.request_id))
                 if st.finished:
                     pending.discard(update.request_id)
-        return [states[rid].to_output() for rid in order]
+        return [_joined([states[rid].to_output() for rid in ids]) for ids in choices]
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -110,3 +116,16 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _joined(outputs: list[RequestOutput]) -> RequestOutput:
+    """One prompt's choices as one RequestOutput: outputs[j] is choice j (index j)."""
+    first = outputs[0]
+    for j, out in enumerate(outputs[1:], start=1):
+        completion = out.outputs[0]
+        completion.index = j
+        first.outputs.append(completion)
+        first.finished = first.finished and out.finished
+        if first.error is None and out.error is not None:
+            first.error, first.error_field = out.error, out.error_field
+    return first

@@ -43,7 +43,7 @@ from deltaserve.server.protocol import (
     UsageInfo,
     now,
 )
-from deltaserve.server.sampling import build_params, check_context_window, fan_out
+from deltaserve.server.sampling import build_params, check_context_window
 from deltaserve.server.sse import DONE, SSEResponse, data_event
 from deltaserve.server.state import ServerState, get_state
 
@@ -69,7 +69,7 @@ async def create_chat_completion(
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     reqs = [
         EngineRequest(rid if body.n == 1 else f"{rid}-{j}", prompt.text, prompt.token_ids, choice_params)
-        for j, choice_params in enumerate(fan_out(params, body.n))
+        for j, choice_params in enumerate(params.per_choice(body.n))
     ]
     if body.stream:
         return SSEResponse(_stream(state, body, prompt, rid, reqs, arrival))

@@ -36,7 +36,7 @@ from deltaserve.server.protocol import (
     UsageInfo,
     now,
 )
-from deltaserve.server.sampling import build_params, check_context_window, fan_out
+from deltaserve.server.sampling import build_params, check_context_window
 from deltaserve.server.sse import DONE, SSEResponse, data_event
 from deltaserve.server.state import ServerState, get_state
 
@@ -65,7 +65,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     for _, ids in prompts:
         check_context_window(len(ids), body.max_tokens, state.max_model_len)
     rid = f"cmpl-{uuid.uuid4().hex}"
-    per_choice = fan_out(params, body.n)
+    per_choice = params.per_choice(body.n)
     reqs = [
         EngineRequest(f"{rid}-{i * body.n + j}", text, ids, choice_params)
         for i, (text, ids) in enumerate(prompts)

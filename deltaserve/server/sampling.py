@@ -7,10 +7,8 @@ and never occupies the engine.
 
 from __future__ import annotations
 
-import dataclasses
-
 from deltaserve.errors import RequestValidationError
-from deltaserve.sampling_params import SEED_LIMIT, SamplingParams
+from deltaserve.sampling_params import MAX_N, SamplingParams
 from deltaserve.server.errors import APIError, bad_request, from_validation, unsupported
 from deltaserve.server.protocol import SamplingFields
 
@@ -35,8 +33,9 @@ def build_params(
     allow_n: bool = False,
 ) -> SamplingParams:
     """SamplingParams for `req`, for ONE engine request (n = 1: with `allow_n` the endpoint fans `req.n`
-    choices out itself, see fan_out); `rename` maps SamplingParams field names to this endpoint's wire
-    names (for the `param` of errors). `prompt_logprobs` overrides the request's (completions' echo)."""
+    choices out itself, see SamplingParams.per_choice); `rename` maps SamplingParams field names to this
+    endpoint's wire names (for the `param` of errors). `prompt_logprobs` overrides the request's
+    (completions' echo)."""
     if allow_n:
         choices_per_prompt(req)
     elif req.n != 1:
@@ -72,28 +71,11 @@ def build_params(
     return params
 
 
-MAX_N = 128  # choices per prompt; each is its own engine request, so the prompt is computed n times
-
-
 def choices_per_prompt(req: SamplingFields) -> int:
     n = req.n
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
         raise bad_request(f"n must be an integer in [1, {MAX_N}], got {n!r}", "n")
     return n
-
-
-def fan_out(params: SamplingParams, n: int) -> list[SamplingParams]:
-    """The engine requests of n choices: the same parameters, and a given seed becomes seed + j (wrapped
-    into the int64 range), so seeded choices differ from each other and still reproduce."""
-    if n == 1:
-        return [params]
-
-    def seed(j: int) -> int | None:
-        if params.seed is None:
-            return None
-        return (params.seed + j + SEED_LIMIT) % (2 * SEED_LIMIT) - SEED_LIMIT
-
-    return [dataclasses.replace(params, seed=seed(j)) for j in range(n)]
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
