@@ -3,7 +3,8 @@
 The backend is the only code that mutates device state. Each `StepItem` continues one sequence by
 `token_ids`; after the forward every sequence's cursor has advanced by exactly its tokens (the state
 transaction: KV pages, conv/SSM state and position move together). Sampled tokens and logprobs come
-back to the host in one transfer per step.
+back to the host in one transfer per step; prompt logprobs, where a request asked for them, are computed
+and read back during the launch (a synchronous step for those rows).
 
 `launch` returns before the device has finished: the step's results are copied into pinned host memory
 behind an event, so waiting for them never waits for steps launched later. A launch may take the input
