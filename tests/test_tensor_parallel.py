@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from safetensors.torch import save_file
 from server_fixture import MODEL, running_server
 
 from deltaserve.config import EngineConfig, ModelConfig
@@ -29,7 +30,7 @@ from deltaserve.errors import ConfigError
 from deltaserve.model.batch import BatchRow
 from deltaserve.model.layers.parallel import Shard, TensorParallel
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
-from deltaserve.model.weights import load_weights
+from deltaserve.model.weights import init_dummy_weights, load_weights
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.tiny import make_tiny, official_config
 
@@ -270,6 +271,28 @@ def test_two_ranks_generate_what_one_rank_generates(checkpoints, preset) -> None
         assert a.token_ids == b.token_ids
         for x, y in zip(a.logprobs, b.logprobs, strict=True):
             assert abs(x.logprob - y.logprob) < 1e-4  # partial sums added in another order
+
+
+def test_dummy_weights_of_a_rank_are_its_shard_of_the_single_rank_dummy_model(tmp_path) -> None:
+    """--load-format dummy under TP runs the same model as one rank: the single-rank dummy weights,
+    saved under their checkpoint names and loaded as rank r of 2, equal rank r's own dummy weights."""
+    cfg = ModelConfig.from_dict(official_config("tiny-moe"))
+    cpu = torch.device("cpu")
+    whole = Qwen35ForCausalLM(cfg, dtype=torch.float32, device=cpu)
+    init_dummy_weights(whole, seed=3)
+    tensors = {
+        spec.name: spec.target.contiguous()
+        for req in whole.weight_requirements()
+        for spec in req.alternatives[0]
+    }
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    for rank in range(2):
+        loaded = Qwen35ForCausalLM(cfg, dtype=torch.float32, device=cpu, tp=TensorParallel(rank, 2))
+        load_weights(loaded, tmp_path)
+        dummy = Qwen35ForCausalLM(cfg, dtype=torch.float32, device=cpu, tp=TensorParallel(rank, 2))
+        init_dummy_weights(dummy, seed=3)
+        for (name, a), (_, b) in zip(loaded.named_parameters(), dummy.named_parameters(), strict=True):
+            assert torch.equal(a, b), (rank, name)
 
 
 @pytest.mark.filterwarnings(

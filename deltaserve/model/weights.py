@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 from pathlib import Path
@@ -124,19 +125,30 @@ def load_tensors(
 
 @torch.inference_mode()
 def init_dummy_weights(model: Qwen35ForCausalLM, seed: int = 0) -> None:
-    """Random weights of the right shapes (for benchmarks): linears N(0, 0.02), norm weights N(0, 0.1)
-    (zero-centred norms) or 1 + N(0, 0.1) (the GDN gated norm), A_log = log U(1, 16), dt_bias = 1."""
-    gen = torch.Generator(device=model.device).manual_seed(seed)
-    for name, param in model.named_parameters():
-        leaf = name.rsplit(".", 1)[-1]
-        if leaf == "A_log":
-            param.uniform_(1.0, 16.0, generator=gen).log_()
-        elif leaf == "dt_bias":
-            param.fill_(1.0)
-        elif param.dim() == 1:
-            param.normal_(0.0, 0.1, generator=gen)
-            if name.endswith("mixer.norm"):
-                param.add_(1.0)
-        else:
-            std = 0.02 if name != "embed_tokens" else 1.0 / math.sqrt(param.shape[1])
-            param.normal_(0.0, std, generator=gen)
+    """Random weights of the right shapes (for benchmarks), generated per checkpoint tensor from (seed,
+    tensor name) at the tensor's full shape and then sharded like a loaded checkpoint: a tensor-parallel
+    rank holds exactly its part of the single-rank model. Linears N(0, 0.02), the embedding
+    N(0, 1/hidden), zero-centred norm weights N(0, 0.1), the GDN gated norm 1 + N(0, 0.1),
+    A_log = log U(1, 16), dt_bias = 1."""
+    for req in model.weight_requirements():
+        for spec in req.alternatives[0]:  # the official layout's tensors
+            local = tuple(spec.target.shape)
+            full = local if spec.shard is None else spec.shard.full_shape(local)
+            tensor = _dummy_tensor(spec.name, full, seed, spec.target.dtype, spec.target.device)
+            spec.target.copy_(tensor if spec.shard is None else spec.shard.take(tensor))
+
+
+def _dummy_tensor(
+    name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    gen = torch.Generator(device=device).manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+    out = torch.empty(shape, dtype=dtype, device=device)  # one full tensor at a time, in the model's dtype
+    if name.endswith("A_log"):
+        return out.uniform_(1.0, 16.0, generator=gen).log_()
+    if name.endswith("dt_bias"):
+        return out.fill_(1.0)
+    if len(shape) == 1:
+        out.normal_(0.0, 0.1, generator=gen)
+        return out.add_(1.0) if name.endswith("linear_attn.norm.weight") else out
+    std = 1.0 / math.sqrt(shape[1]) if name == "embed_tokens.weight" else 0.02
+    return out.normal_(0.0, std, generator=gen)
