@@ -1,5 +1,6 @@
-"""Tensor parallelism on two GPUs (NCCL): two ranks generate what one generates, on the tiny checkpoint
-in float32 (bf16 rounding of sharded partial sums would make near-ties flip) and on the MoE preset."""
+"""Tensor parallelism on two GPUs (NCCL): two ranks generate what one generates, in float32 (bf16 rounding
+of sharded partial sums would make near-ties flip): the tiny checkpoints, and the 0.8B shape with dummy
+weights (a rank's dummy weights are its shard of the single-rank dummy model)."""
 
 from __future__ import annotations
 
@@ -13,23 +14,31 @@ from deltaserve.tiny import make_tiny
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 
 
-def _generate(model_dir: str, tp: int) -> list:
+def _generate(model_dir: str, tp: int, load_format: str = "auto") -> list:
     prompts = [
         {"prompt_token_ids": list(range(1000 + 7 * i, 1000 + 7 * i + n))} for i, n in enumerate((3, 40, 90))
     ]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1)
     with LLM(
-        model_dir, tensor_parallel_size=tp, dtype="float32", max_num_batched_tokens=32, max_num_seqs=4
+        model_dir,
+        tensor_parallel_size=tp,
+        dtype="float32",
+        load_format=load_format,
+        max_num_batched_tokens=32,
+        max_num_seqs=4,
+        max_model_len=4096,
     ) as llm:
         outs = llm.generate(prompts, params)
     assert all(o.error is None for o in outs), [o.error for o in outs]
     return [o.outputs[0] for o in outs]
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe", "0.8b-shape"])
 def test_two_gpus_generate_what_one_generates(tmp_path, preset) -> None:
-    model_dir = str(make_tiny(tmp_path / preset, preset))
-    one, two = _generate(model_dir, 1), _generate(model_dir, 2)
+    dummy = preset == "0.8b-shape"
+    model_dir = str(make_tiny(tmp_path / preset, preset, weights=not dummy))
+    load_format = "dummy" if dummy else "auto"
+    one, two = _generate(model_dir, 1, load_format), _generate(model_dir, 2, load_format)
     for a, b in zip(one, two, strict=True):
         assert a.token_ids == b.token_ids
         for x, y in zip(a.logprobs, b.logprobs, strict=True):
