@@ -108,7 +108,12 @@ class EngineCore:
         capacity_tokens = cache.kv.capacity * config.page_size
         max_model_len = self._resolve_max_model_len(capacity_tokens)
         graphs = None
-        if device.type == "cuda" and not config.enforce_eager and self.workers is None:
+        if self.workers is not None:
+            logger.info(
+                "tensor parallel over %d ranks: eager (no decode graphs), decode-ahead off",
+                config.tensor_parallel_size,
+            )
+        elif device.type == "cuda" and not config.enforce_eager:
             graphs = CudaGraphRunner(self.model, cache, config.max_num_seqs, max_model_len)
             seconds = graphs.capture()
             logger.info(
