@@ -7,6 +7,7 @@ Construction only normalises (`stop` and `stop_token_ids` become lists); `valida
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
 
@@ -52,6 +53,30 @@ _REAL_RANGES = (
 
 
 @dataclass(slots=True)
+class StructuredOutputParams:
+    """Output constrained to JSON while sampling (engine/structured.py): any JSON object, or a JSON
+    schema given as JSON text. With `start_after_token_id` the constraint starts after that token (the
+    end of a reasoning block), the text before it is free."""
+
+    json_schema: str | None = None
+    json_object: bool = False
+    start_after_token_id: int | None = None
+
+    def validate(self) -> None:
+        if self.json_object == (self.json_schema is not None):
+            raise _invalid("structured_output", "exactly one of json_object or json_schema", self)
+        if self.json_schema is not None:
+            try:
+                schema = json.loads(self.json_schema)
+            except (TypeError, ValueError) as err:
+                raise _invalid(
+                    "structured_output", f"a JSON schema as JSON text ({err})", self.json_schema
+                ) from None
+            if not isinstance(schema, dict):
+                raise _invalid("structured_output", "a JSON schema object", schema)
+
+
+@dataclass(slots=True)
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0
@@ -73,6 +98,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_output: StructuredOutputParams | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -112,6 +138,10 @@ class SamplingParams:
                 "prompt_logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]", self.prompt_logprobs
             )
         self._validate_logit_bias()
+        if self.structured_output is not None:
+            if not isinstance(self.structured_output, StructuredOutputParams):
+                raise _invalid("structured_output", "None or StructuredOutputParams", self.structured_output)
+            self.structured_output.validate()
         for field in _BOOL_FIELDS:
             if not isinstance(getattr(self, field), bool):
                 raise _invalid(field, "a boolean", getattr(self, field))

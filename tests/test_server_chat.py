@@ -119,6 +119,26 @@ def test_n_choices_stream_by_index_and_equal_the_non_streamed_ones(client: opena
     assert [c.usage for c in chunks if c.usage is not None] == [whole.usage]
 
 
+def test_json_schema_response_format_constrains_the_answer(client: openai.OpenAI) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=USER,
+        max_completion_tokens=30,
+        temperature=1.0,
+        seed=2,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+    assert isinstance(json.loads(out.choices[0].message.content or "")["ok"], bool)
+    assert out.choices[0].finish_reason == "stop"
+
+
 def test_max_completion_tokens_is_exact_with_ignore_eos(client: openai.OpenAI) -> None:
     out = client.chat.completions.create(
         model=MODEL,

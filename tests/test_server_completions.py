@@ -281,6 +281,17 @@ def test_n_choices_per_prompt_in_order_with_the_prompt_counted_once(client: open
     assert out.usage is not None and out.usage.prompt_tokens == 1 + 2 and out.usage.completion_tokens == 48
 
 
+def test_json_schema_response_format_on_completions(server: ServerProcess) -> None:
+    body = {
+        "model": MODEL,
+        "prompt": "Pick one:",
+        "max_tokens": 10,
+        "response_format": {"type": "json_schema", "json_schema": {"schema": {"enum": ["red", "blue"]}}},
+    }
+    out = httpx.post(f"{server.base_url}/completions", json=body, timeout=60).json()
+    assert out["choices"][0]["text"] in ('"red"', '"blue"') and out["choices"][0]["finish_reason"] == "stop"
+
+
 def test_seeded_sampling_is_reproducible(client: openai.OpenAI) -> None:
     def sample(seed: int) -> str:
         out = client.completions.create(

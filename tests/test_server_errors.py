@@ -66,7 +66,17 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None, str | None]] = [
         {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {}}},
         400,
         "response_format",
-        "unsupported",
+        None,
+    ),
+    (
+        "/v1/completions",
+        {
+            "prompt": "x",
+            "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}},
+        },
+        400,
+        "response_format",
+        None,
     ),
     ("/v1/chat/completions", {"messages": USER, "tool_choice": "required"}, 400, "tool_choice", None),
     (
@@ -110,7 +120,7 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None, str | None]] = [
         {"input": "x", "text": {"format": {"type": "json_schema"}}},
         400,
         "text.format",
-        "unsupported",
+        None,
     ),
     ("/v1/responses", {"input": "x", "tools": [{"type": "web_search"}]}, 400, "tools", "unsupported"),
     (

@@ -7,6 +7,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from server_fixture import MODEL, ServerProcess, running_server
@@ -157,6 +158,29 @@ def test_function_call_item_round_trip(client: openai.OpenAI) -> None:
     added = [e for e in events if e.type == "response.output_item.added" and e.item.type == "function_call"]
     done = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert len(added) == 1 and added[0].item.name == "get_weather" and json.loads(done[0].arguments) == {}
+
+
+def test_text_format_json_schema_constrains_the_answer_not_the_reasoning(server: ServerProcess) -> None:
+    """With thinking on, the schema applies after </think> (the reasoning stays free text); with thinking
+    off, from the first token."""
+    schema = {
+        "type": "object",
+        "properties": {"n": {"enum": [1, 2]}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    fmt = {"format": {"type": "json_schema", "name": "pick", "schema": schema}}
+    body = {"model": MODEL, "input": "Pick", "max_output_tokens": 30, "text": fmt}
+    off = {**body, "chat_template_kwargs": {"enable_thinking": False}}
+    out = httpx.post(f"{server.base_url}/responses", json=off, timeout=60).json()
+    text = next(i for i in out["output"] if i["type"] == "message")["content"][0]["text"]
+    assert json.loads(text)["n"] in (1, 2)
+    on = httpx.post(f"{server.base_url}/responses", json={**body, "max_output_tokens": 12}, timeout=60).json()
+    reasoning = [i for i in on["output"] if i["type"] == "reasoning"]
+    assert reasoning  # the random model never closes its reasoning: free text until max_output_tokens
+    bad = {**body, "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}
+    error = httpx.post(f"{server.base_url}/responses", json=bad, timeout=60).json()["error"]
+    assert error["param"] == "text.format" and "cannot be compiled" in error["message"]
 
 
 def test_async_client(server: ServerProcess) -> None:

@@ -27,6 +27,7 @@ from deltaserve.cache.manager import CacheManager, SequenceCache
 from deltaserve.engine.protocol import TokenLogprobs
 from deltaserve.engine.runner import CudaGraphRunner
 from deltaserve.engine.sampler import Sampler, SamplerOutput, SamplingRow, logprobs_of
+from deltaserve.engine.structured import apply_grammars
 from deltaserve.model.batch import BatchRow, build_forward_batch, to_device
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
 
@@ -192,6 +193,8 @@ class Backend:
         rows = [item.sampling for item in items if item.sampling is not None]
         if not rows:
             return PendingStep(None, None, rows, prompt)
+        if any(row.grammar is not None for row in rows):
+            apply_grammars(logits, [row.grammar for row in rows])
         out = self.sampler(logits, rows)
         return PendingStep(out.token_ids, _StagedResult.start(out), rows, prompt)
 

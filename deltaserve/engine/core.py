@@ -23,6 +23,7 @@ from deltaserve.engine.backend import Backend
 from deltaserve.engine.protocol import ClientMessage, Shutdown, StepOutputs
 from deltaserve.engine.runner import CudaGraphRunner, WarmupReport, warm_up
 from deltaserve.engine.scheduler import Scheduler, SchedulerConfig, start_scheduler
+from deltaserve.engine.structured import GrammarBackend, grammar_vocabulary
 from deltaserve.engine.tp import RankWorkers, TensorParallelBackend, TensorParallelError, agree_on_minimum
 from deltaserve.errors import ConfigError
 from deltaserve.model.layers.parallel import TensorParallel
@@ -181,7 +182,15 @@ class EngineCore:
         return asked
 
     def start(self, publish: Callable[[StepOutputs], None]) -> None:
-        self.scheduler, self.thread = start_scheduler(self.scheduler_config, self.backend, publish)
+        self.scheduler, self.thread = start_scheduler(
+            self.scheduler_config, self.backend, publish, self._grammar_backend()
+        )
+
+    def _grammar_backend(self) -> GrammarBackend:
+        model_dir = self.model_dir
+        return GrammarBackend(
+            lambda: grammar_vocabulary(Tokenizer.from_dir(model_dir)), self.model_config.eos_token_ids
+        )
 
     def submit(self, msg: ClientMessage) -> None:
         assert self.scheduler is not None, "start() the engine first"

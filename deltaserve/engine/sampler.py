@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deltaserve.engine.structured import RequestGrammar
 from deltaserve.model.batch import to_device
 from deltaserve.sampling_params import SamplingParams
 
@@ -51,6 +52,7 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]  # tokens generated so far (len == step)
     suppressed_token_ids: Sequence[int] = ()  # never sampled this step (EOS/stop ids while step < min_tokens)
+    grammar: RequestGrammar | None = None  # structured output: masks what the grammar forbids
 
 
 @dataclass(slots=True)

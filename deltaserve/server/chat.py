@@ -61,7 +61,8 @@ async def create_chat_completion(
     state.check_available()
     state.warn_unknown_fields("/v1/chat/completions", body.unknown_fields())
     prompt = _render(state, body)
-    params = _params(state, body)
+    params = _params(state, body, prompt)
+    state.check_structured_output(params)
     max_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     check_context_window(
         len(prompt.token_ids), params.max_tokens, state.max_model_len, max_tokens_field=max_field
@@ -94,19 +95,22 @@ def _render(state: ServerState, body: ChatCompletionRequest) -> ChatPrompt:
     )
 
 
-def _params(state: ServerState, body: ChatCompletionRequest) -> SamplingParams:
+def _params(state: ServerState, body: ChatCompletionRequest, prompt: ChatPrompt) -> SamplingParams:
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     if body.prompt_logprobs is not None and body.stream:
         raise unsupported(
             "prompt_logprobs",
-            "prompt_logprobs is not supported with stream=true (non-streaming chat completions return it); omit it or set stream=false",
+            "prompt_logprobs is not supported with stream=true (non-streaming chat completions return "
+            "it); omit it or set stream=false",
         )
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     rename = {"logprobs": "top_logprobs"}
     if body.max_completion_tokens is not None:
         rename["max_tokens"] = "max_completion_tokens"
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    # With thinking on, the output opens inside <think>: a JSON response_format applies to the answer.
+    start = state.tokenizer.token_to_id("</think>") if prompt.thinking else None
     return build_params(
         body,
         max_tokens=max_tokens,
@@ -114,6 +118,7 @@ def _params(state: ServerState, body: ChatCompletionRequest) -> SamplingParams:
         vocab_size=state.vocab_size,
         rename=rename,
         allow_n=True,
+        structured_start=start,
     )
 
 

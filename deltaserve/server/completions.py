@@ -64,6 +64,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     )
     for _, ids in prompts:
         check_context_window(len(ids), body.max_tokens, state.max_model_len)
+    state.check_structured_output(params)
     rid = f"cmpl-{uuid.uuid4().hex}"
     per_choice = params.per_choice(body.n)
     reqs = [

@@ -58,7 +58,8 @@ async def generate(state: ServerState, req: EngineRequest, arrival: float) -> As
 def terminal_error(delta: OutputDelta) -> APIError | None:
     """The HTTP error of a terminal that is not a normal finish (stop, length)."""
     if delta.finish_reason == "rejected":
-        return APIError(400, delta.error or "the engine rejected the request", param=delta.error_field)
+        param = "response_format" if delta.error_field == "structured_output" else delta.error_field
+        return APIError(400, delta.error or "the engine rejected the request", param=param)
     if delta.finish_reason in ("error", "abort"):
         message = delta.error or "the engine ended the request"
         return APIError(500, message, type=SERVER_ERROR, code=500)

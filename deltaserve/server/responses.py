@@ -8,6 +8,7 @@ store=true is kept in the bounded store; `instructions` are not carried to follo
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
@@ -19,10 +20,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from deltaserve.sampling_params import StructuredOutputParams
 from deltaserve.server.assistant_output import AssistantOutput
 from deltaserve.server.chat_prompt import ChatPrompt, ToolChoice, render_chat_prompt
 from deltaserve.server.disconnect import unless_disconnected
-from deltaserve.server.errors import NOT_FOUND, APIError, unsupported
+from deltaserve.server.errors import NOT_FOUND, APIError, bad_request, unsupported
 from deltaserve.server.generation import EngineRequest, generate, terminal_error
 from deltaserve.server.response_store import StoredResponse
 from deltaserve.server.responses_items import chat_tools, input_messages
@@ -62,15 +64,27 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response 
     state.check_model(body.model)
     state.check_available()
     state.warn_unknown_fields("/v1/responses", body.unknown_fields())
-    if body.text is not None and body.text.format.type != "text":
-        raise unsupported(
-            "text.format",
-            f"text.format type {body.text.format.type!r} is not supported (no structured output yet)",
-        )
     run = _prepare(state, body, arrival)
     if body.stream:
         return SSEResponse(_stream(run))
     return await unless_disconnected(request, _complete(run))
+
+
+def _text_format(
+    state: ServerState, body: ResponsesRequest, prompt: ChatPrompt
+) -> StructuredOutputParams | None:
+    """text.format json_object / json_schema (its `schema`) -> the engine's JSON constraint, applied to
+    the answer after the reasoning block when thinking is on."""
+    fmt = body.text.format if body.text is not None else None
+    if fmt is None or fmt.type == "text":
+        return None
+    start = state.tokenizer.token_to_id("</think>") if prompt.thinking else None
+    if fmt.type == "json_object":
+        return StructuredOutputParams(json_object=True, start_after_token_id=start)
+    schema = (fmt.model_extra or {}).get("schema")
+    if not isinstance(schema, dict):
+        raise bad_request("text.format type 'json_schema' needs schema, a JSON schema object", "text.format")
+    return StructuredOutputParams(json_schema=json.dumps(schema), start_after_token_id=start)
 
 
 def _prepare(state: ServerState, body: ResponsesRequest, arrival: float) -> _Run:
@@ -95,8 +109,10 @@ def _prepare(state: ServerState, body: ResponsesRequest, arrival: float) -> _Run
         max_tokens=body.max_output_tokens,
         logprobs=None,
         vocab_size=state.vocab_size,
-        rename={"max_tokens": "max_output_tokens"},
+        rename={"max_tokens": "max_output_tokens", "structured_output": "text.format"},
+        structured=_text_format(state, body, prompt),
     )
+    state.check_structured_output(params, "text.format")
     check_context_window(
         len(prompt.token_ids),
         body.max_output_tokens,

@@ -7,8 +7,10 @@ and never occupies the engine.
 
 from __future__ import annotations
 
+import json
+
 from deltaserve.errors import RequestValidationError
-from deltaserve.sampling_params import MAX_N, SamplingParams
+from deltaserve.sampling_params import MAX_N, SamplingParams, StructuredOutputParams
 from deltaserve.server.errors import APIError, bad_request, from_validation, unsupported
 from deltaserve.server.protocol import SamplingFields
 
@@ -31,21 +33,21 @@ def build_params(
     rename: dict[str, str] | None = None,
     prompt_logprobs: int | None = None,
     allow_n: bool = False,
+    structured_start: int | None = None,
+    structured: StructuredOutputParams | None = None,
 ) -> SamplingParams:
     """SamplingParams for `req`, for ONE engine request (n = 1: with `allow_n` the endpoint fans `req.n`
     choices out itself, see SamplingParams.per_choice); `rename` maps SamplingParams field names to this
     endpoint's wire names (for the `param` of errors). `prompt_logprobs` overrides the request's
-    (completions' echo)."""
+    (completions' echo). A JSON response_format is enforced from the start of the output, or after the
+    `structured_start` token (the end of a reasoning block); `structured` replaces it (the Responses
+    API's text.format)."""
     if allow_n:
         choices_per_prompt(req)
     elif req.n != 1:
         raise unsupported("n", f"n > 1 is not supported by this endpoint, got {req.n}; send n requests")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise unsupported(
-            "response_format",
-            f"response_format type {req.response_format.type!r} is not supported (no structured output "
-            "yet); omit response_format or use type 'text'",
-        )
+    if structured is None:
+        structured = structured_output(req, structured_start)
     kwargs: dict[str, object] = {f: getattr(req, f) for f in _OPTIONAL_FLOATS if getattr(req, f) is not None}
     if req.top_k is not None:
         kwargs["top_k"] = req.top_k
@@ -61,14 +63,32 @@ def build_params(
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
         prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else req.prompt_logprobs,
+        structured_output=structured,
         **kwargs,  # type: ignore[arg-type]
     )
     try:
         params.validate()
         params.validate_token_ids(vocab_size)
     except RequestValidationError as err:
-        raise from_validation(err, rename) from err
+        raise from_validation(err, {"structured_output": "response_format", **(rename or {})}) from err
     return params
+
+
+def structured_output(req: SamplingFields, start_after: int | None) -> StructuredOutputParams | None:
+    """response_format -> the engine's JSON constraint: json_object, or json_schema's `schema`."""
+    fmt = req.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return StructuredOutputParams(json_object=True, start_after_token_id=start_after)
+    spec = (fmt.model_extra or {}).get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if not isinstance(schema, dict):
+        raise bad_request(
+            "response_format type 'json_schema' needs json_schema.schema, a JSON schema object",
+            "response_format",
+        )
+    return StructuredOutputParams(json_schema=json.dumps(schema), start_after_token_id=start_after)
 
 
 def choices_per_prompt(req: SamplingFields) -> int:

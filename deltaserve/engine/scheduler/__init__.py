@@ -46,6 +46,7 @@ from deltaserve.engine.protocol import (
 from deltaserve.engine.sampler import make_seed
 from deltaserve.engine.scheduler import emit, steps, telemetry
 from deltaserve.engine.scheduler.plan import policy_error
+from deltaserve.engine.structured import GrammarBackend, RequestGrammar
 from deltaserve.errors import ConfigError
 from deltaserve.sampling_params import SamplingParams
 
@@ -82,6 +83,7 @@ class Request:
     # first token. Invariant while scoring: a prefill chunk starting at s finds s + 1 entries.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     prompt_logprobs_sent: bool = False
+    grammar: RequestGrammar | None = None  # structured output, built by the submission checks
 
     @property
     def num_tokens(self) -> int:
@@ -130,10 +132,12 @@ class Scheduler:
         config: SchedulerConfig,
         backend: Backend,
         publish: Callable[[StepOutputs], None],
+        grammars: GrammarBackend | None = None,
     ) -> None:
         config.validate()
         self.config = config
         self.backend = backend
+        self.grammars = grammars  # structured output; None: such requests are rejected
         self.cache: CacheManager = backend.cache
         self.publish = publish
         self.inbox: queue.SimpleQueue[ClientMessage] = queue.SimpleQueue()
@@ -264,11 +268,14 @@ class Scheduler:
 
 
 def start_scheduler(
-    config: SchedulerConfig, backend: Backend, publish: Callable[[StepOutputs], None]
+    config: SchedulerConfig,
+    backend: Backend,
+    publish: Callable[[StepOutputs], None],
+    grammars: GrammarBackend | None = None,
 ) -> tuple[Scheduler, threading.Thread]:
     """Policy-aware start: the config (policy and its combinations) is validated before the thread
     starts; the returned thread runs the loop until a Shutdown message."""
-    scheduler = Scheduler(config, backend, publish)
+    scheduler = Scheduler(config, backend, publish, grammars)
     thread = threading.Thread(target=scheduler.run, name="deltaserve-scheduler", daemon=True)
     thread.start()
     telemetry.log_start(config)

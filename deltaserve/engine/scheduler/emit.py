@@ -18,6 +18,7 @@ import queue
 from typing import TYPE_CHECKING
 
 from deltaserve.engine.protocol import AddRequest, LoadSnapshot, RequestUpdate, StepOutputs
+from deltaserve.engine.structured import StructuredOutputError
 from deltaserve.errors import RequestValidationError
 
 if TYPE_CHECKING:
@@ -121,6 +122,14 @@ def _submission_problem(sched: Scheduler, req: Request) -> tuple[str, str] | Non
     for i, tok in enumerate(prompt):
         if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab:
             return "prompt", f"prompt token {i} must be a token id in [0, {vocab}), got {tok!r}"
+    spec = req.params.structured_output
+    if spec is not None:
+        if sched.grammars is None:
+            return "structured_output", "structured output is not available on this engine (no tokenizer)"
+        try:
+            req.grammar = sched.grammars.grammar(spec)
+        except StructuredOutputError as err:
+            return "structured_output", str(err)
     return None
 
 

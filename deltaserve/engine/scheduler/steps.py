@@ -215,7 +215,7 @@ def _execute(sched: Scheduler, decode: list[Request], chunks: list[ScheduledChun
 def _may_decode_ahead(sched: Scheduler, decode: list[Request]) -> bool:
     """Decode-ahead needs no host knowledge of the token in flight: penalties count output tokens on
     the host, so a step with a penalised row runs synchronously."""
-    return sched.config.decode_ahead and not any(uses_penalties(r.params) for r in decode)
+    return sched.config.decode_ahead and not any(uses_penalties(r.params) or r.grammar for r in decode)
 
 
 def _launch_decode(sched: Scheduler, decode: list[Request], feed: TokenFeed | None) -> DecodeAhead | None:
@@ -380,7 +380,18 @@ def dispatch_decode_tokens(sched: Scheduler, decode: list[Request], result: Step
 def _append_token(sched: Scheduler, req: Request, token: int, logprobs: TokenLogprobs | None) -> bool:
     """Appends a sampled token, emits it, and retires the request if it stopped. True if it finished."""
     req.output_token_ids.append(token)
+    if req.grammar is not None and not req.grammar.accept(token):
+        emit.retire(
+            sched,
+            req,
+            update=RequestUpdate(
+                req.request_id, finish_reason="error", error=f"token {token} broke the structured output"
+            ),
+        )
+        return True
     reason, stop_reason = _check_stop(sched, req, token)
+    if reason is None and req.grammar is not None and req.grammar.finished:
+        reason = "stop"
     update = RequestUpdate(
         req.request_id,
         [token],
@@ -422,7 +433,9 @@ def _sampling_row(sched: Scheduler, req: Request, pending: int = 0) -> SamplingR
     if step < params.min_tokens:
         eos = () if params.ignore_eos else sched.config.eos_token_ids
         suppressed = tuple(eos) + tuple(params.stop_token_ids or ())
-    return SamplingRow(params, req.seed, step, req.prompt_token_ids, req.output_token_ids, suppressed)
+    return SamplingRow(
+        params, req.seed, step, req.prompt_token_ids, req.output_token_ids, suppressed, req.grammar
+    )
 
 
 # ---- preemption ----------------------------------------------------------------------------------

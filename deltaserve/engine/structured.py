@@ -1,0 +1,122 @@
+"""Structured output: JSON (any object, or a JSON schema) enforced while sampling, with xgrammar.
+
+Each constrained request holds a grammar matcher. Before a step samples, every active matcher writes
+the tokens that can continue a valid document into a bitmask, and the others' logits become -inf; after
+the step the sampled token advances the matcher. A document that is complete allows only the stop
+tokens, so the request then stops. With a start token (the end of a reasoning block) the matcher stays
+inactive, and the text unconstrained, until that token is sampled.
+
+Masks need each sampled token on the host before the next step, so steps over constrained requests run
+synchronously (no decode-ahead). Logprobs are those of the constrained distribution. xgrammar is an
+optional dependency (`pip install deltaserve[structured]`); without it such requests are rejected.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from deltaserve.sampling_params import StructuredOutputParams
+
+if TYPE_CHECKING:
+    import xgrammar
+
+    from deltaserve.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+def grammar_vocabulary(tokenizer: Tokenizer) -> list[str]:
+    """Token id -> its byte-level string; special tokens are never text, so empty (never allowed)."""
+    special = tokenizer.special_token_ids
+    return ["" if i in special else tokenizer.id_to_token(i) or "" for i in range(tokenizer.vocab_size)]
+
+
+class StructuredOutputError(ValueError):
+    """The request's structured output cannot be served (no xgrammar, or a schema it cannot compile)."""
+
+
+class GrammarBackend:
+    """Compiles grammars for one tokenizer (built on first use: reading the vocabulary takes ~0.2 s) and
+    caches them by specification."""
+
+    def __init__(self, vocabulary: Callable[[], list[str]], stop_token_ids: Sequence[int]) -> None:
+        self._vocabulary = vocabulary
+        self._stop_token_ids = list(stop_token_ids)
+        self._compiler: xgrammar.GrammarCompiler | None = None
+        self.vocab_size = 0
+        self._compiled: dict[tuple[str | None, bool], xgrammar.CompiledGrammar] = {}
+
+    def grammar(self, spec: StructuredOutputParams) -> RequestGrammar:
+        try:
+            import xgrammar as xgr
+        except ImportError as err:
+            raise StructuredOutputError(
+                "structured output needs the xgrammar package on the server (pip install deltaserve[structured])"
+            ) from err
+        if self._compiler is None:
+            vocab = self._vocabulary()
+            self.vocab_size = len(vocab)
+            info = xgr.TokenizerInfo(
+                vocab,
+                vocab_type=xgr.VocabType.BYTE_LEVEL,
+                vocab_size=self.vocab_size,
+                stop_token_ids=self._stop_token_ids,
+            )
+            self._compiler = xgr.GrammarCompiler(info)
+        key = (spec.json_schema, spec.json_object)
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            try:
+                if spec.json_object:
+                    compiled = self._compiler.compile_builtin_json_grammar()
+                else:
+                    compiled = self._compiler.compile_json_schema(spec.json_schema, any_whitespace=False)
+            except Exception as err:  # xgrammar raises RuntimeError/ValueError with its parser's message
+                raise StructuredOutputError(f"the JSON schema cannot be compiled: {err}") from err
+            self._compiled[key] = compiled
+        return RequestGrammar(xgr.GrammarMatcher(compiled), spec.start_after_token_id, self.vocab_size)
+
+
+class RequestGrammar:
+    """One request's matcher. Inactive (no constraint) until its start token, if it has one."""
+
+    def __init__(self, matcher: xgrammar.GrammarMatcher, start_after: int | None, vocab_size: int) -> None:
+        self.matcher = matcher
+        self.start_after = start_after
+        self.active = start_after is None
+        self.vocab_size = vocab_size
+
+    def accept(self, token: int) -> bool:
+        """Advances on a sampled token; False if the grammar forbids it (the request then fails)."""
+        if not self.active:
+            self.active = token == self.start_after
+            return True
+        return bool(self.matcher.accept_token(token))
+
+    @property
+    def finished(self) -> bool:
+        """The document is complete and a stop token ended it."""
+        return self.active and self.matcher.is_terminated()
+
+
+def apply_grammars(logits: torch.Tensor, grammars: Sequence[RequestGrammar | None]) -> None:
+    """Masks, in place, the tokens each row's active grammar forbids (row i of `logits` is grammars[i])."""
+    rows = [i for i, g in enumerate(grammars) if g is not None and g.active]
+    if not rows:
+        return
+    import xgrammar as xgr
+
+    vocab_size = next(g.vocab_size for g in grammars if g is not None)
+    bitmask = xgr.allocate_token_bitmask(len(grammars), vocab_size)
+    for i in rows:
+        grammar = grammars[i]
+        assert grammar is not None
+        grammar.matcher.fill_next_token_bitmask(bitmask, i)
+    bitmask = bitmask.to(logits.device, non_blocking=True)
+    xgr.apply_token_bitmask_inplace(
+        logits, bitmask, vocab_size=min(vocab_size, logits.shape[1]), indices=rows
+    )

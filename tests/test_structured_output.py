@@ -1,0 +1,91 @@
+"""Structured output: JSON schemas enforced while sampling (xgrammar), on the embedded tiny model whose
+random weights would never produce JSON by themselves."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from deltaserve.engine.llm import LLM
+from deltaserve.engine.structured import GrammarBackend, StructuredOutputError, apply_grammars
+from deltaserve.errors import RequestValidationError
+from deltaserve.sampling_params import SamplingParams, StructuredOutputParams
+from deltaserve.tiny import default_model_dir
+from deltaserve.tokenizer import Tokenizer
+
+OBJECT_SCHEMA = {
+    "type": "object",
+    "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}, "b": {"enum": [True, False]}},
+    "required": ["a", "b"],
+    "additionalProperties": False,
+}
+
+
+def schema(value: dict) -> StructuredOutputParams:
+    return StructuredOutputParams(json_schema=json.dumps(value))
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with LLM(None, max_num_seqs=8) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def backend() -> GrammarBackend:
+    tokenizer = Tokenizer.from_dir(default_model_dir())
+    return GrammarBackend(
+        lambda: [tokenizer.id_to_token(i) or "" for i in range(tokenizer.vocab_size)], [248046, 248044]
+    )
+
+
+def test_sampled_output_follows_the_schema_beside_free_requests(llm) -> None:
+    enum = SamplingParams(
+        max_tokens=20, temperature=1.0, seed=4, structured_output=schema({"enum": ["yes", "no"]})
+    )
+    obj = SamplingParams(max_tokens=60, temperature=1.0, seed=5, structured_output=schema(OBJECT_SCHEMA))
+    free = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(["Answer:", "Give JSON:", "Free text:", "More JSON:"], [enum, obj, free, obj])
+    assert outs[0].outputs[0].text in ('"yes"', '"no"') and outs[0].outputs[0].finish_reason == "stop"
+    for out in (outs[1], outs[3]):
+        value = json.loads(out.outputs[0].text)
+        assert set(value) == {"a", "b"} and 0 <= value["a"] <= 9 and isinstance(value["b"], bool)
+        assert out.outputs[0].finish_reason == "stop"
+    assert len(outs[2].outputs[0].token_ids) == 12  # the free request is untouched
+    alone = llm.generate(["Free text:"], free)[0]
+    assert alone.outputs[0].token_ids == outs[2].outputs[0].token_ids
+
+
+def test_a_schema_that_cannot_compile_is_rejected_naming_the_field(llm) -> None:
+    out = llm.generate(["x"], SamplingParams(max_tokens=4, structured_output=schema({"type": "nope"})))[0]
+    assert out.error is not None and out.error_field == "structured_output"
+    assert "cannot be compiled" in out.error
+
+
+def test_the_specification_is_validated(llm) -> None:
+    with pytest.raises(RequestValidationError, match="exactly one of json_object or json_schema"):
+        llm.generate(["x"], SamplingParams(structured_output=StructuredOutputParams()))
+    with pytest.raises(RequestValidationError, match="JSON schema as JSON text"):
+        llm.generate(["x"], SamplingParams(structured_output=StructuredOutputParams(json_schema="{nope")))
+
+
+def test_a_grammar_with_a_start_token_constrains_nothing_before_it(backend: GrammarBackend) -> None:
+    think_end = Tokenizer.from_dir(default_model_dir()).token_to_id("</think>")
+    grammar = backend.grammar(StructuredOutputParams(json_object=True, start_after_token_id=think_end))
+    logits = torch.zeros(2, backend.vocab_size)
+    apply_grammars(logits, [grammar, None])
+    assert torch.isfinite(logits).all()  # inactive: reasoning text is free
+    assert grammar.accept(1234) and not grammar.active
+    assert grammar.accept(think_end) and grammar.active
+    apply_grammars(logits, [grammar, None])
+    allowed = torch.isfinite(logits[0]).nonzero().flatten().tolist()
+    tokenizer = Tokenizer.from_dir(default_model_dir())
+    assert tokenizer.token_to_id("{") in allowed and tokenizer.token_to_id("x") not in allowed
+    assert torch.isfinite(logits[1]).all()  # an unconstrained row of the same step
+
+
+def test_compile_errors_are_structured_output_errors() -> None:
+    with pytest.raises(StructuredOutputError, match="cannot be compiled"):
+        GrammarBackend(lambda: ["a", "b"], [1]).grammar(schema({"type": "nope"}))
