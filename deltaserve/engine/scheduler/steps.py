@@ -214,7 +214,8 @@ def _execute(sched: Scheduler, decode: list[Request], chunks: list[ScheduledChun
 
 def _may_decode_ahead(sched: Scheduler, decode: list[Request]) -> bool:
     """Decode-ahead needs no host knowledge of the token in flight: penalties count output tokens on
-    the host, so a step with a penalised row runs synchronously."""
+    the host and a grammar's next mask needs the sampled token, so a step with such a row runs
+    synchronously."""
     return sched.config.decode_ahead and not any(uses_penalties(r.params) or r.grammar for r in decode)
 
 
