@@ -142,6 +142,13 @@ class SamplingParams:
             if not isinstance(self.structured_output, StructuredOutputParams):
                 raise _invalid("structured_output", "None or StructuredOutputParams", self.structured_output)
             self.structured_output.validate()
+            if self.min_tokens:
+                # A complete document allows only stop tokens, which min_tokens would forbid: no token left.
+                raise _invalid(
+                    "min_tokens",
+                    "0 with structured_output (the grammar decides where it ends)",
+                    self.min_tokens,
+                )
         for field in _BOOL_FIELDS:
             if not isinstance(getattr(self, field), bool):
                 raise _invalid(field, "a boolean", getattr(self, field))

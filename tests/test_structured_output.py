@@ -69,6 +69,8 @@ def test_the_specification_is_validated(llm) -> None:
         llm.generate(["x"], SamplingParams(structured_output=StructuredOutputParams()))
     with pytest.raises(RequestValidationError, match="JSON schema as JSON text"):
         llm.generate(["x"], SamplingParams(structured_output=StructuredOutputParams(json_schema="{nope")))
+    with pytest.raises(RequestValidationError, match="min_tokens must be 0 with structured_output"):
+        llm.generate(["x"], SamplingParams(min_tokens=5, structured_output=schema({"enum": ["a"]})))
 
 
 def test_a_grammar_with_a_start_token_constrains_nothing_before_it(backend: GrammarBackend) -> None:
