@@ -54,17 +54,18 @@ _REAL_RANGES = (
 
 @dataclass(slots=True)
 class StructuredOutputParams:
-    """Output constrained to JSON while sampling (engine/structured.py): any JSON object, or a JSON
-    schema given as JSON text. With `start_after_token_id` the constraint starts after that token (the
-    end of a reasoning block), the text before it is free."""
+    """Output constrained while sampling (engine/structured.py): any JSON value, a JSON schema given as
+    JSON text, or an EBNF grammar. With `start_after_token_id` the constraint starts after that token
+    (the end of a reasoning block), the text before it is free."""
 
     json_schema: str | None = None
     json_object: bool = False
+    ebnf: str | None = None  # a grammar in xgrammar's EBNF (the server's forced tool calls)
     start_after_token_id: int | None = None
 
     def validate(self) -> None:
-        if self.json_object == (self.json_schema is not None):
-            raise _invalid("structured_output", "exactly one of json_object or json_schema", self)
+        if [self.json_object, self.json_schema is not None, self.ebnf is not None].count(True) != 1:
+            raise _invalid("structured_output", "exactly one of json_object, json_schema or ebnf", self)
         if self.json_schema is not None:
             try:
                 schema = json.loads(self.json_schema)

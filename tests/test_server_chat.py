@@ -139,6 +139,53 @@ def test_json_schema_response_format_constrains_the_answer(client: openai.OpenAI
     assert out.choices[0].finish_reason == "stop"
 
 
+PINGS: list[Any] = [
+    {"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": {}}}}
+    for name in ("ping", "pong")
+]
+
+
+def test_forced_tool_calls_are_grammar_constrained(client: openai.OpenAI) -> None:
+    """Random weights, no logit tricks: a named choice is one complete call to that function; "required"
+    gives only calls to known functions."""
+    named = client.chat.completions.create(
+        model=MODEL,
+        messages=USER,
+        tools=PINGS,
+        tool_choice={"type": "function", "function": {"name": "pong"}},
+        temperature=1.0,
+        seed=3,
+        max_tokens=20,
+    )
+    assert named.choices[0].finish_reason == "tool_calls"
+    (call,) = named.choices[0].message.tool_calls or []
+    assert call.function.name == "pong" and json.loads(call.function.arguments) == {}
+    required = client.chat.completions.create(
+        model=MODEL,
+        messages=USER,
+        tools=PINGS,
+        tool_choice="required",
+        temperature=1.0,
+        seed=4,
+        max_tokens=40,
+    )
+    calls = required.choices[0].message.tool_calls or []
+    assert calls and all(c.function.name in ("ping", "pong") for c in calls)
+    assert not required.choices[0].message.content
+
+
+def test_response_format_with_a_forced_tool_call_is_refused(server: ServerProcess) -> None:
+    body = {
+        "model": MODEL,
+        "messages": USER,
+        "tools": PINGS,
+        "tool_choice": "required",
+        "response_format": {"type": "json_object"},
+    }
+    response = httpx.post(f"{server.base_url}/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "response_format"
+
+
 def test_max_completion_tokens_is_exact_with_ignore_eos(client: openai.OpenAI) -> None:
     out = client.chat.completions.create(
         model=MODEL,

@@ -13,6 +13,7 @@ optional dependency (`pip install deltaserve[structured]`); without it such requ
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -27,6 +28,10 @@ if TYPE_CHECKING:
     from deltaserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+
+def grammars_available() -> bool:
+    return importlib.util.find_spec("xgrammar") is not None
 
 
 def grammar_vocabulary(tokenizer: Tokenizer) -> list[str]:
@@ -48,7 +53,7 @@ class GrammarBackend:
         self._stop_token_ids = list(stop_token_ids)
         self._compiler: xgrammar.GrammarCompiler | None = None
         self.vocab_size = 0
-        self._compiled: dict[tuple[str | None, bool], xgrammar.CompiledGrammar] = {}
+        self._compiled: dict[tuple[str | None, bool, str | None], xgrammar.CompiledGrammar] = {}
 
     def grammar(self, spec: StructuredOutputParams) -> RequestGrammar:
         try:
@@ -67,16 +72,19 @@ class GrammarBackend:
                 stop_token_ids=self._stop_token_ids,
             )
             self._compiler = xgr.GrammarCompiler(info)
-        key = (spec.json_schema, spec.json_object)
+        key = (spec.json_schema, spec.json_object, spec.ebnf)
         compiled = self._compiled.get(key)
         if compiled is None:
             try:
                 if spec.json_object:
                     compiled = self._compiler.compile_builtin_json_grammar()
+                elif spec.ebnf is not None:
+                    compiled = self._compiler.compile_grammar(spec.ebnf)
                 else:
                     compiled = self._compiler.compile_json_schema(spec.json_schema, any_whitespace=False)
             except Exception as err:  # xgrammar raises RuntimeError/ValueError with its parser's message
-                raise StructuredOutputError(f"the JSON schema cannot be compiled: {err}") from err
+                what = "grammar" if spec.ebnf is not None else "JSON schema"
+                raise StructuredOutputError(f"the {what} cannot be compiled: {err}") from err
             self._compiled[key] = compiled
         return RequestGrammar(xgr.GrammarMatcher(compiled), spec.start_after_token_id, self.vocab_size)
 

@@ -46,6 +46,7 @@ from deltaserve.server.protocol import (
 from deltaserve.server.sampling import build_params, check_context_window
 from deltaserve.server.sse import DONE, SSEResponse, data_event
 from deltaserve.server.state import ServerState, get_state
+from deltaserve.server.tool_grammar import forced_call_output
 
 logger = logging.getLogger("deltaserve.server")
 router = APIRouter()
@@ -111,6 +112,13 @@ def _params(state: ServerState, body: ChatCompletionRequest, prompt: ChatPrompt)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     # With thinking on, the output opens inside <think>: a JSON response_format applies to the answer.
     start = state.tokenizer.token_to_id("</think>") if prompt.thinking else None
+    forced_call = forced_call_output(prompt)
+    if forced_call is not None and body.response_format is not None and body.response_format.type != "text":
+        raise bad_request(
+            f"response_format {body.response_format.type!r} cannot be combined with a forced tool call "
+            f"(tool_choice {prompt.tool_choice.mode!r}): the call is the output",
+            "response_format",
+        )
     return build_params(
         body,
         max_tokens=max_tokens,
@@ -119,6 +127,7 @@ def _params(state: ServerState, body: ChatCompletionRequest, prompt: ChatPrompt)
         rename=rename,
         allow_n=True,
         structured_start=start,
+        structured=forced_call,
     )
 
 

@@ -5,8 +5,8 @@ Shared by /v1/chat/completions and /v1/responses. Decisions:
 - Thinking is on when the rendered prompt ends with an open `<think>` (the Qwen3.5 template opens it
   unless chat_template_kwargs has enable_thinking=false); the output is then reasoning until `</think>`.
 - tool_choice "none" leaves the tools out of the prompt and tool-call text stays content.
-- tool_choice "required" or a named function (no constrained decoding yet) is enforced by starting the
-  assistant turn with the call: the prompt ends with `<tool_call>\\n<function=` (required) or
+- tool_choice "required" or a named function is enforced by starting the
+  assistant turn with the call (and, where xgrammar is installed, by its grammar: tool_grammar.py): the prompt ends with `<tool_call>\\n<function=` (required) or
   `<tool_call>\\n<function=NAME>\\n` (named), thinking is off, and the parser is fed that prefix first,
   so the call is in the output whatever the model does next.
 """
@@ -40,6 +40,7 @@ class ChatPrompt:
     tools: list[dict[str, Any]] | None  # chat-shaped tool definitions, for typing call arguments
     parse_tools: bool
     forced_prefix: str  # output text the prompt already contains; feed it to the parser first
+    tool_choice: ToolChoice  # as normalised; "required"/"named" calls are also grammar-constrained
 
 
 def normalise_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -101,4 +102,5 @@ def render_chat_prompt(
         tools=tools,
         parse_tools=tools is not None and tool_choice.mode != "none",
         forced_prefix=forced,
+        tool_choice=tool_choice,
     )

@@ -39,6 +39,7 @@ from deltaserve.server.responses_stream import ResponseBuilder
 from deltaserve.server.sampling import build_params, check_context_window
 from deltaserve.server.sse import SSEResponse, typed_event
 from deltaserve.server.state import ServerState, get_state
+from deltaserve.server.tool_grammar import forced_call_output
 
 logger = logging.getLogger("deltaserve.server")
 router = APIRouter()
@@ -110,7 +111,7 @@ def _prepare(state: ServerState, body: ResponsesRequest, arrival: float) -> _Run
         logprobs=None,
         vocab_size=state.vocab_size,
         rename={"max_tokens": "max_output_tokens", "structured_output": "text.format"},
-        structured=_text_format(state, body, prompt),
+        structured=_text_format(state, body, prompt) or forced_call_output(prompt),
     )
     state.check_structured_output(params, "text.format")
     check_context_window(
