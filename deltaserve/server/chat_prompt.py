@@ -40,7 +40,7 @@ class ChatPrompt:
     tools: list[dict[str, Any]] | None  # chat-shaped tool definitions, for typing call arguments
     parse_tools: bool
     forced_prefix: str  # output text the prompt already contains; feed it to the parser first
-    tool_choice: ToolChoice  # as normalised; "required"/"named" calls are also grammar-constrained
+    tool_choice: ToolChoice = ToolChoice("auto")  # "required"/"named" calls are also grammar-constrained
 
 
 def normalise_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
