@@ -65,7 +65,7 @@ def test_a_schema_that_cannot_compile_is_rejected_naming_the_field(llm) -> None:
 
 
 def test_the_specification_is_validated(llm) -> None:
-    with pytest.raises(RequestValidationError, match="exactly one of json_object or json_schema"):
+    with pytest.raises(RequestValidationError, match="exactly one of json_object, json_schema or ebnf"):
         llm.generate(["x"], SamplingParams(structured_output=StructuredOutputParams()))
     with pytest.raises(RequestValidationError, match="JSON schema as JSON text"):
         llm.generate(["x"], SamplingParams(structured_output=StructuredOutputParams(json_schema="{nope")))
