@@ -52,6 +52,12 @@ _REAL_RANGES = (
 )
 
 
+def check_choices(n: object) -> None:
+    """`n` as a number of choices fanned out by a client (the engine itself runs one per request)."""
+    if not (_is_int(n) and 1 <= n <= MAX_N):
+        raise _invalid("n", f"an integer in [1, {MAX_N}]", n)
+
+
 @dataclass(slots=True)
 class StructuredOutputParams:
     """Output constrained while sampling (engine/structured.py): any JSON value, a JSON schema given as
@@ -167,8 +173,7 @@ class SamplingParams:
         """The engine requests of `n` choices (the engine runs one completion per request): the same
         parameters with n = 1, and a given seed becomes seed + j (wrapped into the int64 range), so seeded
         choices differ from each other and still reproduce."""
-        if not (_is_int(n) and 1 <= n <= MAX_N):
-            raise _invalid("n", f"an integer in [1, {MAX_N}]", n)
+        check_choices(n)
 
         def seed(j: int) -> int | None:
             if self.seed is None:

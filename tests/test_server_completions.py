@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import openai
@@ -257,7 +258,7 @@ def test_chat_returns_prompt_logprobs_of_the_rendered_prompt(server: ServerProce
 
 
 def test_n_choices_per_prompt_in_order_with_the_prompt_counted_once(client: openai.OpenAI) -> None:
-    out = client.completions.create(
+    kwargs: dict[str, Any] = dict(
         model=MODEL,
         prompt=["One", "Two words"],
         n=3,
@@ -266,17 +267,10 @@ def test_n_choices_per_prompt_in_order_with_the_prompt_counted_once(client: open
         seed=5,
         extra_body={"ignore_eos": True},
     )
+    out = client.completions.create(**kwargs)
     assert [c.index for c in out.choices] == list(range(6))
     assert len({c.text for c in out.choices[:3]}) > 1  # seeded choices differ from each other
-    again = client.completions.create(
-        model=MODEL,
-        prompt=["One", "Two words"],
-        n=3,
-        max_tokens=8,
-        temperature=1.0,
-        seed=5,
-        extra_body={"ignore_eos": True},
-    )
+    again = client.completions.create(**kwargs)
     assert [c.text for c in again.choices] == [c.text for c in out.choices]  # and reproduce
     assert out.usage is not None and out.usage.prompt_tokens == 1 + 2 and out.usage.completion_tokens == 48
 

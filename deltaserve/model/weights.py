@@ -98,13 +98,11 @@ def load_tensors(
             unexpected.append(name)
             continue
         tensor = read()
-        local = tuple(spec.target.shape)
-        expected = local if spec.shard is None else spec.shard.full_shape(local)
-        if tuple(tensor.shape) != expected:
+        if tuple(tensor.shape) != spec.full_shape:
             raise ConfigError(
-                f"{where}: tensor {name} has shape {list(tensor.shape)}, the config implies {list(expected)}"
+                f"{where}: tensor {name} has shape {list(tensor.shape)}, the config implies {list(spec.full_shape)}"
             )
-        spec.target.copy_(tensor if spec.shard is None else spec.shard.take(tensor))
+        spec.copy_from(tensor)
         loaded.add(canonical)
     if unexpected:
         shown = ", ".join(unexpected[:5]) + (
@@ -132,10 +130,9 @@ def init_dummy_weights(model: Qwen35ForCausalLM, seed: int = 0) -> None:
     A_log = log U(1, 16), dt_bias = 1."""
     for req in model.weight_requirements():
         for spec in req.alternatives[0]:  # the official layout's tensors
-            local = tuple(spec.target.shape)
-            full = local if spec.shard is None else spec.shard.full_shape(local)
-            tensor = _dummy_tensor(spec.name, full, seed, spec.target.dtype, spec.target.device)
-            spec.target.copy_(tensor if spec.shard is None else spec.shard.take(tensor))
+            spec.copy_from(
+                _dummy_tensor(spec.name, spec.full_shape, seed, spec.target.dtype, spec.target.device)
+            )
 
 
 def _dummy_tensor(

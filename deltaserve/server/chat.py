@@ -21,7 +21,7 @@ from deltaserve.engine.output import OutputDelta
 from deltaserve.engine.protocol import TokenLogprobs
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.server.assistant_output import AssistantOutput
-from deltaserve.server.chat_prompt import ChatPrompt, ToolChoice, render_chat_prompt
+from deltaserve.server.chat_prompt import ChatPrompt, ToolChoice, answer_start_token, render_chat_prompt
 from deltaserve.server.disconnect import unless_disconnected
 from deltaserve.server.errors import APIError, bad_request, unsupported
 from deltaserve.server.generation import EngineRequest, generate, merge, terminal_error
@@ -110,8 +110,6 @@ def _params(state: ServerState, body: ChatCompletionRequest, prompt: ChatPrompt)
     if body.max_completion_tokens is not None:
         rename["max_tokens"] = "max_completion_tokens"
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    # With thinking on, the output opens inside <think>: a JSON response_format applies to the answer.
-    start = state.tokenizer.token_to_id("</think>") if prompt.thinking else None
     forced_call = forced_call_output(prompt)
     if forced_call is not None and body.response_format is not None and body.response_format.type != "text":
         raise bad_request(
@@ -126,7 +124,7 @@ def _params(state: ServerState, body: ChatCompletionRequest, prompt: ChatPrompt)
         vocab_size=state.vocab_size,
         rename=rename,
         allow_n=True,
-        structured_start=start,
+        structured_start=answer_start_token(state.tokenizer, prompt),
         structured=forced_call,
     )
 

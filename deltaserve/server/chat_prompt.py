@@ -43,6 +43,11 @@ class ChatPrompt:
     tool_choice: ToolChoice = ToolChoice("auto")  # "required"/"named" calls are also grammar-constrained
 
 
+def answer_start_token(tokenizer: Tokenizer, prompt: ChatPrompt) -> int | None:
+    """The token an answer constraint starts after: `</think>` when the output opens inside reasoning."""
+    return tokenizer.token_to_id("</think>") if prompt.thinking else None
+
+
 def normalise_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """developer -> system; a missing content (an assistant turn that only calls tools) -> ""."""
     out = []

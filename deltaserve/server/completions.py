@@ -96,6 +96,20 @@ def _without_output(delta: OutputDelta) -> OutputDelta:
     )
 
 
+def _choice_streams(
+    state: ServerState, body: CompletionRequest, reqs: list[EngineRequest], arrival: float
+) -> list[AsyncIterator[OutputDelta]]:
+    """Each choice's deltas; for echo with max_tokens=0 without the sampled token."""
+    streams = [generate(state, r, arrival) for r in reqs]
+    return [_outputless(s) for s in streams] if _scores_only(body) else streams
+
+
+async def _outputless(deltas: AsyncIterator[OutputDelta]) -> AsyncIterator[OutputDelta]:
+    async with aclosing(deltas) as source:
+        async for delta in source:
+            yield _without_output(delta)
+
+
 def _refuse_unsupported(body: CompletionRequest) -> None:
     if body.best_of is not None and body.best_of != 1:
         raise unsupported("best_of", f"best_of > 1 is not supported, got {body.best_of}; omit best_of")
@@ -161,12 +175,12 @@ async def _complete(
     state: ServerState, body: CompletionRequest, rid: str, reqs: list[EngineRequest], arrival: float
 ) -> CompletionResponse:
     choices = [_Choice(num_prompt_tokens=len(r.prompt_token_ids)) for r in reqs]
-    async with aclosing(merge([generate(state, r, arrival) for r in reqs])) as deltas:
+    async with aclosing(merge(_choice_streams(state, body, reqs, arrival))) as deltas:
         async for i, delta in deltas:
             error = terminal_error(delta)
             if error is not None:
                 raise error
-            choices[i].add(_without_output(delta) if _scores_only(body) else delta)
+            choices[i].add(delta)
     out = []
     for i, (c, req) in enumerate(zip(choices, reqs, strict=True)):
         echoed = _echo(state, body, req, c.scored_prompt)
@@ -232,13 +246,11 @@ async def _stream(
     choices = [_Choice(num_prompt_tokens=len(r.prompt_token_ids)) for r in reqs]
     echoed = [0] * len(reqs)  # characters of each choice's echoed prompt
     try:
-        async with aclosing(merge([generate(state, r, arrival) for r in reqs])) as deltas:
+        async with aclosing(merge(_choice_streams(state, body, reqs, arrival))) as deltas:
             async for i, delta in deltas:
                 error = terminal_error(delta)
                 if error is not None:
                     raise error
-                if _scores_only(body):
-                    delta = _without_output(delta)
                 first = not choices[i].seen
                 offset = echoed[i] + len(choices[i].text)
                 choices[i].add(delta)

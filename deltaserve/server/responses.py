@@ -8,7 +8,6 @@ store=true is kept in the bounded store; `instructions` are not carried to follo
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
@@ -22,9 +21,9 @@ from fastapi.responses import Response
 
 from deltaserve.sampling_params import StructuredOutputParams
 from deltaserve.server.assistant_output import AssistantOutput
-from deltaserve.server.chat_prompt import ChatPrompt, ToolChoice, render_chat_prompt
+from deltaserve.server.chat_prompt import ChatPrompt, ToolChoice, answer_start_token, render_chat_prompt
 from deltaserve.server.disconnect import unless_disconnected
-from deltaserve.server.errors import NOT_FOUND, APIError, bad_request, unsupported
+from deltaserve.server.errors import NOT_FOUND, APIError, unsupported
 from deltaserve.server.generation import EngineRequest, generate, terminal_error
 from deltaserve.server.response_store import StoredResponse
 from deltaserve.server.responses_items import chat_tools, input_messages
@@ -36,7 +35,7 @@ from deltaserve.server.responses_protocol import (
     ResponseUsage,
 )
 from deltaserve.server.responses_stream import ResponseBuilder
-from deltaserve.server.sampling import build_params, check_context_window
+from deltaserve.server.sampling import build_params, check_context_window, json_constraint
 from deltaserve.server.sse import SSEResponse, typed_event
 from deltaserve.server.state import ServerState, get_state
 from deltaserve.server.tool_grammar import forced_call_output
@@ -76,16 +75,12 @@ def _text_format(
 ) -> StructuredOutputParams | None:
     """text.format json_object / json_schema (its `schema`) -> the engine's JSON constraint, applied to
     the answer after the reasoning block when thinking is on."""
-    fmt = body.text.format if body.text is not None else None
-    if fmt is None or fmt.type == "text":
+    if body.text is None:
         return None
-    start = state.tokenizer.token_to_id("</think>") if prompt.thinking else None
-    if fmt.type == "json_object":
-        return StructuredOutputParams(json_object=True, start_after_token_id=start)
+    fmt = body.text.format
     schema = (fmt.model_extra or {}).get("schema")
-    if not isinstance(schema, dict):
-        raise bad_request("text.format type 'json_schema' needs schema, a JSON schema object", "text.format")
-    return StructuredOutputParams(json_schema=json.dumps(schema), start_after_token_id=start)
+    start = answer_start_token(state.tokenizer, prompt)
+    return json_constraint(fmt.type, schema, start, param="text.format", where="schema")
 
 
 def _prepare(state: ServerState, body: ResponsesRequest, arrival: float) -> _Run:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 from deltaserve.errors import RequestValidationError
-from deltaserve.sampling_params import MAX_N, SamplingParams, StructuredOutputParams
+from deltaserve.sampling_params import SamplingParams, StructuredOutputParams, check_choices
 from deltaserve.server.errors import APIError, bad_request, from_validation, unsupported
 from deltaserve.server.protocol import SamplingFields
 
@@ -42,9 +42,7 @@ def build_params(
     (completions' echo). A JSON response_format is enforced from the start of the output, or after the
     `structured_start` token (the end of a reasoning block); `structured` replaces it (the Responses
     API's text.format)."""
-    if allow_n:
-        choices_per_prompt(req)
-    elif req.n != 1:
+    if not allow_n and req.n != 1:
         raise unsupported("n", f"n > 1 is not supported by this endpoint, got {req.n}; send n requests")
     if structured is None:
         structured = structured_output(req, structured_start)
@@ -67,6 +65,8 @@ def build_params(
         **kwargs,  # type: ignore[arg-type]
     )
     try:
+        if allow_n:
+            check_choices(req.n)
         params.validate()
         params.validate_token_ids(vocab_size)
     except RequestValidationError as err:
@@ -77,25 +77,25 @@ def build_params(
 def structured_output(req: SamplingFields, start_after: int | None) -> StructuredOutputParams | None:
     """response_format -> the engine's JSON constraint: json_object, or json_schema's `schema`."""
     fmt = req.response_format
-    if fmt is None or fmt.type == "text":
+    if fmt is None:
         return None
-    if fmt.type == "json_object":
-        return StructuredOutputParams(json_object=True, start_after_token_id=start_after)
     spec = (fmt.model_extra or {}).get("json_schema")
     schema = spec.get("schema") if isinstance(spec, dict) else None
+    return json_constraint(fmt.type, schema, start_after, param="response_format", where="json_schema.schema")
+
+
+def json_constraint(
+    kind: str, schema: object, start_after: int | None, *, param: str, where: str
+) -> StructuredOutputParams | None:
+    """A format's type ("text", "json_object", "json_schema") and schema (found at `where` in `param`)
+    -> the engine's JSON constraint, starting after `start_after` when set."""
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputParams(json_object=True, start_after_token_id=start_after)
     if not isinstance(schema, dict):
-        raise bad_request(
-            "response_format type 'json_schema' needs json_schema.schema, a JSON schema object",
-            "response_format",
-        )
+        raise bad_request(f"{param} type 'json_schema' needs {where}, a JSON schema object", param)
     return StructuredOutputParams(json_schema=json.dumps(schema), start_after_token_id=start_after)
-
-
-def choices_per_prompt(req: SamplingFields) -> int:
-    n = req.n
-    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
-        raise bad_request(f"n must be an integer in [1, {MAX_N}], got {n!r}", "n")
-    return n
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:

@@ -21,6 +21,16 @@ class CheckpointTensor:
     target: torch.Tensor  # a view of a parameter; the checkpoint tensor (or its shard) has exactly its shape
     shard: Shard | None = None  # tensor parallelism: the part of the checkpoint tensor this rank loads
 
+    @property
+    def full_shape(self) -> tuple[int, ...]:
+        """The checkpoint tensor's shape (the target's, or the whole of which the target is a shard)."""
+        local = tuple(self.target.shape)
+        return local if self.shard is None else self.shard.full_shape(local)
+
+    def copy_from(self, full: torch.Tensor) -> None:
+        """Fills the target from the whole checkpoint tensor (this rank's shard of it)."""
+        self.target.copy_(full if self.shard is None else self.shard.take(full))
+
 
 @dataclass(slots=True)
 class WeightRequirement:
