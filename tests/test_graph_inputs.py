@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from deltaserve.engine.runner import DUMMY_PAGE, DUMMY_SLOT, fill_decode_inputs
-from deltaserve.model.batch import BatchRow
+from deltaserve.ops.batch import BatchRow
 
 
 def test_live_rows_then_padding_rows_on_the_reserved_page_and_slot():

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from deltaserve.model.batch import BatchRow, ForwardBatch, build_forward_batch
 from deltaserve.ops import attention as ref
+from deltaserve.ops.batch import BatchRow, ForwardBatch, build_forward_batch
 from deltaserve.ops.norm import rms_norm
 from deltaserve.ops.rotary import apply_rotary, inv_frequencies, rotary_cos_sin
 from deltaserve.ops.triton import attention as tri

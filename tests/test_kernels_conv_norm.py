@@ -17,8 +17,8 @@ from collections.abc import Iterable
 import pytest
 import torch
 
-from deltaserve.model.batch import BatchRow, ForwardBatch, build_forward_batch
 from deltaserve.ops import activation, conv1d, norm
+from deltaserve.ops.batch import BatchRow, ForwardBatch, build_forward_batch
 
 triton_conv = pytest.importorskip("deltaserve.ops.triton.conv1d")
 triton_norm = pytest.importorskip("deltaserve.ops.triton.norm")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deltaserve.model.batch import BatchRow, build_forward_batch
+from deltaserve.ops.batch import BatchRow, build_forward_batch
 from deltaserve.ops.gdn import gated_delta_rule as reference
 
 triton_gdn = pytest.importorskip("deltaserve.ops.triton.gdn")

@@ -27,10 +27,10 @@ from deltaserve.engine.tp import (
     TensorParallelError,
 )
 from deltaserve.errors import ConfigError
-from deltaserve.model.batch import BatchRow
 from deltaserve.model.layers.parallel import Shard, TensorParallel
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
 from deltaserve.model.weights import init_dummy_weights, load_weights
+from deltaserve.ops.batch import BatchRow
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.tiny import make_tiny, official_config
 

@@ -28,8 +28,8 @@ from deltaserve.engine.protocol import TokenLogprobs
 from deltaserve.engine.runner import CudaGraphRunner
 from deltaserve.engine.sampler import Sampler, SamplerOutput, SamplingRow, logprobs_of
 from deltaserve.engine.structured import apply_grammars
-from deltaserve.model.batch import BatchRow, build_forward_batch, to_device
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
+from deltaserve.ops.batch import BatchRow, build_forward_batch, to_device
 
 SCORE_BLOCK = 256  # prompt positions whose full-vocabulary logits exist at once
 

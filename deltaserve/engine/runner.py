@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from deltaserve.cache.manager import CacheManager
-from deltaserve.model.batch import BatchRow, ForwardBatch, build_forward_batch
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
+from deltaserve.ops.batch import BatchRow, ForwardBatch, build_forward_batch
 
 logger = logging.getLogger(__name__)
 

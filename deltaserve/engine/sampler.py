@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from deltaserve.engine.structured import RequestGrammar
-from deltaserve.model.batch import to_device
+from deltaserve.ops.batch import to_device
 from deltaserve.sampling_params import SamplingParams
 
 

@@ -39,9 +39,9 @@ import torch.distributed as dist
 from deltaserve.cache.manager import CacheManager
 from deltaserve.config import EngineConfig, ModelConfig
 from deltaserve.engine.backend import Backend
-from deltaserve.model.batch import BatchRow, build_forward_batch
 from deltaserve.model.layers.parallel import TensorParallel
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
+from deltaserve.ops.batch import BatchRow, build_forward_batch
 
 logger = logging.getLogger(__name__)
 

@@ -16,13 +16,13 @@ from torch import nn
 from deltaserve.cache.kv_pages import KVPagePool
 from deltaserve.cache.state_slots import StateSlotPool
 from deltaserve.config import FULL_ATTENTION, ModelConfig
-from deltaserve.model.batch import ForwardBatch
 from deltaserve.model.layers.attention import GatedAttention
 from deltaserve.model.layers.gdn import GatedDeltaNet
 from deltaserve.model.layers.mlp import MLP, SparseMoeBlock
 from deltaserve.model.layers.parallel import SINGLE, TensorParallel
 from deltaserve.model.layers.params import WeightRequirement, new_param, single
 from deltaserve.ops import linear, rms_norm
+from deltaserve.ops.batch import ForwardBatch
 from deltaserve.ops.rotary import inv_frequencies
 
 

@@ -9,7 +9,6 @@ import os
 import torch
 import torch.nn.functional as F
 
-from deltaserve.model.batch import ForwardBatch
 from deltaserve.ops import activation as _activation_ref
 from deltaserve.ops import attention as _attention_ref
 from deltaserve.ops import conv1d as _conv1d_ref
@@ -17,6 +16,7 @@ from deltaserve.ops import gdn as _gdn_ref
 from deltaserve.ops import moe as _moe_ref
 from deltaserve.ops import norm as _norm_ref
 from deltaserve.ops import rotary as _rotary_ref
+from deltaserve.ops.batch import ForwardBatch
 
 REFERENCE_ONLY = os.environ.get("DELTASERVE_REFERENCE_OPS", "") == "1"
 

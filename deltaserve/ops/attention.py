@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from deltaserve.model.batch import ForwardBatch
+from deltaserve.ops.batch import ForwardBatch
 
 
 def write_kv(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deltaserve.model.batch import ForwardBatch
+from deltaserve.ops.batch import ForwardBatch
 
 
 def causal_conv1d(

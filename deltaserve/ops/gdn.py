@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deltaserve.model.batch import ForwardBatch
+from deltaserve.ops.batch import ForwardBatch
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

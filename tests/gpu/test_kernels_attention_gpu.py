@@ -27,8 +27,8 @@ from test_kernels_attention import (  # noqa: E402
     reference_qk_norm_rope_write_kv,
 )
 
-from deltaserve.model.batch import ForwardBatch  # noqa: E402
 from deltaserve.ops import attention as ref  # noqa: E402
+from deltaserve.ops.batch import ForwardBatch  # noqa: E402
 from deltaserve.ops.rotary import inv_frequencies  # noqa: E402
 from deltaserve.ops.triton import attention as tri  # noqa: E402
 

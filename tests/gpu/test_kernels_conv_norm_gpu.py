@@ -15,8 +15,8 @@ from functools import partial
 import pytest
 import torch
 
-from deltaserve.model.batch import BatchRow, ForwardBatch, build_forward_batch
 from deltaserve.ops import activation, conv1d, norm
+from deltaserve.ops.batch import BatchRow, ForwardBatch, build_forward_batch
 from deltaserve.ops.triton import activation as triton_act
 from deltaserve.ops.triton import conv1d as triton_conv
 from deltaserve.ops.triton import norm as triton_norm

@@ -6,10 +6,10 @@ import torch
 from torch import nn
 
 from deltaserve.config import ModelConfig
-from deltaserve.model.batch import ForwardBatch
 from deltaserve.model.layers.parallel import SINGLE, TensorParallel
 from deltaserve.model.layers.params import WeightRequirement, new_param, single, stacked
 from deltaserve.ops import linear, paged_attention, qk_norm_rope_write_kv
+from deltaserve.ops.batch import ForwardBatch
 
 
 class GatedAttention(nn.Module):

@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 from deltaserve.config import ModelConfig
-from deltaserve.model.batch import ForwardBatch
 from deltaserve.model.layers.parallel import SINGLE, TensorParallel
 from deltaserve.model.layers.params import WeightRequirement, new_param, single, stacked
 from deltaserve.ops import causal_conv1d, gated_delta_rule, gated_rms_norm, linear
+from deltaserve.ops.batch import ForwardBatch
 
 
 class GatedDeltaNet(nn.Module):

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deltaserve.model.batch import ForwardBatch
+from deltaserve.ops.batch import ForwardBatch
 
 
 class _Tiles(NamedTuple):

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deltaserve.model.batch import ForwardBatch
+from deltaserve.ops.batch import ForwardBatch
 from deltaserve.ops.triton.activation import round_to, silu_f32
 
 # 16 tokens x 64 channels per program over 2 warps (measured best of tokens 8..64 x channels 32..256 x

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deltaserve.model.batch import ForwardBatch, to_device
+from deltaserve.ops.batch import ForwardBatch, to_device
 
 
 @triton.jit
