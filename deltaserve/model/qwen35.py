@@ -13,8 +13,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deltaserve.cache.kv_pages import KVPagePool
-from deltaserve.cache.state_slots import StateSlotPool
 from deltaserve.config import FULL_ATTENTION, ModelConfig
 from deltaserve.model.layers.attention import GatedAttention
 from deltaserve.model.layers.gdn import GatedDeltaNet
@@ -22,7 +20,7 @@ from deltaserve.model.layers.mlp import MLP, SparseMoeBlock
 from deltaserve.model.layers.parallel import SINGLE, TensorParallel
 from deltaserve.model.layers.params import WeightRequirement, new_param, single
 from deltaserve.ops import linear, rms_norm
-from deltaserve.ops.batch import ForwardBatch
+from deltaserve.ops.batch import CacheLayers, ForwardBatch
 from deltaserve.ops.rotary import inv_frequencies
 
 
@@ -111,7 +109,7 @@ class Qwen35ForCausalLM(nn.Module):
             reqs += layer.weight_requirements(f"layers.{i}")
         return reqs
 
-    def forward(self, batch: ForwardBatch, kv: KVPagePool, states: StateSlotPool) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, kv: CacheLayers, states: CacheLayers) -> torch.Tensor:
         """Runs every new token of the batch; returns the final-normed hidden states of the
         `batch.logits_indices` rows, [R, hidden]."""
         h = F.embedding(batch.input_ids, self.embed_tokens)

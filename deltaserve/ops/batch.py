@@ -9,8 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
+
+
+class CacheLayers(Protocol):
+    """A device pool with one tensor pair per layer: the paged KV pool (k, v of each full-attention
+    layer) or the state-slot pool (conv, ssm of each GDN layer)."""
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @dataclass(slots=True)
