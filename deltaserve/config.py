@@ -394,6 +394,21 @@ def _check_consistency(cfg: ModelConfig, k: _Keys) -> None:
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
+SCHEDULER_POLICIES = ("fcfs", "auto")
+
+
+def policy_error(policy: str, prefill_overlap: bool) -> str | None:
+    """Why a scheduling policy / flag combination is refused at start, or None when it is valid."""
+    if policy not in SCHEDULER_POLICIES:
+        return f"--scheduler-policy must be one of {list(SCHEDULER_POLICIES)}, got {policy!r}"
+    if policy == "auto" and prefill_overlap:
+        return (
+            "--scheduler-policy auto cannot be combined with --prefill-overlap: the overlap path already keeps "
+            "decode running while a prefill is in flight; choose one"
+        )
+    return None
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """Engine flags, with vLLM's names. `validate()` runs before the model loads."""
@@ -422,8 +437,6 @@ class EngineConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
-        from deltaserve.engine.scheduler.plan import policy_error  # the scheduler package imports config
-
         def fail(flag: str, expected: str, found: Any) -> ConfigError:
             return ConfigError(f"--{flag.replace('_', '-')} must be {expected}, got {found!r}")
 

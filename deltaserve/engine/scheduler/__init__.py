@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from deltaserve.cache.manager import CacheManager, SequenceCache
+from deltaserve.config import policy_error
 from deltaserve.engine.backend import Backend
 from deltaserve.engine.protocol import (
     AbortRequest,
@@ -45,7 +46,6 @@ from deltaserve.engine.protocol import (
 )
 from deltaserve.engine.sampler import make_seed
 from deltaserve.engine.scheduler import emit, steps, telemetry
-from deltaserve.engine.scheduler.plan import policy_error
 from deltaserve.engine.structured import GrammarBackend, RequestGrammar
 from deltaserve.errors import ConfigError
 from deltaserve.sampling_params import SamplingParams

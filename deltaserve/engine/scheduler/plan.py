@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-SCHEDULER_POLICIES = ("fcfs", "auto")
 # Under the `auto` policy a tick whose decoders include one this close to its max_tokens runs decode only.
 DECODE_FINISH_WINDOW_TOKENS = 4
 
@@ -173,16 +172,4 @@ def build_next_plan(num_decode_rows: int, num_chunks: int) -> PlanKind | None:
         return PlanKind.PREFILL
     if num_decode_rows:
         return PlanKind.DECODE
-    return None
-
-
-def policy_error(policy: str, prefill_overlap: bool) -> str | None:
-    """Why a scheduling policy / flag combination is refused at start, or None when it is valid."""
-    if policy not in SCHEDULER_POLICIES:
-        return f"--scheduler-policy must be one of {list(SCHEDULER_POLICIES)}, got {policy!r}"
-    if policy == "auto" and prefill_overlap:
-        return (
-            "--scheduler-policy auto cannot be combined with --prefill-overlap: the overlap path already keeps "
-            "decode running while a prefill is in flight; choose one"
-        )
     return None
