@@ -1,10 +1,10 @@
-"""The decode graph's input layout (engine/runner.fill_decode_inputs), with hand-computed values."""
+"""The decode graph's input layout (engine/cuda_graphs.fill_decode_inputs), with hand-computed values."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from deltaserve.engine.runner import DUMMY_PAGE, DUMMY_SLOT, fill_decode_inputs
+from deltaserve.engine.cuda_graphs import DUMMY_PAGE, DUMMY_SLOT, fill_decode_inputs
 from deltaserve.ops.batch import BatchRow
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+DUMMY_PAGE = 0  # reserved: padding rows point here
+
 
 class KVPagePool:
     def __init__(

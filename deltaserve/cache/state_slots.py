@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+DUMMY_SLOT = 0  # reserved: padding rows point here
+
 
 class StateSlotPool:
     def __init__(

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import torch
 
 from deltaserve.cache.manager import CacheManager, SequenceCache
+from deltaserve.engine.cuda_graphs import CudaGraphRunner
 from deltaserve.engine.protocol import TokenLogprobs
-from deltaserve.engine.runner import CudaGraphRunner
 from deltaserve.engine.sampler import Sampler, SamplerOutput, SamplingRow, logprobs_of
 from deltaserve.engine.structured import apply_grammars
 from deltaserve.model.qwen35 import Qwen35ForCausalLM

@@ -10,31 +10,24 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from deltaserve.cache.manager import CacheManager, build_cache
 from deltaserve.config import EngineConfig, ModelConfig
 from deltaserve.engine.backend import Backend
+from deltaserve.engine.cuda_graphs import CudaGraphRunner
 from deltaserve.engine.protocol import ClientMessage, Shutdown, StepOutputs
-from deltaserve.engine.runner import CudaGraphRunner, WarmupReport, warm_up
+from deltaserve.engine.rank import build_rank
 from deltaserve.engine.scheduler import Scheduler, SchedulerConfig, start_scheduler
 from deltaserve.engine.structured import GrammarBackend, grammar_vocabulary
-from deltaserve.engine.tp import RankWorkers, TensorParallelBackend, TensorParallelError, agree_on_minimum
+from deltaserve.engine.tp import RankWorkers, TensorParallelBackend, TensorParallelError
 from deltaserve.errors import ConfigError
 from deltaserve.model.layers.parallel import TensorParallel
-from deltaserve.model.qwen35 import Qwen35ForCausalLM
-from deltaserve.model.weights import init_dummy_weights, load_weights
+from deltaserve.tiny import default_model_dir
 from deltaserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-CPU_DEFAULT_KV_GB = 0.25
-GRAPH_RESERVE_BYTES = 256 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,8 +48,6 @@ class EngineInfo:
 
 def resolve_model_dir(model: str | None) -> Path:
     if model is None:
-        from deltaserve.tiny import default_model_dir
-
         return default_model_dir()
     path = Path(model)
     if not (path / "config.json").is_file():
@@ -206,113 +197,3 @@ class EngineCore:
         """Stops the tensor-parallel rank processes (bounded waits); idempotent."""
         if self.workers is not None:
             self.workers.close()
-
-
-@dataclass(slots=True)
-class RankState:
-    """What one rank owns: its model shard and its caches."""
-
-    model: Qwen35ForCausalLM
-    cache: CacheManager
-    device: torch.device
-    dtype: torch.dtype
-
-
-def build_rank(
-    config: EngineConfig, model_dir: Path, model_config: ModelConfig, tokenizer_vocab: int, tp: TensorParallel
-) -> RankState:
-    """Model shard -> weights -> warm-up at the real chunk shapes (GPU) -> KV pages from what is left ->
-    caches. Every rank runs this in the same order: under tensor parallelism the warm-up's forwards and
-    the page-count agreement are collectives."""
-    device = config.resolved_device()
-    if tp.size > 1 and device.type == "cuda":
-        device = torch.device("cuda", tp.rank)
-        torch.cuda.set_device(device)
-    dtype = config.resolved_dtype(device)
-    started = time.monotonic()
-    model = Qwen35ForCausalLM(
-        model_config, dtype=dtype, device=device, logits_vocab_size=tokenizer_vocab, tp=tp
-    )
-    if config.load_format == "dummy":
-        init_dummy_weights(model, seed=config.seed)
-    else:
-        load_weights(model, model_dir)
-    logger.info(
-        "model loaded from %s in %.1f s (%s, %s%s)",
-        model_dir,
-        time.monotonic() - started,
-        device,
-        dtype,
-        f", tensor-parallel rank {tp.rank} of {tp.size}" if tp.size > 1 else "",
-    )
-    local = model.local_config
-    warmup = _warm_up(config, model, local, dtype, device) if device.type == "cuda" else None
-    num_pages = _plan_kv_pages(config, local, device, dtype, warmup)
-    if tp.size > 1:
-        num_pages = agree_on_minimum(num_pages, device)
-    cache = build_cache(
-        local,
-        num_pages=num_pages,
-        page_size=config.page_size,
-        num_slots=config.max_num_seqs + 1,
-        dtype=dtype,
-        device=device,
-    )
-    return RankState(model, cache, device, dtype)
-
-
-def _warm_up(
-    cfg: EngineConfig, model: Qwen35ForCausalLM, local: ModelConfig, dtype: torch.dtype, device: torch.device
-) -> WarmupReport:
-    """Kernels compile and autotune at the real chunk shapes on a throwaway two-page KV pool."""
-    scratch = build_cache(
-        local,
-        num_pages=2,
-        page_size=cfg.page_size,
-        num_slots=cfg.max_num_seqs + 1,
-        dtype=dtype,
-        device=device,
-    )
-    report = warm_up(model, scratch, cfg.max_num_batched_tokens, cfg.max_num_seqs)
-    del scratch
-    torch.cuda.empty_cache()
-    logger.info(
-        "warm-up at the real chunk shapes: %.1f s, activation peak %.2f GiB",
-        report.seconds,
-        report.peak_activation_bytes / 2**30,
-    )
-    return report
-
-
-def _plan_kv_pages(
-    cfg: EngineConfig,
-    local: ModelConfig,
-    device: torch.device,
-    dtype: torch.dtype,
-    warmup: WarmupReport | None,
-) -> int:
-    """KV pages for this rank (`local` is its geometry: its KV heads and GDN heads)."""
-    if cfg.num_kv_pages is not None:
-        return cfg.num_kv_pages
-    page_bytes = local.kv_bytes_per_token(dtype) * cfg.page_size
-    state_bytes = (cfg.max_num_seqs + 1) * local.state_bytes_per_sequence(dtype)
-    if device.type == "cuda":
-        assert warmup is not None
-        free, total = torch.cuda.mem_get_info(device)
-        # The state pool is allocated after this; graph capture needs a little room of its own.
-        reserve = state_bytes + warmup.peak_activation_bytes + GRAPH_RESERVE_BYTES
-        budget = cfg.gpu_memory_utilization * total - (total - free) - reserve
-        where = (
-            f"GPU {total / 2**30:.1f} GiB x {cfg.gpu_memory_utilization} utilization, "
-            f"{(total - free) / 2**30:.1f} GiB in use (weights, context), state slots {state_bytes / 2**30:.2f} GiB, "
-            f"activations {warmup.peak_activation_bytes / 2**30:.2f} GiB"
-        )
-        flag = "raise --gpu-memory-utilization, or lower --max-num-seqs or --max-num-batched-tokens"
-    else:
-        budget = (cfg.kv_cache_memory_gb or CPU_DEFAULT_KV_GB) * 2**30
-        where = f"--kv-cache-memory-gb {cfg.kv_cache_memory_gb or CPU_DEFAULT_KV_GB}"
-        flag = "raise --kv-cache-memory-gb"
-    pages = int(budget // page_bytes) + 1  # + the reserved page
-    if pages < 2:
-        raise ConfigError(f"no memory left for the KV cache ({where}); {flag}")
-    return pages

@@ -39,6 +39,8 @@ import torch.distributed as dist
 from deltaserve.cache.manager import CacheManager
 from deltaserve.config import EngineConfig, ModelConfig
 from deltaserve.engine.backend import Backend
+from deltaserve.engine.rank import build_rank
+from deltaserve.errors import ConfigError
 from deltaserve.model.layers.parallel import TensorParallel
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
 from deltaserve.ops.batch import BatchRow, build_forward_batch
@@ -236,13 +238,6 @@ def init_process_group(device_type: str, init_method: str, rank: int, size: int)
     )
 
 
-def agree_on_minimum(value: int, device: torch.device) -> int:
-    """The smallest `value` over the ranks (KV pages: every rank's pool must hold the same pages)."""
-    t = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t.item())
-
-
 class RankWorkers:
     """The processes of ranks 1..N-1 and rank 0's group over them."""
 
@@ -260,8 +255,6 @@ class RankWorkers:
         size = config.tensor_parallel_size
         device_type = config.resolved_device().type
         if device_type == "cuda" and torch.cuda.device_count() < size:
-            from deltaserve.errors import ConfigError
-
             raise ConfigError(
                 f"--tensor-parallel-size {size} needs {size} GPUs, this machine has {torch.cuda.device_count()}"
             )
@@ -351,8 +344,6 @@ class RankWorkers:
 def run_rank(spec: RankSpec, channel: Connection) -> None:
     """Entry point of rank `spec.rank`: build the shard (collectives in rank 0's order), report ready,
     then run steps until Stop or until rank 0 is gone."""
-    from deltaserve.engine.core import build_rank
-
     logging.basicConfig(
         level=os.environ.get("DELTASERVE_LOG_LEVEL", "INFO"),
         format=f"%(asctime)s rank{spec.rank} %(levelname)s %(message)s",

@@ -32,7 +32,7 @@ import torch
 from deltaserve.cache.manager import build_cache
 from deltaserve.config import ModelConfig
 from deltaserve.engine.backend import Backend, StepItem
-from deltaserve.engine.runner import CudaGraphRunner
+from deltaserve.engine.cuda_graphs import CudaGraphRunner
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
 from deltaserve.model.weights import load_state_dict
 from deltaserve.ops.batch import BatchRow, build_forward_batch
