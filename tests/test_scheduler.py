@@ -513,7 +513,7 @@ def test_penalised_requests_decode_synchronously_with_the_same_tokens(model):
 
 def test_a_request_leaving_under_a_running_decode_step_keeps_its_caches_until_the_step_is_waited(model):
     # Guard: no KV or state is released under a launched step that may still write it.
-    from deltaserve.engine.scheduler import emit
+    from deltaserve.engine.scheduler import lifecycle
 
     run = Run(model)
     run.add("x", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
@@ -523,7 +523,7 @@ def test_a_request_leaving_under_a_running_decode_step_keeps_its_caches_until_th
     assert step is not None and not step.waited
     slots_free, pages_used = run.sched.cache.states.num_free, run.sched.cache.kv.num_used
     run.sched.by_id["x"].closed = True
-    emit.prune_closed_requests(run.sched)  # what the next tick does first: x retires...
+    lifecycle.prune_closed_requests(run.sched)  # what the next tick does first: x retires...
     assert "x" not in run.sched.by_id and run.sched.updates[-1].finish_reason == "abort"
     # ...but its slot and pages stay held while the step may still write them.
     assert run.sched.cache.states.num_free == slots_free and run.sched.cache.kv.num_used == pages_used

@@ -1,7 +1,9 @@
-"""Continuous-batching scheduler: request types, the entry point, load publishing and the main loop.
+"""Continuous-batching scheduler: the entry point, load publishing and the main loop.
 
-Step drivers live in steps.py, emission (terminal fan-out, pruning, rejections) in emit.py, per-step ITL
-telemetry in telemetry.py and pure policy in plan.py. One tick, in this fixed order:
+Request types and the chunk vocabulary live in request.py, what the scheduler owns in state.py, step
+drivers in steps.py, where a request dies (retire, failure, pruning, shutdown fan-out) in lifecycle.py,
+submission checks in validation.py, per-step ITL telemetry in telemetry.py and pure policy in plan.py.
+One tick, in this fixed order:
 
   1. finish an async prefill whose result is ready
   2. drain submissions (adds, aborts)
@@ -15,9 +17,8 @@ telemetry in telemetry.py and pure policy in plan.py. One tick, in this fixed or
   9. execute (or launch ahead); dispatch tokens; retire
  10. ITL telemetry line
 
-Ownership: a request is in exactly one of `waiting`, `prefilling`, `inflight` (an async prefill) or
-`running`, or it has had its single terminal update. A decode-ahead step's requests stay in `running`
-(`decode_ahead` only holds the step's unread tokens). Only the scheduler thread touches these.
+Ownership (request.py): a request is in exactly one queue or has had its single terminal update. Only
+the scheduler thread touches the queues.
 """
 
 from __future__ import annotations
@@ -26,13 +27,8 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from enum import Enum
 
-from deltaserve.cache.manager import CacheManager, SequenceCache
-from deltaserve.config import policy_error
 from deltaserve.engine.backend import Backend
 from deltaserve.engine.protocol import (
     AbortRequest,
@@ -42,88 +38,19 @@ from deltaserve.engine.protocol import (
     RequestUpdate,
     Shutdown,
     StepOutputs,
-    TokenLogprobs,
 )
 from deltaserve.engine.sampler import make_seed
-from deltaserve.engine.scheduler import emit, steps, telemetry
-from deltaserve.engine.structured import GrammarBackend, RequestGrammar
-from deltaserve.errors import ConfigError
-from deltaserve.sampling_params import SamplingParams
+from deltaserve.engine.scheduler import lifecycle, steps, telemetry, validation
+from deltaserve.engine.scheduler.request import Phase, Request
+from deltaserve.engine.scheduler.state import SchedulerConfig, SchedulerState
+from deltaserve.engine.structured import GrammarBackend
+
+__all__ = ["Phase", "Request", "Scheduler", "SchedulerConfig", "start_scheduler"]
 
 logger = logging.getLogger(__name__)
 
 
-class Phase(Enum):
-    WAITING = "waiting"
-    PREFILLING = "prefilling"
-    INFLIGHT = "inflight"
-    RUNNING = "running"
-    DONE = "done"
-
-
-@dataclass(slots=True, eq=False)
-class Request:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    max_tokens: int  # resolved: params.max_tokens or the rest of the context window
-    seed: int  # sampling seed for the request's whole life
-    arrival_time: float
-    echo: bool = False
-    output_token_ids: list[int] = field(default_factory=list)
-    seq: SequenceCache | None = None  # pages + state slot while admitted
-    phase: Phase = Phase.WAITING
-    closed: bool = False  # the client went away; pruned at the next tick
-    admitted_order: int = -1  # admission counter: preemption victims are the newest
-    num_preemptions: int = 0
-    first_scheduled_time: float | None = None
-    checked: bool = False  # submission checks (contract, fields, token ids) ran
-    decode_step: steps.DecodeAhead | None = None  # the latest decode-ahead step launched over it
-    # Asked-for prompt logprobs so far (entry i scores prompt token i; entry 0 is None), sent with the
-    # first token. Invariant while scoring: a prefill chunk starting at s finds s + 1 entries.
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
-    prompt_logprobs_sent: bool = False
-    grammar: RequestGrammar | None = None  # structured output, built by the submission checks
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def num_computed(self) -> int:
-        return self.seq.num_computed if self.seq is not None else 0
-
-    @property
-    def num_pending(self) -> int:
-        """Tokens still to feed: the unprefilled prompt (and recomputed outputs), or the last token."""
-        return self.num_tokens - self.num_computed
-
-    def token_slice(self, start: int, length: int) -> list[int]:
-        prompt = self.prompt_token_ids
-        end = start + length
-        if end <= len(prompt):
-            return prompt[start:end]
-        return (prompt + self.output_token_ids)[start:end]
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerConfig:
-    max_model_len: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    vocab_size: int  # the tokenizer's id space: prompts and stop ids must lie inside it
-    eos_token_ids: tuple[int, ...] = ()
-    policy: str = "fcfs"
-    prefill_overlap: bool = False  # launch prefill chunks asynchronously while decode continues
-    decode_ahead: bool = True  # launch decode step N+1 before reading step N's tokens
-
-    def validate(self) -> None:
-        error = policy_error(self.policy, self.prefill_overlap)
-        if error is not None:
-            raise ConfigError(error)
-
-
-class Scheduler:
+class Scheduler(SchedulerState):
     """Owns every request and every cache handle. `submit` may be called from any thread; everything
     else runs on the scheduler thread (`run`, or `tick` in tests)."""
 
@@ -134,24 +61,7 @@ class Scheduler:
         publish: Callable[[StepOutputs], None],
         grammars: GrammarBackend | None = None,
     ) -> None:
-        config.validate()
-        self.config = config
-        self.backend = backend
-        self.grammars = grammars  # structured output; None: such requests are rejected
-        self.cache: CacheManager = backend.cache
-        self.publish = publish
-        self.inbox: queue.SimpleQueue[ClientMessage] = queue.SimpleQueue()
-        self.waiting: deque[Request] = deque()
-        self.prefilling: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.inflight: steps.InflightPrefill | None = None
-        self.decode_ahead: steps.DecodeAhead | None = None
-        self.by_id: dict[str, Request] = {}
-        self.updates: list[RequestUpdate] = []  # produced this tick, published at its end
-        self.load = LoadSnapshot()  # replaced whole each tick: readable from other threads without locks
-        self.num_preemptions = 0
-        self.stopped = False
-        self._admitted = 0
+        super().__init__(config, backend, publish, grammars)
         self._wake = threading.Event()
 
     # ---- entry ---------------------------------------------------------------------------------
@@ -169,7 +79,7 @@ class Scheduler:
                     self._wait_for_work(idle_wait_s)
         except Exception as exc:  # any escape is fatal: every owned request gets its one terminal
             logger.exception("scheduler failed")
-            emit.terminal_scheduler_shutdown(self, f"engine failed: {type(exc).__name__}: {exc}")
+            lifecycle.terminal_scheduler_shutdown(self, f"engine failed: {type(exc).__name__}: {exc}")
             raise
 
     def _wait_for_work(self, timeout: float) -> None:
@@ -187,8 +97,10 @@ class Scheduler:
         self._drain_inbox()
         if self.stopped:
             return False
-        emit.prune_closed_requests(self)
-        emit.reject_unsupported(self)
+        if self.inflight is not None and any(r.closed for r in self.inflight.requests):
+            steps.finish_async_prefill(self)  # drained before pruning: the device may still read their state
+        lifecycle.prune_closed_requests(self)
+        validation.reject_unsupported(self)
         self._publish_load()
         if not (self.waiting or self.prefilling or self.running or self.inflight or self.decode_ahead):
             self._flush()
@@ -212,7 +124,7 @@ class Scheduler:
                 if req is not None:
                     req.closed = True
             elif isinstance(msg, Shutdown):
-                emit.terminal_scheduler_shutdown(self, msg.reason)
+                lifecycle.terminal_scheduler_shutdown(self, msg.reason)
                 return
 
     def _add(self, msg: AddRequest) -> None:

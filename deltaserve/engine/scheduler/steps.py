@@ -1,6 +1,6 @@
 """Step drivers: admission, batch prefill, overlap launch, unified prefill+decode, pure decode (with
-decode-ahead), token dispatch and retirement, and the chunk vocabulary (ScheduledChunk, InflightPrefill,
-take_prefill_chunks, promote_or_requeue).
+decode-ahead), token dispatch and retirement, and chunk taking (take_prefill_chunks, promote_or_requeue;
+the chunk vocabulary itself is in request.py).
 
 Every step is ONE backend forward over a flattened batch: decode rows first, then prefill chunks. A
 chunk that reaches the end of its request's tokens samples the request's next token there ("promote");
@@ -18,16 +18,13 @@ it (a stop token) has had one step too many computed; that step's token is dropp
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
-from deltaserve.cache.manager import CacheManager, SequenceCache
-from deltaserve.engine.backend import PendingStep, PromptScoring, StepItem, StepResult, TokenFeed
+from deltaserve.engine.backend import PromptScoring, StepItem, StepResult, TokenFeed
 from deltaserve.engine.protocol import RequestUpdate, TokenLogprobs
 from deltaserve.engine.sampler import SamplingRow, uses_penalties
-from deltaserve.engine.scheduler import emit, telemetry
+from deltaserve.engine.scheduler import lifecycle, telemetry
 from deltaserve.engine.scheduler.plan import (
     AdmissionCapacity,
     PendingView,
@@ -39,81 +36,15 @@ from deltaserve.engine.scheduler.plan import (
     plan_prefill_chunks,
     preemptions_needed,
 )
-
-if TYPE_CHECKING:
-    from deltaserve.engine.scheduler import Request, Scheduler
-
-
-@dataclass(slots=True)
-class ScheduledChunk:
-    request: Request
-    start: int  # position of the chunk's first token (== the request's cursor when scheduled)
-    length: int
-
-    @property
-    def completes(self) -> bool:
-        """The chunk feeds the request's last pending token, so its logits give the next token."""
-        return self.start + self.length == self.request.num_tokens
-
-
-@dataclass(slots=True)
-class InflightPrefill:
-    """A prefill launched asynchronously. It owns its requests until `finish_async_prefill`: they are in
-    no other queue, and their caches are released only after the step's result was waited for."""
-
-    chunks: list[ScheduledChunk]
-    pending: PendingStep
-
-    @property
-    def requests(self) -> list[Request]:
-        return [c.request for c in self.chunks]
-
-
-@dataclass(slots=True)
-class DecodeAhead:
-    """A pure-decode step whose tokens have not been read. Its requests stay in `running`; row i of
-    `pending` is `requests[i]`'s next token. A request that retires while the step may still run keeps
-    its pages and slot until the step has been waited for (`deferred`, released by `wait`)."""
-
-    requests: list[Request]
-    pending: PendingStep
-    deferred: list[SequenceCache] = field(default_factory=list)
-    waited: bool = False
-
-    def wait(self, cache: CacheManager) -> StepResult:
-        result = self.pending.wait()
-        self.waited = True
-        for seq in self.deferred:
-            cache.release(seq)
-        self.deferred.clear()
-        for r in self.requests:
-            if r.decode_step is self:
-                r.decode_step = None
-        return result
-
-
-def release_caches(sched: Scheduler, req: Request) -> None:
-    """Gives the request's pages and slot back, or, while a decode-ahead step over it may still run,
-    hands them to that step to release once it has been waited for (no KV or state is released under
-    a running step)."""
-    if req.seq is None:
-        return
-    step = req.decode_step
-    if step is not None and not step.waited:
-        step.deferred.append(req.seq)
-    else:
-        sched.cache.release(req.seq)
-    req.seq = None
-
+from deltaserve.engine.scheduler.request import DecodeAhead, InflightPrefill, Phase, Request, ScheduledChunk
+from deltaserve.engine.scheduler.state import SchedulerState
 
 # ---- admission ---------------------------------------------------------------------------------
 
 
-def admit(sched: Scheduler) -> None:
+def admit(sched: SchedulerState) -> None:
     if not sched.waiting:
         return
-    from deltaserve.engine.scheduler import Phase
-
     cache = sched.cache
     page_size = cache.page_size
     holders = list(sched.prefilling) + (sched.inflight.requests if sched.inflight else [])
@@ -135,7 +66,7 @@ def admit(sched: Scheduler) -> None:
     gone = set(decision.admitted)
     for index, rejection in decision.rejected:
         gone.add(index)
-        emit.send_rejection(sched, waiting[index], rejection.message, "max_tokens")
+        lifecycle.send_rejection(sched, waiting[index], rejection.message, "max_tokens")
     for index in decision.admitted:
         req = waiting[index]
         req.seq = cache.open()
@@ -150,7 +81,7 @@ def admit(sched: Scheduler) -> None:
 # ---- one step ----------------------------------------------------------------------------------
 
 
-def run_step(sched: Scheduler) -> None:
+def run_step(sched: SchedulerState) -> None:
     started = time.monotonic() if telemetry.ITL_DEBUG else 0.0
     ahead = sched.decode_ahead
     if ahead is not None:
@@ -199,27 +130,31 @@ def run_step(sched: Scheduler) -> None:
         telemetry.log_itl_step(label, prefill_tokens, len(chunks), len(decode), started, time.monotonic())
 
 
-def _execute(sched: Scheduler, decode: list[Request], chunks: list[ScheduledChunk]) -> None:
+def _execute(sched: SchedulerState, decode: list[Request], chunks: list[ScheduledChunk]) -> None:
     """Pure decode, batch prefill or unified prefill+decode: one forward over decode rows then chunks."""
     items = [StepItem(r.seq, [r.output_token_ids[-1]], _sampling_row(sched, r)) for r in decode]
     items += [_chunk_item(sched, c) for c in chunks]
     try:
         result = sched.backend.launch(items).wait()
     except (torch.OutOfMemoryError, MemoryError) as exc:
-        emit.fail_requests(sched, decode + [c.request for c in chunks], f"step failed: out of memory ({exc})")
+        lifecycle.fail_requests(
+            sched, decode + [c.request for c in chunks], f"step failed: out of memory ({exc})"
+        )
         return
     dispatch_decode_tokens(sched, decode, result)
     promote_or_requeue(sched, chunks, result, offset=len(decode))
 
 
-def _may_decode_ahead(sched: Scheduler, decode: list[Request]) -> bool:
+def _may_decode_ahead(sched: SchedulerState, decode: list[Request]) -> bool:
     """Decode-ahead needs no host knowledge of the token in flight: penalties count output tokens on
     the host and a grammar's next mask needs the sampled token, so a step with such a row runs
     synchronously."""
     return sched.config.decode_ahead and not any(uses_penalties(r.params) or r.grammar for r in decode)
 
 
-def _launch_decode(sched: Scheduler, decode: list[Request], feed: TokenFeed | None) -> DecodeAhead | None:
+def _launch_decode(
+    sched: SchedulerState, decode: list[Request], feed: TokenFeed | None
+) -> DecodeAhead | None:
     """Launches a pure-decode step without reading its tokens. With `feed`, each request's input token
     is the one in flight (not yet on the host), so its sampling step index counts it."""
     pending = 0 if feed is None else 1
@@ -230,14 +165,14 @@ def _launch_decode(sched: Scheduler, decode: list[Request], feed: TokenFeed | No
     try:
         step = DecodeAhead(decode, sched.backend.launch(items, feed=feed))
     except (torch.OutOfMemoryError, MemoryError) as exc:
-        emit.fail_requests(sched, decode, f"step failed: out of memory ({exc})")
+        lifecycle.fail_requests(sched, decode, f"step failed: out of memory ({exc})")
         return None
     for r in decode:
         r.decode_step = step
     return step
 
 
-def _launch_following_decode(sched: Scheduler, ahead: DecodeAhead) -> DecodeAhead | None:
+def _launch_following_decode(sched: SchedulerState, ahead: DecodeAhead) -> DecodeAhead | None:
     """The step after `ahead`, fed its tokens on the device, when the next step is pure decode over
     requests of `ahead` with free pages for all of them; None otherwise (the caller then finishes
     `ahead` and plans normally)."""
@@ -256,12 +191,12 @@ def _launch_following_decode(sched: Scheduler, ahead: DecodeAhead) -> DecodeAhea
     return _launch_decode(sched, follow, TokenFeed(ahead.pending, [rows[id(r)] for r in follow]))
 
 
-def finish_decode_ahead(sched: Scheduler, ahead: DecodeAhead) -> None:
+def finish_decode_ahead(sched: SchedulerState, ahead: DecodeAhead) -> None:
     """Reads the step's tokens and dispatches them to its requests that are still running."""
     dispatch_decode_tokens(sched, ahead.requests, ahead.wait(sched.cache))
 
 
-def _chunk_item(sched: Scheduler, c: ScheduledChunk) -> StepItem:
+def _chunk_item(sched: SchedulerState, c: ScheduledChunk) -> StepItem:
     """A chunk's share of the forward; it samples only when it feeds the request's last pending token."""
     req = c.request
     sampling = _sampling_row(sched, req) if c.completes else None
@@ -281,10 +216,9 @@ def _prompt_scoring(req: Request, c: ScheduledChunk) -> PromptScoring | None:
     return PromptScoring(list(prompt[c.start + 1 : end + 1]), req.params.prompt_logprobs)
 
 
-def launch_overlap_step(sched: Scheduler, chunks: list[ScheduledChunk]) -> None:
+def launch_overlap_step(sched: SchedulerState, chunks: list[ScheduledChunk]) -> None:
     """Launches the chunks asynchronously; the loop keeps decoding and finishes them at a later tick.
     At most one is in flight, and no prefill is planned while it is."""
-    from deltaserve.engine.scheduler import Phase
 
     assert sched.inflight is None, "one async prefill at a time"
     items = [_chunk_item(sched, c) for c in chunks]
@@ -293,7 +227,7 @@ def launch_overlap_step(sched: Scheduler, chunks: list[ScheduledChunk]) -> None:
     sched.inflight = InflightPrefill(chunks, sched.backend.launch(items))
 
 
-def finish_async_prefill(sched: Scheduler) -> None:
+def finish_async_prefill(sched: SchedulerState) -> None:
     """Waits for the in-flight prefill (if any) and promotes or requeues its requests."""
     inflight = sched.inflight
     if inflight is None:
@@ -306,7 +240,7 @@ def finish_async_prefill(sched: Scheduler) -> None:
 # ---- chunk vocabulary --------------------------------------------------------------------------
 
 
-def take_prefill_chunks(sched: Scheduler, budget: int, free_pages: int) -> list[ScheduledChunk]:
+def take_prefill_chunks(sched: SchedulerState, budget: int, free_pages: int) -> list[ScheduledChunk]:
     """Takes chunks off the front of the prefilling FIFO within the token budget and the free pages;
     the requests leave the FIFO (promote_or_requeue puts unfinished ones back at its front)."""
     page_size = sched.cache.page_size
@@ -327,11 +261,10 @@ def take_prefill_chunks(sched: Scheduler, budget: int, free_pages: int) -> list[
 
 
 def promote_or_requeue(
-    sched: Scheduler, chunks: list[ScheduledChunk], result: StepResult, offset: int
+    sched: SchedulerState, chunks: list[ScheduledChunk], result: StepResult, offset: int
 ) -> None:
     """After a prefill forward: a completed chunk's request gets its sampled token and joins the decoders
     (or finishes); a partial chunk's request returns to the FRONT of the prefilling FIFO."""
-    from deltaserve.engine.scheduler import Phase
 
     sampled = offset
     requeue: list[Request] = []
@@ -343,7 +276,7 @@ def promote_or_requeue(
         if req.closed:
             if c.completes:
                 sampled += 1
-            emit.retire(sched, req, finish_reason="abort")
+            lifecycle.retire(sched, req, finish_reason="abort")
             continue
         if not c.completes:
             req.phase = Phase.PREFILLING
@@ -362,10 +295,9 @@ def promote_or_requeue(
 # ---- token dispatch / retirement ---------------------------------------------------------------
 
 
-def dispatch_decode_tokens(sched: Scheduler, decode: list[Request], result: StepResult) -> None:
+def dispatch_decode_tokens(sched: SchedulerState, decode: list[Request], result: StepResult) -> None:
     """Row i's token goes to decode[i] if it is still running (not aborted, failed or retired since the
     step was launched)."""
-    from deltaserve.engine.scheduler import Phase
 
     finished = []
     for i, req in enumerate(decode):
@@ -378,11 +310,11 @@ def dispatch_decode_tokens(sched: Scheduler, decode: list[Request], result: Step
         sched.running = [r for r in sched.running if id(r) not in done]
 
 
-def _append_token(sched: Scheduler, req: Request, token: int, logprobs: TokenLogprobs | None) -> bool:
+def _append_token(sched: SchedulerState, req: Request, token: int, logprobs: TokenLogprobs | None) -> bool:
     """Appends a sampled token, emits it, and retires the request if it stopped. True if it finished."""
     req.output_token_ids.append(token)
     if req.grammar is not None and not req.grammar.accept(token):
-        emit.retire(
+        lifecycle.retire(
             sched,
             req,
             update=RequestUpdate(
@@ -409,11 +341,11 @@ def _append_token(sched: Scheduler, req: Request, token: int, logprobs: TokenLog
         sched.updates.append(update)
         return False
     update.finish_reason, update.stop_reason = reason, stop_reason
-    emit.retire(sched, req, update=update)
+    lifecycle.retire(sched, req, update=update)
     return True
 
 
-def _check_stop(sched: Scheduler, req: Request, token: int) -> tuple[str | None, int | None]:
+def _check_stop(sched: SchedulerState, req: Request, token: int) -> tuple[str | None, int | None]:
     params = req.params
     produced = len(req.output_token_ids)
     if produced >= params.min_tokens:
@@ -426,7 +358,7 @@ def _check_stop(sched: Scheduler, req: Request, token: int) -> tuple[str | None,
     return None, None
 
 
-def _sampling_row(sched: Scheduler, req: Request, pending: int = 0) -> SamplingRow:
+def _sampling_row(sched: SchedulerState, req: Request, pending: int = 0) -> SamplingRow:
     """`pending`: tokens already sampled for the request but not yet on the host (decode-ahead)."""
     params = req.params
     step = len(req.output_token_ids) + pending
@@ -442,7 +374,7 @@ def _sampling_row(sched: Scheduler, req: Request, pending: int = 0) -> SamplingR
 # ---- preemption ----------------------------------------------------------------------------------
 
 
-def _ensure_decode_pages(sched: Scheduler) -> int:
+def _ensure_decode_pages(sched: SchedulerState) -> int:
     """Makes sure every decoder can write its next position, preempting the newest page holders when
     the pool cannot; returns the pages the decode rows will take this step."""
     cache = sched.cache
@@ -458,12 +390,11 @@ def _ensure_decode_pages(sched: Scheduler) -> int:
     return sum(cache.pages_needed(r.seq, r.num_computed + 1) for r in sched.running)
 
 
-def preempt(sched: Scheduler, req: Request) -> None:
+def preempt(sched: SchedulerState, req: Request) -> None:
     """Recompute preemption: frees the request's pages and state slot; it goes back to the front of the
     waiting queue and later recomputes prompt + outputs (the state transaction restarts at zero)."""
-    from deltaserve.engine.scheduler import Phase
 
-    release_caches(sched, req)
+    lifecycle.release_caches(sched, req)
     req.phase = Phase.WAITING
     if req.prompt_logprobs is not None and not req.prompt_logprobs_sent:
         req.prompt_logprobs = [None]  # the recomputed prefill scores the prompt again from its start
@@ -475,7 +406,7 @@ def preempt(sched: Scheduler, req: Request) -> None:
     sched.waiting.appendleft(req)
 
 
-def _relieve_page_deadlock(sched: Scheduler) -> None:
+def _relieve_page_deadlock(sched: SchedulerState) -> None:
     """No decoders, nothing in flight, and the prefilling FIFO could not get a page: the newest
     prefilling request gives its pages back so the older ones proceed (recomputed later)."""
     holders = sorted(sched.prefilling, key=lambda r: r.admitted_order)

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from deltaserve.engine.scheduler import SchedulerConfig
+from deltaserve.engine.scheduler.state import SchedulerConfig
 
 logger = logging.getLogger("deltaserve.itl")
 

@@ -1,41 +1,53 @@
-"""Emission concerns: exactly one terminal update per request.
+"""Where a request dies: exactly one terminal update per request, and its caches back.
 
+- retire: the request's single terminal; its pages and slot are freed (or handed to a decode-ahead step
+  still running over it, which frees them once waited for: no KV or state is released under a running
+  step);
+- fail_requests: a step failed for these requests only;
 - prune_closed_requests: requests whose client went away leave before admission, in the same tick
-  (their pages and slot are free before anything else is planned);
-- reject_unsupported: contracts the engine refuses (echo, prompt logprobs, n > 1) and invalid fields are
-  rejected fail-closed with a reason, never silently degraded;
+  (their pages and slot are free before anything else is planned). An async prefill owns its requests:
+  the tick drains it (steps.finish_async_prefill) before pruning, and it retires its closed ones;
 - terminal_scheduler_shutdown: on shutdown or a fatal error every owned request (queued, prefilling, in
   flight, decoding, or still in the inbox) gets one error, then a zero load snapshot is published.
-An async prefill is always drained (waited for) before any of its requests' KV or state is released.
-So is a decode-ahead step: a request retiring while one runs over it hands its pages and slot to the
-step, which releases them once waited for (steps.release_caches); its tokens go only to running requests.
+  Launched steps are drained (waited for) before any of their requests' KV or state is released.
 """
 
 from __future__ import annotations
 
 import contextlib
 import queue
-from typing import TYPE_CHECKING
 
 from deltaserve.engine.protocol import AddRequest, LoadSnapshot, RequestUpdate, StepOutputs
-from deltaserve.engine.structured import StructuredOutputError
-from deltaserve.errors import RequestValidationError
+from deltaserve.engine.scheduler.request import Phase, Request
+from deltaserve.engine.scheduler.state import SchedulerState
 
-if TYPE_CHECKING:
-    from deltaserve.engine.scheduler import Request, Scheduler
 
-UNSUPPORTED_ECHO_MESSAGE = "echo=true is not supported: the engine does not return prompt tokens"
+def release_caches(sched: SchedulerState, req: Request) -> None:
+    """Gives the request's pages and slot back, or, while a decode-ahead step over it may still run,
+    hands them to that step to release once it has been waited for (no KV or state is released under
+    a running step)."""
+    if req.seq is None:
+        return
+    step = req.decode_step
+    if step is not None and not step.waited:
+        step.deferred.append(req.seq)
+    else:
+        sched.cache.release(req.seq)
+    req.seq = None
 
 
 def retire(
-    sched: Scheduler, req: Request, *, update: RequestUpdate | None = None, finish_reason: str | None = None
+    sched: SchedulerState,
+    req: Request,
+    *,
+    update: RequestUpdate | None = None,
+    finish_reason: str | None = None,
 ) -> None:
     """The request's single terminal: frees its pages and slot (at once, or when a decode-ahead step
     over it has been waited for, within the tick for an abort) and emits `update` (or a bare update
     with `finish_reason`)."""
-    from deltaserve.engine.scheduler import Phase, steps
 
-    steps.release_caches(sched, req)
+    release_caches(sched, req)
     req.phase = Phase.DONE
     sched.by_id.pop(req.request_id, None)
     if update is None:
@@ -49,7 +61,7 @@ def retire(
     sched.updates.append(update)
 
 
-def send_rejection(sched: Scheduler, req: Request, message: str, field: str | None) -> None:
+def send_rejection(sched: SchedulerState, req: Request, message: str, field: str | None) -> None:
     retire(
         sched,
         req,
@@ -63,7 +75,7 @@ def send_rejection(sched: Scheduler, req: Request, message: str, field: str | No
     )
 
 
-def fail_requests(sched: Scheduler, reqs: list[Request], message: str) -> None:
+def fail_requests(sched: SchedulerState, reqs: list[Request], message: str) -> None:
     """A step failed for these requests only: each gets an error terminal; the others keep running."""
     failed = set(map(id, reqs))
     sched.running = [r for r in sched.running if id(r) not in failed]
@@ -73,11 +85,7 @@ def fail_requests(sched: Scheduler, reqs: list[Request], message: str) -> None:
         retire(sched, req, update=RequestUpdate(req.request_id, finish_reason="error", error=message))
 
 
-def prune_closed_requests(sched: Scheduler) -> None:
-    if sched.inflight is not None and any(r.closed for r in sched.inflight.requests):
-        from deltaserve.engine.scheduler import steps
-
-        steps.finish_async_prefill(sched)  # drain first: the device may still read their state
+def prune_closed_requests(sched: SchedulerState) -> None:
     for name in ("waiting", "prefilling"):
         q = getattr(sched, name)
         if any(r.closed for r in q):
@@ -90,52 +98,8 @@ def prune_closed_requests(sched: Scheduler) -> None:
         sched.running = [r for r in sched.running if not r.closed]
 
 
-def reject_unsupported(sched: Scheduler) -> None:
-    """Checks each newly queued request once; a failing one is rejected before any accounting."""
-    bad: list[tuple[Request, str, str]] = []
-    for req in sched.waiting:
-        if req.checked:
-            continue
-        req.checked = True
-        problem = _submission_problem(sched, req)
-        if problem is not None:
-            bad.append((req, *problem))
-    if bad:
-        for req, field, message in bad:
-            send_rejection(sched, req, message, field)
-        gone = set(id(r) for r, _, _ in bad)
-        sched.waiting = type(sched.waiting)(r for r in sched.waiting if id(r) not in gone)
-
-
-def _submission_problem(sched: Scheduler, req: Request) -> tuple[str, str] | None:
-    if req.echo:
-        return "echo", UNSUPPORTED_ECHO_MESSAGE
-    try:
-        req.params.validate()
-        req.params.validate_token_ids(sched.config.vocab_size)
-    except RequestValidationError as err:
-        return err.field, err.message
-    prompt = req.prompt_token_ids
-    if not prompt:
-        return "prompt", "prompt must contain at least one token, got an empty prompt"
-    vocab = sched.config.vocab_size
-    for i, tok in enumerate(prompt):
-        if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab:
-            return "prompt", f"prompt token {i} must be a token id in [0, {vocab}), got {tok!r}"
-    spec = req.params.structured_output
-    if spec is not None:
-        if sched.grammars is None:
-            return "structured_output", "structured output is not available on this engine (no tokenizer)"
-        try:
-            req.grammar = sched.grammars.grammar(spec)
-        except StructuredOutputError as err:
-            return "structured_output", str(err)
-    return None
-
-
-def terminal_scheduler_shutdown(sched: Scheduler, message: str) -> None:
+def terminal_scheduler_shutdown(sched: SchedulerState, message: str) -> None:
     """Fans out exactly one error to every owned request, releases every cache, publishes zero load."""
-    from deltaserve.engine.scheduler import Phase
 
     sched.stopped = True
     if sched.decode_ahead is not None:

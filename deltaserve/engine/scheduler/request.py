@@ -1,0 +1,118 @@
+"""Request types and the chunk vocabulary of the scheduler.
+
+Ownership: a request is in exactly one of `waiting`, `prefilling`, `inflight` (an async prefill) or
+`running`, or it has had its single terminal update (`Phase.DONE`). A decode-ahead step's requests stay
+in `running` (`DecodeAhead` only holds the step's unread tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from deltaserve.cache.manager import CacheManager, SequenceCache
+from deltaserve.engine.backend import PendingStep, StepResult
+from deltaserve.engine.protocol import TokenLogprobs
+from deltaserve.engine.structured import RequestGrammar
+from deltaserve.sampling_params import SamplingParams
+
+
+class Phase(Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    INFLIGHT = "inflight"
+    RUNNING = "running"
+    DONE = "done"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # resolved: params.max_tokens or the rest of the context window
+    seed: int  # sampling seed for the request's whole life
+    arrival_time: float
+    echo: bool = False
+    output_token_ids: list[int] = field(default_factory=list)
+    seq: SequenceCache | None = None  # pages + state slot while admitted
+    phase: Phase = Phase.WAITING
+    closed: bool = False  # the client went away; pruned at the next tick
+    admitted_order: int = -1  # admission counter: preemption victims are the newest
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    checked: bool = False  # submission checks (contract, fields, token ids) ran
+    decode_step: DecodeAhead | None = None  # the latest decode-ahead step launched over it
+    # Asked-for prompt logprobs so far (entry i scores prompt token i; entry 0 is None), sent with the
+    # first token. Invariant while scoring: a prefill chunk starting at s finds s + 1 entries.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprobs_sent: bool = False
+    grammar: RequestGrammar | None = None  # structured output, built by the submission checks
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_computed(self) -> int:
+        return self.seq.num_computed if self.seq is not None else 0
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens still to feed: the unprefilled prompt (and recomputed outputs), or the last token."""
+        return self.num_tokens - self.num_computed
+
+    def token_slice(self, start: int, length: int) -> list[int]:
+        prompt = self.prompt_token_ids
+        end = start + length
+        if end <= len(prompt):
+            return prompt[start:end]
+        return (prompt + self.output_token_ids)[start:end]
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    request: Request
+    start: int  # position of the chunk's first token (== the request's cursor when scheduled)
+    length: int
+
+    @property
+    def completes(self) -> bool:
+        """The chunk feeds the request's last pending token, so its logits give the next token."""
+        return self.start + self.length == self.request.num_tokens
+
+
+@dataclass(slots=True)
+class InflightPrefill:
+    """A prefill launched asynchronously. It owns its requests until `finish_async_prefill`: they are in
+    no other queue, and their caches are released only after the step's result was waited for."""
+
+    chunks: list[ScheduledChunk]
+    pending: PendingStep
+
+    @property
+    def requests(self) -> list[Request]:
+        return [c.request for c in self.chunks]
+
+
+@dataclass(slots=True)
+class DecodeAhead:
+    """A pure-decode step whose tokens have not been read. Its requests stay in `running`; row i of
+    `pending` is `requests[i]`'s next token. A request that retires while the step may still run keeps
+    its pages and slot until the step has been waited for (`deferred`, released by `wait`)."""
+
+    requests: list[Request]
+    pending: PendingStep
+    deferred: list[SequenceCache] = field(default_factory=list)
+    waited: bool = False
+
+    def wait(self, cache: CacheManager) -> StepResult:
+        result = self.pending.wait()
+        self.waited = True
+        for seq in self.deferred:
+            cache.release(seq)
+        self.deferred.clear()
+        for r in self.requests:
+            if r.decode_step is self:
+                r.decode_step = None
+        return result

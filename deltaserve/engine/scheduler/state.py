@@ -1,0 +1,67 @@
+"""What the scheduler is configured with and owns: its queues, its requests, its cache handles.
+
+Only the scheduler thread touches a SchedulerState (`Scheduler.submit` only puts on the inbox). The
+step drivers (steps.py), the lifecycle (lifecycle.py) and the submission checks (validation.py) take it.
+"""
+
+from __future__ import annotations
+
+import queue
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from deltaserve.cache.manager import CacheManager
+from deltaserve.config import policy_error
+from deltaserve.engine.backend import Backend
+from deltaserve.engine.protocol import ClientMessage, LoadSnapshot, RequestUpdate, StepOutputs
+from deltaserve.engine.scheduler.request import DecodeAhead, InflightPrefill, Request
+from deltaserve.engine.structured import GrammarBackend
+from deltaserve.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    vocab_size: int  # the tokenizer's id space: prompts and stop ids must lie inside it
+    eos_token_ids: tuple[int, ...] = ()
+    policy: str = "fcfs"
+    prefill_overlap: bool = False  # launch prefill chunks asynchronously while decode continues
+    decode_ahead: bool = True  # launch decode step N+1 before reading step N's tokens
+
+    def validate(self) -> None:
+        error = policy_error(self.policy, self.prefill_overlap)
+        if error is not None:
+            raise ConfigError(error)
+
+
+class SchedulerState:
+    """Every request and every cache handle the scheduler owns."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        backend: Backend,
+        publish: Callable[[StepOutputs], None],
+        grammars: GrammarBackend | None = None,
+    ) -> None:
+        config.validate()
+        self.config = config
+        self.backend = backend
+        self.grammars = grammars  # structured output; None: such requests are rejected
+        self.cache: CacheManager = backend.cache
+        self.publish = publish
+        self.inbox: queue.SimpleQueue[ClientMessage] = queue.SimpleQueue()
+        self.waiting: deque[Request] = deque()
+        self.prefilling: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.inflight: InflightPrefill | None = None
+        self.decode_ahead: DecodeAhead | None = None
+        self.by_id: dict[str, Request] = {}
+        self.updates: list[RequestUpdate] = []  # produced this tick, published at its end
+        self.load = LoadSnapshot()  # replaced whole each tick: readable from other threads without locks
+        self.num_preemptions = 0
+        self.stopped = False
+        self._admitted = 0

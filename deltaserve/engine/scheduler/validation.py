@@ -1,0 +1,55 @@
+"""Submission checks: contracts the engine refuses and invalid fields are rejected fail-closed, once
+per request, before any accounting, with the field at fault and a reason; never silently degraded."""
+
+from __future__ import annotations
+
+from deltaserve.engine.scheduler.lifecycle import send_rejection
+from deltaserve.engine.scheduler.request import Request
+from deltaserve.engine.scheduler.state import SchedulerState
+from deltaserve.engine.structured import StructuredOutputError
+from deltaserve.errors import RequestValidationError
+
+UNSUPPORTED_ECHO_MESSAGE = "echo=true is not supported: the engine does not return prompt tokens"
+
+
+def reject_unsupported(sched: SchedulerState) -> None:
+    """Checks each newly queued request once; a failing one is rejected before any accounting."""
+    bad: list[tuple[Request, str, str]] = []
+    for req in sched.waiting:
+        if req.checked:
+            continue
+        req.checked = True
+        problem = _submission_problem(sched, req)
+        if problem is not None:
+            bad.append((req, *problem))
+    if bad:
+        for req, field, message in bad:
+            send_rejection(sched, req, message, field)
+        gone = set(id(r) for r, _, _ in bad)
+        sched.waiting = type(sched.waiting)(r for r in sched.waiting if id(r) not in gone)
+
+
+def _submission_problem(sched: SchedulerState, req: Request) -> tuple[str, str] | None:
+    if req.echo:
+        return "echo", UNSUPPORTED_ECHO_MESSAGE
+    try:
+        req.params.validate()
+        req.params.validate_token_ids(sched.config.vocab_size)
+    except RequestValidationError as err:
+        return err.field, err.message
+    prompt = req.prompt_token_ids
+    if not prompt:
+        return "prompt", "prompt must contain at least one token, got an empty prompt"
+    vocab = sched.config.vocab_size
+    for i, tok in enumerate(prompt):
+        if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab:
+            return "prompt", f"prompt token {i} must be a token id in [0, {vocab}), got {tok!r}"
+    spec = req.params.structured_output
+    if spec is not None:
+        if sched.grammars is None:
+            return "structured_output", "structured output is not available on this engine (no tokenizer)"
+        try:
+            req.grammar = sched.grammars.grammar(spec)
+        except StructuredOutputError as err:
+            return "structured_output", str(err)
+    return None
