@@ -5,10 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from driver import Driver, StepItem
 
-from deltaserve.cache.manager import CacheManager, SequenceCache, build_cache
+from deltaserve.cache.device import build_device_caches
+from deltaserve.cache.manager import CacheManager, SequenceCache
 from deltaserve.config import ModelConfig
-from deltaserve.engine.backend import Backend, StepItem
+from deltaserve.engine.backend import Backend
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
 from deltaserve.model.weights import load_weights
 
@@ -27,7 +29,7 @@ class Harness:
         device = torch.device("cpu")
         self.model = Qwen35ForCausalLM(cfg, dtype=torch.float32, device=device)
         load_weights(self.model, model_dir)
-        self.cache: CacheManager = build_cache(
+        self.caches = build_device_caches(
             cfg,
             num_pages=num_pages,
             page_size=page_size,
@@ -36,7 +38,8 @@ class Harness:
             device=device,
             ssm_dtype=ssm_dtype,
         )
-        self.backend = Backend(self.model, self.cache)
+        self.cache = CacheManager.for_device(self.caches)
+        self.backend = Driver(Backend(self.model, self.caches), self.cache)
 
     def open(self) -> SequenceCache:
         return self.cache.open()

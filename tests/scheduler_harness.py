@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from deltaserve.cache.manager import build_cache
+from deltaserve.cache.device import build_device_caches
 from deltaserve.config import ModelConfig
 from deltaserve.engine.backend import Backend
 from deltaserve.engine.protocol import AbortRequest, AddRequest, RequestUpdate, StepOutputs
@@ -42,7 +42,7 @@ class Run:
         decode_ahead: bool = True,
         eos: tuple[int, ...] = (),
     ) -> None:
-        cache = build_cache(
+        caches = build_device_caches(
             model.config,
             num_pages=num_pages,
             page_size=page_size,
@@ -62,7 +62,7 @@ class Run:
         )
         self.updates: dict[str, list[RequestUpdate]] = defaultdict(list)
         self.loads = []
-        self.sched = Scheduler(config, Backend(model, cache), self._publish)
+        self.sched = Scheduler(config, Backend(model, caches), self._publish)
 
     def _publish(self, out: StepOutputs) -> None:
         self.loads.append(out.load)

@@ -71,10 +71,12 @@ def test_tiny_moe_preset_loads_and_matches_hf(tmp_path):
     core = EngineCore(
         EngineConfig(model=str(out), dtype="float32", device="cpu", max_num_seqs=2, max_model_len=256)
     )
-    seq = core.backend.cache.open()
-    from deltaserve.engine.backend import StepItem
+    from driver import Driver, StepItem
 
-    ours = core.backend.forward([StepItem(seq, prompt)], all_logits=True)[0].log_softmax(-1)
+    seq = core.cache.open()
+    ours = (
+        Driver(core.backend, core.cache).forward([StepItem(seq, prompt)], all_logits=True)[0].log_softmax(-1)
+    )
     assert ours.shape == ref.shape == (248077,)  # logits only over the tokenizer's id space
     assert (ours - ref).abs().max() < 1e-3
 

@@ -63,8 +63,8 @@ def test_unified_step_is_one_forward_over_decode_rows_and_chunks(model):
     run = Run(model, max_num_batched_tokens=16)
     calls = []
     launch = run.sched.backend.launch
-    run.sched.backend.launch = lambda items, **kw: (
-        calls.append([len(i.token_ids) for i in items]) or launch(items, **kw)
+    run.sched.backend.launch = lambda plan: (
+        calls.append([len(r.token_ids) for r in plan.rows]) or launch(plan)
     )
     run.add("a", [1, 2, 3], GREEDY8)
     run.tick()  # prefill a
@@ -206,7 +206,7 @@ def test_fatal_error_fans_out_one_error_per_request_and_zero_load(model):
         )
     run.tick(2)
 
-    def broken(items, **kw):
+    def broken(plan):
         raise RuntimeError("device lost")
 
     run.sched.backend.launch = broken
@@ -227,8 +227,8 @@ def test_a_prefill_step_that_fails_still_gives_its_requests_their_terminal(model
     for i in range(3):
         run.add(f"new{i}", list(range(1, 8 + i)), SamplingParams(temperature=0.0, max_tokens=5))
 
-    def broken(items, **kw):
-        assert any(len(item.token_ids) > 1 for item in items), "the failing step carries prefill chunks"
+    def broken(plan):
+        assert any(len(row.token_ids) > 1 for row in plan.rows), "the failing step carries prefill chunks"
         raise RuntimeError("device lost")
 
     run.sched.backend.launch = broken
@@ -318,8 +318,8 @@ def test_auto_policy_runs_decode_only_ticks_near_a_finish(model):
     run = Run(model, policy="auto", max_num_batched_tokens=64)
     calls = []
     launch = run.sched.backend.launch
-    run.sched.backend.launch = lambda items, **kw: (
-        calls.append([len(i.token_ids) for i in items]) or launch(items, **kw)
+    run.sched.backend.launch = lambda plan: (
+        calls.append([len(r.token_ids) for r in plan.rows]) or launch(plan)
     )
     run.add("short", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
     run.tick()  # prefill "short": 1 token out, 2 left (<= 4: within the finish window)
@@ -426,9 +426,9 @@ def _log_launches(run: Run) -> list[tuple]:
     log: list[tuple] = []
     launch = run.sched.backend.launch
 
-    def logged(items, feed=None):
-        pending = launch(items, feed=feed)
-        log.append(("launch", None if feed is None else len(feed.rows), len(items)))
+    def logged(plan):
+        pending = launch(plan)
+        log.append(("launch", None if plan.feed is None else len(plan.feed.rows), len(plan.rows)))
         wait = pending.wait
         pending.wait = lambda: log.append(("wait",)) or wait()
         return pending

@@ -41,7 +41,7 @@ def top8_deltas(model_dir: Path, prompt, ref, tokens, ssm_dtype: torch.dtype | N
     seq = h.open()
     outs = [h.prefill(seq, prompt, 16)]
     outs += [h.step([(seq, [t])])[0] for t in tokens]
-    assert h.cache.states.ssm.dtype == (ssm_dtype or torch.float32)
+    assert h.caches.states.ssm.dtype == (ssm_dtype or torch.float32)
     return torch.cat(
         [(o[o.topk(8).indices] - r[o.topk(8).indices]).abs() for o, r in zip(outs, ref, strict=True)]
     )
@@ -67,8 +67,8 @@ def test_engine_flag_sets_the_state_dtype_and_halves_its_memory():
         )
 
     default, narrow = core("auto"), core("bfloat16")
-    assert default.backend.cache.states.ssm.dtype == torch.float32
-    assert narrow.backend.cache.states.ssm.dtype == torch.bfloat16
+    assert default.backend.caches.states.ssm.dtype == torch.float32
+    assert narrow.backend.caches.states.ssm.dtype == torch.bfloat16
     cfg = default.model_config
     ssm_fp32 = cfg.state_bytes_per_sequence(torch.float32) - narrow.model_config.state_bytes_per_sequence(
         torch.float32

@@ -1,4 +1,4 @@
-"""Paged KV pool for the full-attention layers.
+"""Paged KV for the full-attention layers: the device pages and their allocator.
 
 Pages are fixed-size blocks of `page_size` token positions holding K and V of every full-attention layer.
 Page 0 is reserved: it is never handed out, so padding rows (CUDA-graph buckets) can point at it
@@ -12,7 +12,9 @@ import torch
 DUMMY_PAGE = 0  # reserved: padding rows point here
 
 
-class KVPagePool:
+class KVPages:
+    """Device memory: K and V of every full-attention layer, [layers, num_pages, page_size, kv_heads, dim]."""
+
     def __init__(
         self,
         *,
@@ -31,6 +33,20 @@ class KVPagePool:
         shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k, v) of the index-th full-attention layer: [num_pages, page_size, kv_heads, head_dim] each."""
+        return self.k[index], self.v[index]
+
+
+class PageAllocator:
+    """Which pages are handed out. Knows nothing of their contents."""
+
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        if num_pages < 2:
+            raise ValueError(f"the KV pool needs at least 2 pages (one is reserved), got {num_pages}")
+        self.page_size = page_size
+        self.num_pages = num_pages
         self._free: list[int] = list(range(num_pages - 1, 0, -1))
 
     @property
@@ -58,7 +74,3 @@ class KVPagePool:
 
     def free(self, pages: list[int]) -> None:
         self._free.extend(reversed(pages))
-
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(k, v) of the index-th full-attention layer: [num_pages, page_size, kv_heads, head_dim] each."""
-        return self.k[index], self.v[index]

@@ -1,6 +1,8 @@
 """The state transaction of a hybrid model: KV pages, state slot and position of a sequence move together.
 
-A `SequenceCache` is one sequence's claim on both pools. Invariant, checked at every boundary:
+The CacheManager is the one owner of cache allocation: the scheduler allocates, reserves, advances and
+releases through it; the backend only executes over the pages and slots a step names. A
+`SequenceCache` is one sequence's claim on both pools. Invariant, checked at every boundary:
     num_computed == tokens whose K/V are in `pages` == tokens absorbed into the slot's conv/SSM state.
 `reserve` only adds pages (it never changes what is computed); `advance` moves the position after a
 forward has written both kinds of state; `release` returns pages and slot in one call.
@@ -10,11 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
-from deltaserve.cache.kv_pages import KVPagePool
-from deltaserve.cache.state_slots import StateSlotPool
-from deltaserve.config import DTYPES, ModelConfig
+from deltaserve.cache.device import DeviceCaches
+from deltaserve.cache.kv_pages import PageAllocator
+from deltaserve.cache.state_slots import SlotAllocator
 
 
 @dataclass(slots=True)
@@ -26,9 +26,16 @@ class SequenceCache:
 
 
 class CacheManager:
-    def __init__(self, kv: KVPagePool, states: StateSlotPool) -> None:
-        self.kv = kv
-        self.states = states
+    def __init__(self, *, num_pages: int, page_size: int, num_slots: int) -> None:
+        self.kv = PageAllocator(num_pages, page_size)
+        self.states = SlotAllocator(num_slots)
+
+    @classmethod
+    def for_device(cls, caches: DeviceCaches) -> CacheManager:
+        """Allocation over every page and slot of `caches`."""
+        return cls(
+            num_pages=caches.kv.num_pages, page_size=caches.page_size, num_slots=caches.states.num_slots
+        )
 
     @property
     def page_size(self) -> int:
@@ -78,39 +85,3 @@ class CacheManager:
     def _check_live(seq: SequenceCache) -> None:
         if seq.released:
             raise AssertionError("use of a released sequence cache")
-
-
-def build_cache(
-    cfg: ModelConfig,
-    *,
-    num_pages: int,
-    page_size: int,
-    num_slots: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    ssm_dtype: torch.dtype | None = None,
-) -> CacheManager:
-    """Pools for `cfg`: KV pages for the full-attention layers, state slots for the GDN layers. The SSM
-    state dtype defaults to the checkpoint's `mamba_ssm_dtype` (float32 for Qwen3.5)."""
-    kv = KVPagePool(
-        num_layers=len(cfg.full_attention_layers),
-        num_pages=num_pages,
-        page_size=page_size,
-        num_kv_heads=cfg.num_key_value_heads,
-        head_dim=cfg.head_dim,
-        dtype=dtype,
-        device=device,
-    )
-    states = StateSlotPool(
-        num_layers=len(cfg.linear_attention_layers),
-        num_slots=num_slots,
-        conv_dim=cfg.conv_dim,
-        conv_width=cfg.linear_conv_kernel_dim - 1,
-        num_v_heads=cfg.linear_num_value_heads,
-        key_head_dim=cfg.linear_key_head_dim,
-        value_head_dim=cfg.linear_value_head_dim,
-        conv_dtype=dtype,
-        ssm_dtype=ssm_dtype or DTYPES[cfg.ssm_state_dtype],
-        device=device,
-    )
-    return CacheManager(kv, states)

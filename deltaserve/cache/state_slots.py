@@ -1,4 +1,4 @@
-"""Recurrent-state slot pool for the Gated DeltaNet layers.
+"""Recurrent state for the Gated DeltaNet layers: the device slots and their allocator.
 
 A slot holds one sequence's conv window ([conv_dim, K-1], model dtype) and SSM state ([HV, dk, dv],
 fp32 unless a narrower dtype was asked for) in every GDN layer. Slot 0 is reserved for padding rows.
@@ -13,7 +13,9 @@ import torch
 DUMMY_SLOT = 0  # reserved: padding rows point here
 
 
-class StateSlotPool:
+class StateSlots:
+    """Device memory: conv [layers, slots, conv_dim, K-1] and SSM [layers, slots, HV, dk, dv] state."""
+
     def __init__(
         self,
         *,
@@ -37,6 +39,24 @@ class StateSlotPool:
         self.ssm = torch.zeros(
             (num_layers, num_slots, num_v_heads, key_head_dim, value_head_dim), dtype=ssm_dtype, device=device
         )
+
+    @property
+    def capacity(self) -> int:
+        """Slots a sequence can hold (all but the reserved slot)."""
+        return self.num_slots - 1
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv, ssm) of the index-th GDN layer: [slots, conv_dim, K-1] and [slots, HV, dk, dv]."""
+        return self.conv[index], self.ssm[index]
+
+
+class SlotAllocator:
+    """Which slots are handed out. Knows nothing of their contents."""
+
+    def __init__(self, num_slots: int) -> None:
+        if num_slots < 2:
+            raise ValueError(f"the state pool needs at least 2 slots (one is reserved), got {num_slots}")
+        self.num_slots = num_slots
         self._free: list[int] = list(range(num_slots - 1, 0, -1))
 
     @property
@@ -54,7 +74,3 @@ class StateSlotPool:
 
     def free(self, slot: int) -> None:
         self._free.append(slot)
-
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(conv, ssm) of the index-th GDN layer: [slots, conv_dim, K-1] and [slots, HV, dk, dv]."""
-        return self.conv[index], self.ssm[index]

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from deltaserve.cache.manager import CacheManager
 from deltaserve.config import EngineConfig, ModelConfig
 from deltaserve.engine.backend import Backend
 from deltaserve.engine.cuda_graphs import CudaGraphRunner
@@ -21,7 +22,7 @@ from deltaserve.engine.protocol import ClientMessage, Shutdown, StepOutputs
 from deltaserve.engine.rank import build_rank
 from deltaserve.engine.scheduler import Scheduler, SchedulerConfig, start_scheduler
 from deltaserve.engine.structured import GrammarBackend, grammar_vocabulary
-from deltaserve.engine.tp import RankWorkers, TensorParallelBackend, TensorParallelError
+from deltaserve.engine.tp import RankWorkers, TensorParallelError, TensorParallelWorker
 from deltaserve.errors import ConfigError
 from deltaserve.model.layers.parallel import TensorParallel
 from deltaserve.tiny import default_model_dir
@@ -96,8 +97,9 @@ class EngineCore:
             if reasons:
                 raise TensorParallelError("; ".join(reasons)) from exc
             raise
-        self.model, cache, device, dtype = rank.model, rank.cache, rank.device, rank.dtype
-        capacity_tokens = cache.kv.capacity * config.page_size
+        self.model, caches, device, dtype = rank.model, rank.caches, rank.device, rank.dtype
+        self.cache = CacheManager.for_device(caches)
+        capacity_tokens = self.cache.kv.capacity * config.page_size
         max_model_len = self._resolve_max_model_len(capacity_tokens)
         graphs = None
         if self.workers is not None:
@@ -106,7 +108,7 @@ class EngineCore:
                 config.tensor_parallel_size,
             )
         elif device.type == "cuda" and not config.enforce_eager:
-            graphs = CudaGraphRunner(self.model, cache, config.max_num_seqs, max_model_len)
+            graphs = CudaGraphRunner(self.model, caches, config.max_num_seqs, max_model_len)
             seconds = graphs.capture()
             logger.info(
                 "captured %d decode graphs (batch buckets up to %d) in %.1f s",
@@ -115,9 +117,9 @@ class EngineCore:
                 seconds,
             )
         self.backend = (
-            Backend(self.model, cache, graph_runner=graphs)
+            Backend(self.model, caches, graph_runner=graphs)
             if self.workers is None
-            else TensorParallelBackend(self.model, cache, self.workers)
+            else Backend(self.model, caches, worker=TensorParallelWorker(self.model, caches, self.workers))
         )
         self.scheduler_config = SchedulerConfig(
             max_model_len=max_model_len,
@@ -134,7 +136,7 @@ class EngineCore:
             max_model_len=max_model_len,
             vocab_size=self.tokenizer_vocab,
             eos_token_ids=self.model_config.eos_token_ids,
-            kv_pages=cache.kv.capacity,
+            kv_pages=self.cache.kv.capacity,
             page_size=config.page_size,
             kv_capacity_tokens=capacity_tokens,
             max_num_seqs=config.max_num_seqs,
@@ -144,7 +146,7 @@ class EngineCore:
         logger.info(
             "KV cache: %d pages x %d tokens = %d tokens (only the %d full-attention layers of %d hold KV); "
             "state slots for %d sequences; max_model_len %d; at most %d requests of max_model_len tokens at once",
-            cache.kv.capacity,
+            self.cache.kv.capacity,
             config.page_size,
             capacity_tokens,
             len(self.model_config.full_attention_layers),
@@ -174,7 +176,7 @@ class EngineCore:
 
     def start(self, publish: Callable[[StepOutputs], None]) -> None:
         self.scheduler, self.thread = start_scheduler(
-            self.scheduler_config, self.backend, publish, self._grammar_backend()
+            self.scheduler_config, self.backend, publish, self._grammar_backend(), self.cache
         )
 
     def _grammar_backend(self) -> GrammarBackend:

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from deltaserve.cache.device import DeviceCaches
 from deltaserve.cache.kv_pages import DUMMY_PAGE
-from deltaserve.cache.manager import CacheManager
 from deltaserve.cache.state_slots import DUMMY_SLOT
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
 from deltaserve.ops.batch import BatchRow, ForwardBatch
@@ -66,7 +66,7 @@ class CudaGraphRunner:
     0) and returns float32 logits [len(rows), vocab]; the caller advances the caches as usual."""
 
     def __init__(
-        self, model: Qwen35ForCausalLM, cache: CacheManager, max_num_seqs: int, max_model_len: int
+        self, model: Qwen35ForCausalLM, cache: DeviceCaches, max_num_seqs: int, max_model_len: int
     ) -> None:
         self.model = model
         self.cache = cache

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from deltaserve.cache.manager import CacheManager, build_cache
+from deltaserve.cache.device import DeviceCaches, build_device_caches
 from deltaserve.config import EngineConfig, ModelConfig
 from deltaserve.engine.warmup import WarmupReport, warm_up
 from deltaserve.errors import ConfigError
@@ -35,7 +35,7 @@ class RankState:
     """What one rank owns: its model shard and its caches."""
 
     model: Qwen35ForCausalLM
-    cache: CacheManager
+    caches: DeviceCaches
     device: torch.device
     dtype: torch.dtype
 
@@ -72,7 +72,7 @@ def build_rank(
     num_pages = _plan_kv_pages(config, local, device, dtype, warmup)
     if tp.size > 1:
         num_pages = agree_on_minimum(num_pages, device)
-    cache = build_cache(
+    caches = build_device_caches(
         local,
         num_pages=num_pages,
         page_size=config.page_size,
@@ -80,14 +80,14 @@ def build_rank(
         dtype=dtype,
         device=device,
     )
-    return RankState(model, cache, device, dtype)
+    return RankState(model, caches, device, dtype)
 
 
 def _warm_up(
     cfg: EngineConfig, model: Qwen35ForCausalLM, local: ModelConfig, dtype: torch.dtype, device: torch.device
 ) -> WarmupReport:
     """Kernels compile and autotune at the real chunk shapes on a throwaway two-page KV pool."""
-    scratch = build_cache(
+    scratch = build_device_caches(
         local,
         num_pages=2,
         page_size=cfg.page_size,

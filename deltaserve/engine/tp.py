@@ -36,14 +36,14 @@ from typing import Protocol, TypeVar
 import torch
 import torch.distributed as dist
 
-from deltaserve.cache.manager import CacheManager
+from deltaserve.cache.device import DeviceCaches
 from deltaserve.config import EngineConfig, ModelConfig
-from deltaserve.engine.backend import Backend
 from deltaserve.engine.rank import build_rank
+from deltaserve.engine.worker import ModelWorker
 from deltaserve.errors import ConfigError
 from deltaserve.model.layers.parallel import TensorParallel
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
-from deltaserve.ops.batch import BatchRow, build_forward_batch
+from deltaserve.ops.batch import BatchRow
 
 logger = logging.getLogger(__name__)
 
@@ -178,23 +178,23 @@ class RankGroup:
                 raise self.poison(f"rank {rank} failed step {step_id}: {reply.error}")
 
 
-class TensorParallelBackend(Backend):
-    """Backend on rank 0: every forward is first dispatched to the other ranks, run here in step with
-    them, then their replies are checked."""
+class TensorParallelWorker(ModelWorker):
+    """Rank 0's forward path: every forward is first dispatched to the other ranks, run here in step
+    with them, then their replies are checked."""
 
-    def __init__(self, model: Qwen35ForCausalLM, cache: CacheManager, workers: RankWorkers) -> None:
-        super().__init__(model, cache)
+    def __init__(self, model: Qwen35ForCausalLM, caches: DeviceCaches, workers: RankWorkers) -> None:
+        super().__init__(model, caches)
         self.workers = workers
 
-    def run_rows(
-        self, rows: list[BatchRow], fed: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run(
+        self, rows: list[BatchRow], fed: torch.Tensor | None = None, *, logits: bool = True
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if fed is not None:
             raise ValueError("tensor parallelism takes every input token from the host (no token feed)")
         group = self.workers.group
         step_id = group.dispatch(rows)
         try:
-            out = super().run_rows(rows, None)
+            out = super().run(rows, None, logits=logits)
         except Exception as exc:
             raise group.poison(f"rank 0 failed step {step_id}: {type(exc).__name__}: {exc}") from exc
         group.collect(step_id)
@@ -365,14 +365,14 @@ def run_rank(spec: RankSpec, channel: Connection) -> None:
         return
     channel.send(RankReady(spec.rank))
     try:
-        _serve_steps(spec.rank, state.model, state.cache, channel)
+        _serve_steps(spec.rank, ModelWorker(state.model, state.caches), channel)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
 @torch.inference_mode()
-def _serve_steps(rank: int, model: Qwen35ForCausalLM, cache: CacheManager, channel: Connection) -> None:
+def _serve_steps(rank: int, worker: ModelWorker, channel: Connection) -> None:
     pending: RankStep | None = None
     while True:
         try:
@@ -392,8 +392,7 @@ def _serve_steps(rank: int, model: Qwen35ForCausalLM, cache: CacheManager, chann
                 return
             error = None
             try:
-                batch = build_forward_batch(pending.rows, cache.page_size, model.device)
-                model(batch, cache.kv, cache.states)  # rank 0 alone computes logits and samples
+                worker.run(pending.rows, logits=False)  # rank 0 alone computes logits and samples
             except Exception as exc:
                 logger.exception("rank %d failed step %d", rank, msg.step_id)
                 error = f"{type(exc).__name__}: {exc}"

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from deltaserve.cache.device import DeviceCaches
 from deltaserve.cache.kv_pages import DUMMY_PAGE
-from deltaserve.cache.manager import CacheManager
 from deltaserve.cache.state_slots import DUMMY_SLOT
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
 from deltaserve.ops.batch import BatchRow, build_forward_batch
@@ -32,7 +32,7 @@ class WarmupReport:
 
 @torch.inference_mode()
 def warm_up(
-    model: Qwen35ForCausalLM, cache: CacheManager, max_batched_tokens: int, max_num_seqs: int
+    model: Qwen35ForCausalLM, cache: DeviceCaches, max_batched_tokens: int, max_num_seqs: int
 ) -> WarmupReport:
     """Runs prefill and decode forwards at the shapes serving will use, on the reserved page and slot,
     and measures the activation peak above the resident weights and caches."""

@@ -28,14 +28,16 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from driver import Driver, StepItem
 
-from deltaserve.cache.manager import build_cache
+from deltaserve.cache.device import build_device_caches
+from deltaserve.cache.manager import CacheManager
 from deltaserve.config import ModelConfig
-from deltaserve.engine.backend import Backend, StepItem
+from deltaserve.engine.backend import Backend
 from deltaserve.engine.cuda_graphs import CudaGraphRunner
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
 from deltaserve.model.weights import load_state_dict
-from deltaserve.ops.batch import BatchRow, build_forward_batch
+from deltaserve.ops.batch import build_forward_batch
 from deltaserve.tiny import official_config
 
 DEVICE = torch.device("cuda")
@@ -105,14 +107,17 @@ class Engine:
     def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
         self.model = Qwen35ForCausalLM(config, dtype=dtype, device=DEVICE)
         load_state_dict(self.model, state_dict, "HF model")
-        self.cache = build_cache(
+        self.caches = build_device_caches(
             config, num_pages=2048, page_size=16, num_slots=9, dtype=dtype, device=DEVICE
         )
-        self.graphs = CudaGraphRunner(self.model, self.cache, max_num_seqs=8, max_model_len=9000)
+        self.cache = CacheManager.for_device(self.caches)
+        self.graphs = CudaGraphRunner(self.model, self.caches, max_num_seqs=8, max_model_len=9000)
         self.graphs.capture()
 
-    def backend(self, graphs: bool) -> Backend:
-        return Backend(self.model, self.cache, graph_runner=self.graphs if graphs else None)
+    def backend(self, graphs: bool) -> Driver:
+        return Driver(
+            Backend(self.model, self.caches, graph_runner=self.graphs if graphs else None), self.cache
+        )
 
 
 class Pair:
@@ -164,22 +169,18 @@ class Pair:
 
 
 @torch.inference_mode()
-def prefill_logits_at(backend: Backend, items: Sequence[StepItem], wanted: Sequence[Sequence[int]]):
-    """Backend.forward's eager path (the one every prefill row takes), returning logits at chosen token
+def prefill_logits_at(backend: Driver, items: Sequence[StepItem], wanted: Sequence[Sequence[int]]):
+    """The backend's eager path (the one every prefill row takes), returning logits at chosen token
     offsets of each item rather than only the last: [sum(len(w) for w in wanted), vocab], item order."""
-    cache, rows = backend.cache, []
-    for item in items:
-        cache.reserve(item.seq, item.seq.num_computed + len(item.token_ids))
-        rows.append(BatchRow(item.token_ids, item.seq.num_computed, item.seq.pages, item.seq.slot, True))
-    batch = build_forward_batch(rows, cache.page_size, backend.device)
+    rows = backend.rows(items)
+    batch = build_forward_batch(rows, backend.caches.page_size, backend.device)
     starts = batch.query_start_loc.tolist()
     index = [starts[i] + offset for i, offsets in enumerate(wanted) for offset in offsets]
     batch = dataclasses.replace(
         batch, logits_indices=torch.tensor(index, dtype=torch.int64, device=backend.device)
     )
-    logits = backend.model.compute_logits(backend.model(batch, cache.kv, cache.states))
-    for item in items:
-        cache.advance(item.seq, len(item.token_ids))
+    logits = backend.model.compute_logits(backend.model(batch, backend.caches.kv, backend.caches.states))
+    backend.advance(items)
     return logits
 
 

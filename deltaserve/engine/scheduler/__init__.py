@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from deltaserve.cache.manager import CacheManager
 from deltaserve.engine.backend import Backend
 from deltaserve.engine.protocol import (
     AbortRequest,
@@ -60,8 +61,9 @@ class Scheduler(SchedulerState):
         backend: Backend,
         publish: Callable[[StepOutputs], None],
         grammars: GrammarBackend | None = None,
+        cache: CacheManager | None = None,
     ) -> None:
-        super().__init__(config, backend, publish, grammars)
+        super().__init__(config, backend, publish, grammars, cache)
         self._wake = threading.Event()
 
     # ---- entry ---------------------------------------------------------------------------------
@@ -184,10 +186,11 @@ def start_scheduler(
     backend: Backend,
     publish: Callable[[StepOutputs], None],
     grammars: GrammarBackend | None = None,
+    cache: CacheManager | None = None,
 ) -> tuple[Scheduler, threading.Thread]:
     """Policy-aware start: the config (policy and its combinations) is validated before the thread
     starts; the returned thread runs the loop until a Shutdown message."""
-    scheduler = Scheduler(config, backend, publish, grammars)
+    scheduler = Scheduler(config, backend, publish, grammars, cache)
     thread = threading.Thread(target=scheduler.run, name="deltaserve-scheduler", daemon=True)
     thread.start()
     telemetry.log_start(config)

@@ -23,12 +23,12 @@ from deltaserve.engine.scheduler.state import SchedulerState
 
 
 def release_caches(sched: SchedulerState, req: Request) -> None:
-    """Gives the request's pages and slot back, or, while a decode-ahead step over it may still run,
+    """Gives the request's pages and slot back, or, while a launched step over it may still run,
     hands them to that step to release once it has been waited for (no KV or state is released under
     a running step)."""
     if req.seq is None:
         return
-    step = req.decode_step
+    step = req.launched
     if step is not None and not step.waited:
         step.deferred.append(req.seq)
     else:
@@ -43,7 +43,7 @@ def retire(
     update: RequestUpdate | None = None,
     finish_reason: str | None = None,
 ) -> None:
-    """The request's single terminal: frees its pages and slot (at once, or when a decode-ahead step
+    """The request's single terminal: frees its pages and slot (at once, or when a launched step
     over it has been waited for, within the tick for an abort) and emits `update` (or a bare update
     with `finish_reason`)."""
 
@@ -111,7 +111,7 @@ def terminal_scheduler_shutdown(sched: SchedulerState, message: str) -> None:
         inflight = sched.inflight
         sched.inflight = None
         with contextlib.suppress(Exception):  # its own failure does not change the outcome
-            inflight.pending.wait()  # drained before its caches are released
+            inflight.wait(sched.cache)  # drained before its caches are released
         owned = inflight.requests
     else:
         owned = []

@@ -2,7 +2,7 @@
 
 Ownership: a request is in exactly one of `waiting`, `prefilling`, `inflight` (an async prefill) or
 `running`, or it has had its single terminal update (`Phase.DONE`). A decode-ahead step's requests stay
-in `running` (`DecodeAhead` only holds the step's unread tokens).
+in `running` (the step only holds their unread tokens).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from deltaserve.cache.manager import CacheManager, SequenceCache
-from deltaserve.engine.backend import PendingStep, StepResult
 from deltaserve.engine.protocol import TokenLogprobs
+from deltaserve.engine.step import PendingStep, StepResult
 from deltaserve.engine.structured import RequestGrammar
 from deltaserve.sampling_params import SamplingParams
 
@@ -42,7 +42,7 @@ class Request:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     checked: bool = False  # submission checks (contract, fields, token ids) ran
-    decode_step: DecodeAhead | None = None  # the latest decode-ahead step launched over it
+    launched: LaunchedStep | None = None  # the latest step launched over it and not yet waited for
     # Asked-for prompt logprobs so far (entry i scores prompt token i; entry 0 is None), sent with the
     # first token. Invariant while scoring: a prefill chunk starting at s finds s + 1 entries.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
@@ -82,29 +82,23 @@ class ScheduledChunk:
         return self.start + self.length == self.request.num_tokens
 
 
-@dataclass(slots=True)
-class InflightPrefill:
-    """A prefill launched asynchronously. It owns its requests until `finish_async_prefill`: they are in
-    no other queue, and their caches are released only after the step's result was waited for."""
+@dataclass(slots=True, eq=False)
+class LaunchedStep:
+    """A step launched on the device whose result has not been applied. Its rows are `decode` (one per
+    request, first) then `chunks`. A decode-ahead step's requests stay in `running`; an async prefill
+    owns its chunks' requests (they are in no queue) until its result is applied. A request that
+    retires while the step may still run hands its pages and slot to the step (`deferred`), released
+    once the step has been waited for: no KV or state is released under a launched step."""
 
+    decode: list[Request]
     chunks: list[ScheduledChunk]
-    pending: PendingStep
-
-    @property
-    def requests(self) -> list[Request]:
-        return [c.request for c in self.chunks]
-
-
-@dataclass(slots=True)
-class DecodeAhead:
-    """A pure-decode step whose tokens have not been read. Its requests stay in `running`; row i of
-    `pending` is `requests[i]`'s next token. A request that retires while the step may still run keeps
-    its pages and slot until the step has been waited for (`deferred`, released by `wait`)."""
-
-    requests: list[Request]
     pending: PendingStep
     deferred: list[SequenceCache] = field(default_factory=list)
     waited: bool = False
+
+    @property
+    def requests(self) -> list[Request]:
+        return self.decode + [c.request for c in self.chunks]
 
     def wait(self, cache: CacheManager) -> StepResult:
         result = self.pending.wait()
@@ -113,6 +107,6 @@ class DecodeAhead:
             cache.release(seq)
         self.deferred.clear()
         for r in self.requests:
-            if r.decode_step is self:
-                r.decode_step = None
+            if r.launched is self:
+                r.launched = None
         return result

@@ -15,7 +15,7 @@ from deltaserve.cache.manager import CacheManager
 from deltaserve.config import policy_error
 from deltaserve.engine.backend import Backend
 from deltaserve.engine.protocol import ClientMessage, LoadSnapshot, RequestUpdate, StepOutputs
-from deltaserve.engine.scheduler.request import DecodeAhead, InflightPrefill, Request
+from deltaserve.engine.scheduler.request import LaunchedStep, Request
 from deltaserve.engine.structured import GrammarBackend
 from deltaserve.errors import ConfigError
 
@@ -46,19 +46,21 @@ class SchedulerState:
         backend: Backend,
         publish: Callable[[StepOutputs], None],
         grammars: GrammarBackend | None = None,
+        cache: CacheManager | None = None,
     ) -> None:
         config.validate()
         self.config = config
         self.backend = backend
         self.grammars = grammars  # structured output; None: such requests are rejected
-        self.cache: CacheManager = backend.cache
+        # The one owner of cache allocation (default: every page and slot of the backend's device pools).
+        self.cache = cache if cache is not None else CacheManager.for_device(backend.caches)
         self.publish = publish
         self.inbox: queue.SimpleQueue[ClientMessage] = queue.SimpleQueue()
         self.waiting: deque[Request] = deque()
         self.prefilling: deque[Request] = deque()
         self.running: list[Request] = []
-        self.inflight: InflightPrefill | None = None
-        self.decode_ahead: DecodeAhead | None = None
+        self.inflight: LaunchedStep | None = None  # an async prefill (--prefill-overlap)
+        self.decode_ahead: LaunchedStep | None = None  # a pure-decode step whose tokens are unread
         self.by_id: dict[str, Request] = {}
         self.updates: list[RequestUpdate] = []  # produced this tick, published at its end
         self.load = LoadSnapshot()  # replaced whole each tick: readable from other threads without locks

@@ -7,7 +7,7 @@ chunk that reaches the end of its request's tokens samples the request's next to
 a partial chunk goes back to the front of the prefilling FIFO ("requeue"). Only the last chunk of a
 step may be partial.
 
-Decode-ahead: a pure-decode step is launched without waiting for its tokens (a `DecodeAhead`). At the
+Decode-ahead: a pure-decode step is launched without waiting for its tokens (a `LaunchedStep`). At the
 next tick, while nothing else needs planning, the following decode step is launched first, fed the
 running step's tokens on the device, and only then are the running step's tokens read and dispatched:
 the host's dispatch, emission and planning overlap the device's next step. A request whose token ends
@@ -21,7 +21,6 @@ import time
 
 import torch
 
-from deltaserve.engine.backend import PromptScoring, StepItem, StepResult, TokenFeed
 from deltaserve.engine.protocol import RequestUpdate, TokenLogprobs
 from deltaserve.engine.sampler import SamplingRow, uses_penalties
 from deltaserve.engine.scheduler import lifecycle, telemetry
@@ -36,8 +35,9 @@ from deltaserve.engine.scheduler.plan import (
     plan_prefill_chunks,
     preemptions_needed,
 )
-from deltaserve.engine.scheduler.request import DecodeAhead, InflightPrefill, Phase, Request, ScheduledChunk
+from deltaserve.engine.scheduler.request import LaunchedStep, Phase, Request, ScheduledChunk
 from deltaserve.engine.scheduler.state import SchedulerState
+from deltaserve.engine.step import PlannedRow, PromptScoring, StepPlan, StepResult, TokenFeed
 
 # ---- admission ---------------------------------------------------------------------------------
 
@@ -82,6 +82,8 @@ def admit(sched: SchedulerState) -> None:
 
 
 def run_step(sched: SchedulerState) -> None:
+    """One step: continue a decode-ahead step when the next step is pure decode over the same
+    requests; otherwise plan decode rows and prefill chunks and launch them as one plan."""
     started = time.monotonic() if telemetry.ITL_DEBUG else 0.0
     ahead = sched.decode_ahead
     if ahead is not None:
@@ -91,58 +93,117 @@ def run_step(sched: SchedulerState) -> None:
         if follow is not None:
             sched.decode_ahead = follow
             if telemetry.ITL_DEBUG:
-                telemetry.log_itl_step("decode_ahead", 0, 0, len(follow.requests), started, time.monotonic())
+                telemetry.log_itl_step("decode_ahead", 0, 0, len(follow.decode), started, time.monotonic())
             return
-    decode_pages = _ensure_decode_pages(sched)
-    decode = list(sched.running)
-    chunks: list[ScheduledChunk] = []
-    if sched.inflight is None and sched.prefilling:
-        budget = choose_prefill_budget(
-            policy=sched.config.policy,
-            max_num_batched_tokens=sched.config.max_num_batched_tokens,
-            num_decode_rows=len(decode),
-            decode_tokens_left=[r.max_tokens - len(r.output_token_ids) for r in decode],
-            front_remaining=sched.prefilling[0].num_pending,
-        )
-        chunks = take_prefill_chunks(sched, budget, sched.cache.kv.num_free - decode_pages)
-    kind = build_next_plan(len(decode), len(chunks))
-    label = kind.value if kind else "idle"
-    if kind is None:
-        if sched.inflight is not None:
-            label = "overlap_wait"  # nothing to decode: wait for the prefill instead of parking
-            finish_async_prefill(sched)
-        elif sched.prefilling:
-            _relieve_page_deadlock(sched)
-    elif sched.config.prefill_overlap and chunks and decode:
-        launch_overlap_step(sched, chunks)
-        _execute(sched, decode, [])
-        label = "overlap_launch"
-    elif kind is PlanKind.DECODE and sched.inflight is not None:
-        _execute(sched, decode, [])
-        label = "overlap_decode"
-    elif kind is PlanKind.DECODE and _may_decode_ahead(sched, decode):
-        sched.decode_ahead = _launch_decode(sched, decode, None)
-        label = "decode_ahead"
-    else:
-        _execute(sched, decode, chunks)
+    decode, chunks = _plan_work(sched)
+    label = _launch_work(sched, decode, chunks)
     if telemetry.ITL_DEBUG:
         prefill_tokens = sum(c.length for c in chunks)
         telemetry.log_itl_step(label, prefill_tokens, len(chunks), len(decode), started, time.monotonic())
 
 
-def _execute(sched: SchedulerState, decode: list[Request], chunks: list[ScheduledChunk]) -> None:
-    """Pure decode, batch prefill or unified prefill+decode: one forward over decode rows then chunks."""
-    items = [StepItem(r.seq, [r.output_token_ids[-1]], _sampling_row(sched, r)) for r in decode]
-    items += [_chunk_item(sched, c) for c in chunks]
+def _plan_work(sched: SchedulerState) -> tuple[list[Request], list[ScheduledChunk]]:
+    """This step's decode rows (every running request, with its next page ensured, preempting the
+    newest page holders when the pool cannot) and prefill chunks (within the budget and free pages)."""
+    decode_pages = _ensure_decode_pages(sched)
+    decode = list(sched.running)
+    if sched.inflight is not None or not sched.prefilling:
+        return decode, []
+    budget = choose_prefill_budget(
+        policy=sched.config.policy,
+        max_num_batched_tokens=sched.config.max_num_batched_tokens,
+        num_decode_rows=len(decode),
+        decode_tokens_left=[r.max_tokens - len(r.output_token_ids) for r in decode],
+        front_remaining=sched.prefilling[0].num_pending,
+    )
+    return decode, take_prefill_chunks(sched, budget, sched.cache.kv.num_free - decode_pages)
+
+
+def _launch_work(sched: SchedulerState, decode: list[Request], chunks: list[ScheduledChunk]) -> str:
+    """Launches the planned work and returns its telemetry label. Every forward covers decode rows then
+    chunks; how its result is read depends on the mode: now (synchronous), at the next tick (decode-
+    ahead), or when an async prefill finishes (overlap)."""
+    kind = build_next_plan(len(decode), len(chunks))
+    if kind is None:
+        if sched.inflight is not None:
+            finish_async_prefill(sched)  # nothing to decode: wait for the prefill instead of parking
+            return "overlap_wait"
+        if sched.prefilling:
+            _relieve_page_deadlock(sched)
+        return "idle"
+    if sched.config.prefill_overlap and kind is PlanKind.UNIFIED:
+        launch_overlap_step(sched, chunks)
+        _run_now(sched, decode, [])
+        return "overlap_launch"
+    if kind is PlanKind.DECODE and sched.inflight is None and _may_decode_ahead(sched, decode):
+        sched.decode_ahead = _launch(sched, decode, [])
+        return "decode_ahead"
+    _run_now(sched, decode, chunks)
+    return "overlap_decode" if sched.inflight is not None else kind.value
+
+
+def _launch(
+    sched: SchedulerState, decode: list[Request], chunks: list[ScheduledChunk], feed: TokenFeed | None = None
+) -> LaunchedStep | None:
+    """Builds the step's plan (reserving each row's pages through the cache manager), launches it and
+    advances every row's cursor: after this, KV, conv/SSM state and position have moved together by the
+    row's tokens. Returns None when the launch ran out of memory (its requests have failed)."""
+    pending = 0 if feed is None else 1  # a fed row's input token is in flight, not yet on the host
     try:
-        result = sched.backend.launch(items).wait()
+        plan = StepPlan(
+            decode=[_decode_row(sched, r, pending) for r in decode],
+            prefill=[_chunk_row(sched, c) for c in chunks],
+            feed=feed,
+        )
+        launched = sched.backend.launch(plan)
     except (torch.OutOfMemoryError, MemoryError) as exc:
         lifecycle.fail_requests(
             sched, decode + [c.request for c in chunks], f"step failed: out of memory ({exc})"
         )
-        return
-    dispatch_decode_tokens(sched, decode, result)
-    promote_or_requeue(sched, chunks, result, offset=len(decode))
+        return None
+    step = LaunchedStep(decode, chunks, launched)
+    for req, row in zip(step.requests, plan.rows, strict=True):
+        sched.cache.advance(req.seq, len(row.token_ids))
+        req.launched = step
+    return step
+
+
+def _run_now(sched: SchedulerState, decode: list[Request], chunks: list[ScheduledChunk]) -> None:
+    """Pure decode, batch prefill or unified prefill+decode, read at once."""
+    step = _launch(sched, decode, chunks)
+    if step is not None:
+        apply_step(sched, step, step.wait(sched.cache))
+
+
+def apply_step(sched: SchedulerState, step: LaunchedStep, result: StepResult) -> None:
+    """A step's result: tokens to its decode rows' requests still running, then its chunks promoted or
+    requeued."""
+    dispatch_decode_tokens(sched, step.decode, result)
+    promote_or_requeue(sched, step.chunks, result, offset=len(step.decode))
+
+
+def _decode_row(sched: SchedulerState, req: Request, pending: int) -> PlannedRow:
+    token = req.output_token_ids[-1] if pending == 0 else 0  # 0: a placeholder for the fed token
+    return _planned_row(sched, req, [token], _sampling_row(sched, req, pending), None)
+
+
+def _chunk_row(sched: SchedulerState, c: ScheduledChunk) -> PlannedRow:
+    """A chunk's share of the forward; it samples only when it feeds the request's last pending token."""
+    req = c.request
+    sampling = _sampling_row(sched, req) if c.completes else None
+    return _planned_row(sched, req, req.token_slice(c.start, c.length), sampling, _prompt_scoring(req, c))
+
+
+def _planned_row(
+    sched: SchedulerState,
+    req: Request,
+    tokens: list[int],
+    sampling: SamplingRow | None,
+    scoring: PromptScoring | None,
+) -> PlannedRow:
+    seq = req.seq
+    sched.cache.reserve(seq, seq.num_computed + len(tokens))
+    return PlannedRow(tokens, seq.num_computed, seq.pages, seq.slot, sampling, scoring)
 
 
 def _may_decode_ahead(sched: SchedulerState, decode: list[Request]) -> bool:
@@ -152,33 +213,13 @@ def _may_decode_ahead(sched: SchedulerState, decode: list[Request]) -> bool:
     return sched.config.decode_ahead and not any(uses_penalties(r.params) or r.grammar for r in decode)
 
 
-def _launch_decode(
-    sched: SchedulerState, decode: list[Request], feed: TokenFeed | None
-) -> DecodeAhead | None:
-    """Launches a pure-decode step without reading its tokens. With `feed`, each request's input token
-    is the one in flight (not yet on the host), so its sampling step index counts it."""
-    pending = 0 if feed is None else 1
-    items = [
-        StepItem(r.seq, [r.output_token_ids[-1] if feed is None else 0], _sampling_row(sched, r, pending))
-        for r in decode
-    ]
-    try:
-        step = DecodeAhead(decode, sched.backend.launch(items, feed=feed))
-    except (torch.OutOfMemoryError, MemoryError) as exc:
-        lifecycle.fail_requests(sched, decode, f"step failed: out of memory ({exc})")
-        return None
-    for r in decode:
-        r.decode_step = step
-    return step
-
-
-def _launch_following_decode(sched: SchedulerState, ahead: DecodeAhead) -> DecodeAhead | None:
+def _launch_following_decode(sched: SchedulerState, ahead: LaunchedStep) -> LaunchedStep | None:
     """The step after `ahead`, fed its tokens on the device, when the next step is pure decode over
     requests of `ahead` with free pages for all of them; None otherwise (the caller then finishes
     `ahead` and plans normally)."""
     if sched.waiting or sched.prefilling or sched.inflight is not None:
         return None
-    rows = {id(r): i for i, r in enumerate(ahead.requests)}
+    rows = {id(r): i for i, r in enumerate(ahead.decode)}
     if any(id(r) not in rows for r in sched.running):
         return None
     # A request whose token in flight is its last (by length) does not continue.
@@ -188,19 +229,12 @@ def _launch_following_decode(sched: SchedulerState, ahead: DecodeAhead) -> Decod
     cache = sched.cache
     if sum(cache.pages_needed(r.seq, r.num_computed + 1) for r in follow) > cache.kv.num_free:
         return None  # preemption is planned by the normal path, after the tokens are known
-    return _launch_decode(sched, follow, TokenFeed(ahead.pending, [rows[id(r)] for r in follow]))
+    return _launch(sched, follow, [], TokenFeed(ahead.pending, [rows[id(r)] for r in follow]))
 
 
-def finish_decode_ahead(sched: SchedulerState, ahead: DecodeAhead) -> None:
+def finish_decode_ahead(sched: SchedulerState, ahead: LaunchedStep) -> None:
     """Reads the step's tokens and dispatches them to its requests that are still running."""
-    dispatch_decode_tokens(sched, ahead.requests, ahead.wait(sched.cache))
-
-
-def _chunk_item(sched: SchedulerState, c: ScheduledChunk) -> StepItem:
-    """A chunk's share of the forward; it samples only when it feeds the request's last pending token."""
-    req = c.request
-    sampling = _sampling_row(sched, req) if c.completes else None
-    return StepItem(req.seq, req.token_slice(c.start, c.length), sampling, _prompt_scoring(req, c))
+    apply_step(sched, ahead, ahead.wait(sched.cache))
 
 
 def _prompt_scoring(req: Request, c: ScheduledChunk) -> PromptScoring | None:
@@ -219,12 +253,10 @@ def _prompt_scoring(req: Request, c: ScheduledChunk) -> PromptScoring | None:
 def launch_overlap_step(sched: SchedulerState, chunks: list[ScheduledChunk]) -> None:
     """Launches the chunks asynchronously; the loop keeps decoding and finishes them at a later tick.
     At most one is in flight, and no prefill is planned while it is."""
-
     assert sched.inflight is None, "one async prefill at a time"
-    items = [_chunk_item(sched, c) for c in chunks]
     for c in chunks:
         c.request.phase = Phase.INFLIGHT
-    sched.inflight = InflightPrefill(chunks, sched.backend.launch(items))
+    sched.inflight = _launch(sched, [], chunks)
 
 
 def finish_async_prefill(sched: SchedulerState) -> None:
@@ -232,9 +264,8 @@ def finish_async_prefill(sched: SchedulerState) -> None:
     inflight = sched.inflight
     if inflight is None:
         return
-    result = inflight.pending.wait()
     sched.inflight = None
-    promote_or_requeue(sched, inflight.chunks, result, offset=0)
+    apply_step(sched, inflight, inflight.wait(sched.cache))
 
 
 # ---- chunk vocabulary --------------------------------------------------------------------------

@@ -1,0 +1,62 @@
+"""One rank's cache memory on its device: the KV pages and the state slots, sized for its geometry.
+
+The backend reads and writes these; it never decides which page or slot a sequence holds (the cache
+manager does, on the scheduler's side). Under tensor parallelism every rank holds pools of the same
+page and slot counts, each with its own heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deltaserve.cache.kv_pages import KVPages
+from deltaserve.cache.state_slots import StateSlots
+from deltaserve.config import DTYPES, ModelConfig
+
+
+@dataclass(slots=True)
+class DeviceCaches:
+    kv: KVPages
+    states: StateSlots
+
+    @property
+    def page_size(self) -> int:
+        return self.kv.page_size
+
+
+def build_device_caches(
+    cfg: ModelConfig,
+    *,
+    num_pages: int,
+    page_size: int,
+    num_slots: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    ssm_dtype: torch.dtype | None = None,
+) -> DeviceCaches:
+    """Pools for `cfg` (a rank's geometry): KV pages for the full-attention layers, state slots for the
+    GDN layers. The SSM state dtype defaults to the checkpoint's `mamba_ssm_dtype` (float32 for Qwen3.5)."""
+    kv = KVPages(
+        num_layers=len(cfg.full_attention_layers),
+        num_pages=num_pages,
+        page_size=page_size,
+        num_kv_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        dtype=dtype,
+        device=device,
+    )
+    states = StateSlots(
+        num_layers=len(cfg.linear_attention_layers),
+        num_slots=num_slots,
+        conv_dim=cfg.conv_dim,
+        conv_width=cfg.linear_conv_kernel_dim - 1,
+        num_v_heads=cfg.linear_num_value_heads,
+        key_head_dim=cfg.linear_key_head_dim,
+        value_head_dim=cfg.linear_value_head_dim,
+        conv_dtype=dtype,
+        ssm_dtype=ssm_dtype or DTYPES[cfg.ssm_state_dtype],
+        device=device,
+    )
+    return DeviceCaches(kv, states)

@@ -1,0 +1,138 @@
+"""The step vocabulary between the scheduler and the backend.
+
+A tick builds ONE `StepPlan`: decode rows (one token each) first, then prefill chunks, each naming the
+pages, state slot and context the cache manager gave it, plus an optional token feed. The backend
+executes the plan without allocating anything and returns a `PendingStep`; the scheduler advances the
+cursors at launch and applies the `StepResult` when it reads it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from deltaserve.engine.protocol import TokenLogprobs
+from deltaserve.engine.sampler import SamplingRow
+from deltaserve.ops.batch import BatchRow
+
+
+@dataclass(slots=True)
+class PromptScoring:
+    """Prompt logprobs for a row: the distribution after its token i scores `targets[i]` (the next
+    prompt token), for the first len(targets) tokens of the row, with the `k` most likely tokens."""
+
+    targets: list[int]
+    k: int
+
+
+@dataclass(slots=True)
+class PlannedRow:
+    """One sequence's share of a step: `token_ids` continue a sequence that holds `context_len`
+    positions; `pages` (valid at launch) cover context_len + len(token_ids) positions."""
+
+    token_ids: Sequence[int]
+    context_len: int
+    pages: Sequence[int]
+    slot: int
+    sampling: SamplingRow | None = None  # set: sample a token from the row's last position
+    scoring: PromptScoring | None = None
+
+    def batch_row(self) -> BatchRow:
+        scored = len(self.scoring.targets) if self.scoring is not None else 0
+        return BatchRow(
+            self.token_ids, self.context_len, self.pages, self.slot, self.sampling is not None, scored
+        )
+
+
+class PendingStep:
+    """A launched step whose result is read later. `token_ids` holds the sampled tokens on the device
+    (what a later step's TokenFeed reads); `wait()` returns the host copy."""
+
+    def __init__(
+        self,
+        token_ids: torch.Tensor | None,
+        staged: StagedResult | None,
+        rows: Sequence[SamplingRow],
+        prompt_logprobs: list[list[TokenLogprobs] | None] | None = None,
+    ) -> None:
+        self.token_ids = token_ids  # [sampled rows] int64 on the device; None when nothing samples
+        self._staged = staged
+        self._rows = rows
+        self._prompt_logprobs = prompt_logprobs or []
+        self._result: StepResult | None = None
+
+    def ready(self) -> bool:
+        return self._staged is None or self._staged.done is None or self._staged.done.query()
+
+    def wait(self) -> StepResult:
+        if self._result is None:
+            self._result = StepResult([], []) if self._staged is None else self._staged.read(self._rows)
+            self._result.prompt_logprobs = self._prompt_logprobs
+        return self._result
+
+
+@dataclass(slots=True)
+class TokenFeed:
+    """The first len(rows) decode rows of a step take their input token from `source`'s sampled
+    tokens on the device, row rows[i] for row i (their host `token_ids` are placeholders)."""
+
+    source: PendingStep
+    rows: list[int]
+
+
+@dataclass(slots=True)
+class StepPlan:
+    decode: list[PlannedRow] = field(default_factory=list)  # one token each, context > 0
+    prefill: list[PlannedRow] = field(default_factory=list)  # chunks, after the decode rows
+    feed: TokenFeed | None = None
+
+    @property
+    def rows(self) -> list[PlannedRow]:
+        return self.decode + self.prefill
+
+
+@dataclass(slots=True)
+class StepResult:
+    token_ids: list[int]  # one per sampled row, in row order
+    logprobs: list[TokenLogprobs | None]  # parallel to token_ids
+    prompt_logprobs: list[list[TokenLogprobs] | None] = field(default_factory=list)  # per row, if any scored
+
+
+@dataclass(slots=True)
+class StagedResult:
+    """A step's sampled tokens (and logprobs) on their way to pinned host memory; `done` marks the end
+    of the copies on CUDA (None on CPU, where the copies are synchronous)."""
+
+    tensors: list[torch.Tensor]  # token ids, then sampled logprob, rank, top ids, top logprobs
+    done: torch.cuda.Event | None
+
+    @classmethod
+    def start(cls, sources: list[torch.Tensor]) -> StagedResult:
+        device = sources[0].device
+        if device.type != "cuda":
+            return cls([t.clone() for t in sources], None)
+        staged = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in sources]
+        for host, dev in zip(staged, sources, strict=True):
+            host.copy_(dev, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return cls(staged, done)
+
+    def read(self, rows: Sequence[SamplingRow]) -> StepResult:
+        if self.done is not None:
+            self.done.synchronize()  # this step's copies only: later launches are not waited for
+        token_ids = self.tensors[0].tolist()
+        if len(self.tensors) == 1:
+            return StepResult(token_ids, [None] * len(rows))
+        sampled, ranks, top_ids, top_lps = (t.tolist() for t in self.tensors[1:])
+        logprobs: list[TokenLogprobs | None] = []
+        for i, row in enumerate(rows):
+            k = row.params.logprobs
+            if k is None:
+                logprobs.append(None)
+            else:
+                pairs = list(zip(top_ids[i][:k], top_lps[i][:k], strict=True))
+                logprobs.append(TokenLogprobs(sampled[i], ranks[i], pairs))
+        return StepResult(token_ids, logprobs)

@@ -1,0 +1,49 @@
+"""One rank's forward path: the same code runs a step on rank 0 (under the backend, which then samples)
+and on every other tensor-parallel rank (engine/tp.py).
+
+The worker reads and writes only the pages and slots a step's rows name; it allocates nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deltaserve.cache.device import DeviceCaches
+from deltaserve.engine.cuda_graphs import CudaGraphRunner
+from deltaserve.model.qwen35 import Qwen35ForCausalLM
+from deltaserve.ops.batch import BatchRow, build_forward_batch
+
+
+class ModelWorker:
+    def __init__(
+        self, model: Qwen35ForCausalLM, caches: DeviceCaches, graphs: CudaGraphRunner | None = None
+    ) -> None:
+        self.model = model
+        self.caches = caches
+        self.graphs = graphs
+        self.device = model.device
+
+    @torch.inference_mode()
+    def run(
+        self, rows: list[BatchRow], fed: torch.Tensor | None = None, *, logits: bool = True
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The forward over `rows` (a decode graph when one fits). With `logits`: float32 logits of the
+        rows that need them and the hidden states of the scored tokens (None when no row scores);
+        without (a rank that does not sample), (None, None). `fed`: input tokens of the first
+        fed.shape[0] rows, on the device."""
+        graphs = self.graphs
+        scoring = any(r.scored for r in rows)
+        if logits and graphs is not None and not scoring and _all_need_logits(rows) and graphs.can_run(rows):
+            return graphs.run(rows, fed), None
+        batch = build_forward_batch(rows, self.caches.page_size, self.device)
+        if fed is not None:
+            batch.input_ids[: fed.shape[0]] = fed
+        hidden = self.model(batch, self.caches.kv, self.caches.states)
+        if not logits:
+            return None, None
+        sampled = sum(r.need_logits for r in rows)
+        return self.model.compute_logits(hidden[:sampled]), hidden[sampled:] if scoring else None
+
+
+def _all_need_logits(rows: list[BatchRow]) -> bool:
+    return all(r.need_logits for r in rows)

@@ -1,0 +1,107 @@
+"""The scheduler driven by a fake backend: no model, no device. The scheduler plans each step (rows,
+pages, slots, context) and owns every cache allocation; the backend only executes what a plan names."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from deltaserve.cache.manager import CacheManager
+from deltaserve.engine.protocol import AddRequest, RequestUpdate, StepOutputs
+from deltaserve.engine.scheduler import Scheduler, SchedulerConfig
+from deltaserve.engine.step import PendingStep, StagedResult, StepPlan
+from deltaserve.sampling_params import SamplingParams
+
+VOCAB = 1000
+PAGE = 4
+
+
+class PositionBackend:
+    """Samples, for every row that samples, the position of the token it predicts (context + tokens),
+    so a request's outputs are known in advance. Records every plan it was given."""
+
+    def __init__(self) -> None:
+        self.plans: list[StepPlan] = []
+
+    def launch(self, plan: StepPlan) -> PendingStep:
+        self.plans.append(plan)
+        for row in plan.rows:
+            assert len(row.pages) * PAGE >= row.context_len + len(row.token_ids), "pages cover the row"
+        sampled = [r for r in plan.rows if r.sampling is not None]
+        if not sampled:
+            return PendingStep(None, None, [])
+        tokens = torch.tensor([(r.context_len + len(r.token_ids)) % VOCAB for r in sampled])
+        return PendingStep(tokens, StagedResult.start([tokens]), [r.sampling for r in sampled])
+
+
+def make(budget: int, decode_ahead: bool = False, pages: int = 64, seqs: int = 4):
+    backend = PositionBackend()
+    updates: dict[str, list[RequestUpdate]] = defaultdict(list)
+
+    def publish(out: StepOutputs) -> None:
+        for u in out.updates:
+            updates[u.request_id].append(u)
+
+    config = SchedulerConfig(
+        max_model_len=256,
+        max_num_seqs=seqs,
+        max_num_batched_tokens=budget,
+        vocab_size=VOCAB,
+        decode_ahead=decode_ahead,
+    )
+    cache = CacheManager(num_pages=pages, page_size=PAGE, num_slots=seqs + 1)
+    return Scheduler(config, backend, publish, cache=cache), backend, updates
+
+
+def shape(plan: StepPlan) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """(context, tokens) of each decode row and each prefill row."""
+    return (
+        [(r.context_len, len(r.token_ids)) for r in plan.decode],
+        [(r.context_len, len(r.token_ids)) for r in plan.prefill],
+    )
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def test_each_tick_builds_one_plan_of_decode_rows_then_chunks_within_the_budget():
+    sched, backend, updates = make(budget=8)
+    sched.submit(AddRequest("a", list(range(5)), greedy(3)))
+    sched.submit(AddRequest("b", list(range(10)), greedy(2)))
+    while sched.tick():
+        pass
+    # budget 8: a (5) whole and b's first 3; then a decodes while b's other 7 prefill; then both
+    # decode their last token.
+    assert [shape(p) for p in backend.plans] == [
+        ([], [(0, 5), (0, 3)]),
+        ([(5, 1)], [(3, 7)]),
+        ([(6, 1), (10, 1)], []),
+    ]
+    # Each token is the position it was sampled at: the backend saw exactly the scheduler's cursors.
+    assert [t for u in updates["a"] for t in u.new_token_ids] == [5, 6, 7]
+    assert [t for u in updates["b"] for t in u.new_token_ids] == [10, 11]
+    assert sched.cache.kv.num_used == 0 and sched.cache.states.num_free == 4
+
+
+def test_the_scheduler_reserves_every_page_a_plan_names_and_the_backend_allocates_none():
+    sched, backend, _ = make(budget=64)
+    sched.submit(AddRequest("a", list(range(9)), greedy(4)))
+    sched.tick()  # prefill 9 tokens: 3 pages of 4
+    assert len(backend.plans[0].prefill[0].pages) == 3 and sched.cache.kv.num_used == 3
+    seq = sched.by_id["a"].seq
+    assert seq.num_computed == 9  # the cursor moved with the launch, by the row's tokens
+    sched.tick()  # position 9 fits the third page: no new page
+    assert sched.cache.kv.num_used == 3 and seq.num_computed == 10
+
+
+def test_decode_ahead_plans_feed_the_previous_steps_tokens_on_the_device():
+    sched, backend, updates = make(budget=64, decode_ahead=True)
+    sched.submit(AddRequest("a", list(range(3)), greedy(5)))
+    while sched.tick():
+        pass
+    fed = [p.feed for p in backend.plans]
+    assert fed[0] is None and fed[1] is None  # the prefill, then the first decode-ahead launch
+    assert all(f is not None and f.rows == [0] for f in fed[2:])
+    assert [t for u in updates["a"] for t in u.new_token_ids] == [3, 4, 5, 6, 7]
