@@ -83,6 +83,18 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="shard the model over this many GPUs (or CPU processes), one process per rank; eager, "
         "without decode-ahead",
     )
+    g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=d.enable_prefix_caching,
+        help="reuse the KV and GDN state of a cached prompt prefix at token granularity (on by default)",
+    )
+    g.add_argument(
+        "--prefix-cache-state-memory-gb",
+        type=float,
+        default=None,
+        help="GiB for the prefix cache's GDN state snapshots (default: 8%% of the GPU, 0.25 on CPU)",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -105,6 +117,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
         enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size,
+        enable_prefix_caching=args.enable_prefix_caching,
+        prefix_cache_state_memory_gb=args.prefix_cache_state_memory_gb,
     )
     config.validate()
     return config

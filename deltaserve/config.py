@@ -434,6 +434,10 @@ class EngineConfig:
     enforce_eager: bool = False
     # Ranks 1..N-1 run in their own processes (engine/tp.py); eager, without decode-ahead or prefill overlap.
     tensor_parallel_size: int = 1
+    # Prefix cache (on by default, as in vLLM): shared KV pages + GDN state snapshots in a pool of this
+    # many GiB (None: 8% of the GPU's memory, 0.25 GiB on CPU).
+    enable_prefix_caching: bool = True
+    prefix_cache_state_memory_gb: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -473,6 +477,10 @@ class EngineConfig:
                     f"--device {self.device}: with --tensor-parallel-size {self.tensor_parallel_size}, "
                     "rank r runs on cuda:r; give --device cuda or auto"
                 )
+        if self.prefix_cache_state_memory_gb is not None and not self.prefix_cache_state_memory_gb > 0:
+            raise fail(
+                "prefix_cache_state_memory_gb", "a number of GiB > 0", self.prefix_cache_state_memory_gb
+            )
         if self.num_kv_pages is not None and self.num_kv_pages < 2:
             raise fail("num_kv_pages", "an integer >= 2 (one page is reserved)", self.num_kv_pages)
 

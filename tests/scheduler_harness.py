@@ -41,6 +41,7 @@ class Run:
         prefill_overlap: bool = False,
         decode_ahead: bool = True,
         eos: tuple[int, ...] = (),
+        num_snapshots: int = 0,
     ) -> None:
         caches = build_device_caches(
             model.config,
@@ -49,6 +50,7 @@ class Run:
             num_slots=max_num_seqs + 1,
             dtype=torch.float32,
             device=torch.device("cpu"),
+            num_snapshots=num_snapshots,
         )
         config = SchedulerConfig(
             max_model_len=max_model_len,
@@ -69,8 +71,11 @@ class Run:
         for u in out.updates:
             self.updates[u.request_id].append(u)
 
-    def add(self, rid: str, prompt: list[int], params: SamplingParams | None = None) -> None:
-        self.sched.submit(AddRequest(rid, prompt, params or SamplingParams(temperature=0.0, max_tokens=8)))
+    def add(
+        self, rid: str, prompt: list[int], params: SamplingParams | None = None, cache_points: list[int] = ()
+    ) -> None:
+        params = params or SamplingParams(temperature=0.0, max_tokens=8)
+        self.sched.submit(AddRequest(rid, prompt, params, cache_points=list(cache_points)))
 
     def abort(self, rid: str) -> None:
         self.sched.submit(AbortRequest(rid))
@@ -84,6 +89,9 @@ class Run:
             if not self.sched.tick():
                 return
         raise AssertionError("scheduler did not go idle")
+
+    def logprobs(self, rid: str) -> list:
+        return [lp for u in self.updates[rid] for lp in (u.new_logprobs or [])]
 
     def tokens(self, rid: str) -> list[int]:
         return [t for u in self.updates[rid] for t in u.new_token_ids]

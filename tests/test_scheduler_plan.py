@@ -180,3 +180,29 @@ def test_plan_kind_follows_what_is_scheduled():
     assert build_next_plan(0, 2) is PlanKind.PREFILL
     assert build_next_plan(3, 0) is PlanKind.DECODE
     assert build_next_plan(0, 0) is None
+
+
+def test_a_chunk_ends_at_its_requests_cache_point_and_planning_goes_on():
+    # budget 20: request 0 stops at its point after 6 tokens, request 1 (no point) takes 10 whole,
+    # request 2 stops at its point after 3, and the budget cuts nothing.
+    assert plan_prefill_chunks([8, 10, 9], 20, [6, None, 3]) == [6, 10, 3]
+    # the budget cuts request 1 short of its point: it is the last chunk planned
+    assert plan_prefill_chunks([8, 10, 9], 12, [6, 9, None]) == [6, 6]
+    # a point at or past the end of the pending tokens changes nothing
+    assert plan_prefill_chunks([5, 4], 64, [5, 7]) == [5, 4]
+
+
+def test_cached_pages_that_others_already_hold_cost_no_free_page():
+    views = [PendingView(64, 8), PendingView(64, 8)]  # 5 pages of 16 each (64 + 8 - 1 -> 72 positions)
+    plain = admit_pending_requests(views, cap(free_pages=6))
+    assert plain.admitted == (0,)  # 4 pages each for the 64-token prompt: the second does not fit
+    cached = {0: 0, 1: 3}  # request 1 shares 3 referenced pages: it needs only 1 more
+    shared = admit_pending_requests(views, cap(free_pages=6), lambda i: cached[i])
+    assert shared.admitted == (0, 1)
+
+
+def test_cached_pages_are_asked_for_only_up_to_the_first_request_that_blocks():
+    asked = []
+    views = [PendingView(16, 1)] * 4
+    decision = admit_pending_requests(views, cap(free_pages=2), lambda i: asked.append(i) or 0)
+    assert decision.admitted == (0, 1) and asked == [0, 1, 2]

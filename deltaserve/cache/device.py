@@ -7,11 +7,14 @@ page and slot counts, each with its own heads.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from deltaserve.cache.copies import CacheCopy, PageCopy, StateRestore, StateSave
 from deltaserve.cache.kv_pages import KVPages
+from deltaserve.cache.snapshots import StateSnapshots
 from deltaserve.cache.state_slots import StateSlots
 from deltaserve.config import DTYPES, ModelConfig
 
@@ -20,10 +23,25 @@ from deltaserve.config import DTYPES, ModelConfig
 class DeviceCaches:
     kv: KVPages
     states: StateSlots
+    snapshots: StateSnapshots | None = None  # the prefix cache's GDN states (None: prefix caching off)
 
     @property
     def page_size(self) -> int:
         return self.kv.page_size
+
+    def copy(self, copies: Sequence[CacheCopy]) -> None:
+        """Runs the copies in order (a later copy may read what an earlier one wrote)."""
+        kv, states, snaps = self.kv, self.states, self.snapshots
+        for c in copies:
+            if isinstance(c, PageCopy):
+                kv.k[:, c.dst].copy_(kv.k[:, c.src])
+                kv.v[:, c.dst].copy_(kv.v[:, c.src])
+            elif isinstance(c, StateSave):
+                snaps.conv[:, c.snapshot].copy_(states.conv[:, c.slot])
+                snaps.ssm[:, c.snapshot].copy_(states.ssm[:, c.slot])
+            elif isinstance(c, StateRestore):
+                states.conv[:, c.slot].copy_(snaps.conv[:, c.snapshot])
+                states.ssm[:, c.slot].copy_(snaps.ssm[:, c.snapshot])
 
 
 def build_device_caches(
@@ -35,9 +53,11 @@ def build_device_caches(
     dtype: torch.dtype,
     device: torch.device,
     ssm_dtype: torch.dtype | None = None,
+    num_snapshots: int = 0,
 ) -> DeviceCaches:
     """Pools for `cfg` (a rank's geometry): KV pages for the full-attention layers, state slots for the
-    GDN layers. The SSM state dtype defaults to the checkpoint's `mamba_ssm_dtype` (float32 for Qwen3.5)."""
+    GDN layers and, for the prefix cache, `num_snapshots` GDN state snapshots of the same dtypes. The
+    SSM state dtype defaults to the checkpoint's `mamba_ssm_dtype` (float32 for Qwen3.5)."""
     kv = KVPages(
         num_layers=len(cfg.full_attention_layers),
         num_pages=num_pages,
@@ -59,4 +79,15 @@ def build_device_caches(
         ssm_dtype=ssm_dtype or DTYPES[cfg.ssm_state_dtype],
         device=device,
     )
-    return DeviceCaches(kv, states)
+    snapshots = None
+    if num_snapshots > 0:
+        snapshots = StateSnapshots(
+            num_layers=states.conv.shape[0],
+            num_snapshots=num_snapshots,
+            conv_shape=tuple(states.conv.shape[2:]),
+            ssm_shape=tuple(states.ssm.shape[2:]),
+            conv_dtype=states.conv.dtype,
+            ssm_dtype=states.ssm.dtype,
+            device=device,
+        )
+    return DeviceCaches(kv, states, snapshots)

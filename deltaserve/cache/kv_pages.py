@@ -7,6 +7,8 @@ without touching live data. Free pages are recycled LIFO (a recently freed page 
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 
 DUMMY_PAGE = 0  # reserved: padding rows point here
@@ -40,7 +42,12 @@ class KVPages:
 
 
 class PageAllocator:
-    """Which pages are handed out. Knows nothing of their contents."""
+    """Which pages are handed out, how many holders share each, and which hold reusable content.
+
+    A page is free, referenced (held by sequences, snapshots being written or pending copies: ref > 0),
+    or cached (ref 0 and registered under a content key: found again by its key, and evicted least
+    recently used when a page is needed). Only an unreferenced page is ever evicted or handed out.
+    `num_free` counts free and cached pages: both can be handed out."""
 
     def __init__(self, num_pages: int, page_size: int) -> None:
         if num_pages < 2:
@@ -48,6 +55,10 @@ class PageAllocator:
         self.page_size = page_size
         self.num_pages = num_pages
         self._free: list[int] = list(range(num_pages - 1, 0, -1))
+        self._refs = [0] * num_pages
+        self._key_of: dict[int, bytes] = {}
+        self._page_of: dict[bytes, int] = {}
+        self._cached: OrderedDict[int, None] = OrderedDict()  # unreferenced registered pages, oldest first
 
     @property
     def capacity(self) -> int:
@@ -56,21 +67,82 @@ class PageAllocator:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._cached)
 
     @property
     def num_used(self) -> int:
         return self.capacity - self.num_free
 
+    @property
+    def num_cached(self) -> int:
+        """Pages registered under a content key (referenced or not)."""
+        return len(self._key_of)
+
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
+    def refs(self, page: int) -> int:
+        return self._refs[page]
+
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise MemoryError(f"KV pool exhausted: asked for {n} pages, {len(self._free)} free")
-        taken = self._free[len(self._free) - n :]
-        del self._free[len(self._free) - n :]
-        return taken[::-1]
+        """`n` pages, each referenced once: free pages first, then the least recently used cached ones
+        (which lose their key)."""
+        if n > self.num_free:
+            raise MemoryError(f"KV pool exhausted: asked for {n} pages, {self.num_free} free")
+        take = min(n, len(self._free))
+        pages = self._free[len(self._free) - take :][::-1]
+        del self._free[len(self._free) - take :]
+        while len(pages) < n:
+            page, _ = self._cached.popitem(last=False)
+            self._forget(page)
+            pages.append(page)
+        for page in pages:
+            self._refs[page] = 1
+        return pages
+
+    def share(self, page: int) -> None:
+        """One more holder of `page` (a cached page becomes referenced again)."""
+        if self._refs[page] == 0:
+            self._cached.pop(page)
+        self._refs[page] += 1
 
     def free(self, pages: list[int]) -> None:
-        self._free.extend(reversed(pages))
+        """Drops one reference to each page; an unreferenced page is cached if it has a key, else free."""
+        for page in reversed(pages):
+            self._refs[page] -= 1
+            assert self._refs[page] >= 0, f"page {page} released more often than it was held"
+            if self._refs[page] == 0:
+                if page in self._key_of:
+                    self._cached[page] = None
+                else:
+                    self._free.append(page)
+
+    def register(self, page: int, key: bytes) -> bool:
+        """Makes `page` findable by `key`. False (and nothing changes) when the key already names a
+        page or the page already has a key: content is never registered twice."""
+        if key in self._page_of or page in self._key_of:
+            return False
+        self._page_of[key] = page
+        self._key_of[page] = key
+        if self._refs[page] == 0:
+            self._cached[page] = None
+        return True
+
+    def lookup(self, key: bytes) -> int | None:
+        return self._page_of.get(key)
+
+    def touch(self, page: int) -> None:
+        """A cached page was used: it becomes the most recently used."""
+        if page in self._cached:
+            self._cached.move_to_end(page)
+
+    def forget_all(self) -> None:
+        """Every key is dropped: cached pages become free, referenced ones are freed at their release."""
+        for page in self._cached:
+            self._free.append(page)
+        self._cached.clear()
+        self._key_of.clear()
+        self._page_of.clear()
+
+    def _forget(self, page: int) -> None:
+        del self._page_of[self._key_of.pop(page)]

@@ -63,7 +63,9 @@ class Backend:
         planned = plan.rows
         rows = [r.batch_row() for r in planned]
         fed = None if plan.feed is None else _fed_tokens(plan.feed, rows, self.device)
-        logits, scored_hidden = self.worker.run(rows, fed)
+        logits, scored_hidden = self.worker.run(
+            rows, fed, copies_before=plan.copies_before, copies_after=plan.copies_after
+        )
         prompt = None if scored_hidden is None else self._score_prompts(planned, scored_hidden)
         sampling = [r.sampling for r in planned if r.sampling is not None]
         if not sampling:

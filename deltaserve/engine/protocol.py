@@ -23,6 +23,9 @@ class AddRequest:
     params: SamplingParams
     arrival_time: float = 0.0  # monotonic seconds, set by the client
     echo: bool = False  # a contract the engine refuses (fail-closed) rather than degrades
+    # Prompt positions where a later request is likely to diverge (chat message boundaries): the
+    # prefix cache saves the GDN state there (engine/scheduler/prefix.py).
+    cache_points: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -35,6 +38,11 @@ class AbortRequest:
 @dataclass(slots=True)
 class Shutdown:
     reason: str = "engine shutdown"
+
+
+@dataclass(slots=True)
+class ResetPrefixCache:
+    """Forget every cached page and state snapshot (requests in flight keep theirs)."""
 
 
 @dataclass(slots=True)
@@ -56,6 +64,7 @@ class RequestUpdate:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # total so far
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
     queued_time: float | None = None  # monotonic: first scheduled minus arrival, set on the first token
     # Asked-for prompt logprobs, once, with the first token: entry i scores prompt token i (None for i=0).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
@@ -74,6 +83,11 @@ class LoadSnapshot:
     state_slots_free: int = 0
     state_slots_total: int = 0
     num_preemptions: int = 0  # since start
+    prefix_cache_queries: int = 0  # since start: prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # since start: of those, tokens found cached
+    kv_pages_cached: int = 0  # pages registered under a content key (shared or reusable)
+    state_snapshots_used: int = 0
+    state_snapshots_total: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -88,11 +102,13 @@ class StepOutputs:
     load: LoadSnapshot
 
 
-ClientMessage = AddRequest | AbortRequest | Shutdown
+ClientMessage = AddRequest | AbortRequest | Shutdown | ResetPrefixCache
 
 _encoder = msgspec.msgpack.Encoder()
 _envelope = msgspec.msgpack.Decoder(tuple[str, msgspec.Raw])
-_client_decoders = {t.__name__: msgspec.msgpack.Decoder(t) for t in (AddRequest, AbortRequest, Shutdown)}
+_client_decoders = {
+    t.__name__: msgspec.msgpack.Decoder(t) for t in (AddRequest, AbortRequest, Shutdown, ResetPrefixCache)
+}
 _output_decoder = msgspec.msgpack.Decoder(StepOutputs)
 
 

@@ -27,6 +27,8 @@ from deltaserve.model.weights import init_dummy_weights, load_weights
 logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_GB = 0.25
+CPU_DEFAULT_SNAPSHOT_GB = 0.25
+GPU_SNAPSHOT_SHARE = 0.08  # of the GPU's memory, for the prefix cache's GDN state snapshots
 GRAPH_RESERVE_BYTES = 256 << 20
 
 
@@ -69,8 +71,10 @@ def build_rank(
     )
     local = model.local_config
     warmup = _warm_up(config, model, local, dtype, device) if device.type == "cuda" else None
-    num_pages = _plan_kv_pages(config, local, device, dtype, warmup)
+    num_snapshots = plan_state_snapshots(config, local, device, dtype)
+    num_pages = _plan_kv_pages(config, local, device, dtype, warmup, num_snapshots)
     if tp.size > 1:
+        num_snapshots = agree_on_minimum(num_snapshots, device)
         num_pages = agree_on_minimum(num_pages, device)
     caches = build_device_caches(
         local,
@@ -79,6 +83,7 @@ def build_rank(
         num_slots=config.max_num_seqs + 1,
         dtype=dtype,
         device=device,
+        num_snapshots=num_snapshots,
     )
     return RankState(model, caches, device, dtype)
 
@@ -106,27 +111,53 @@ def _warm_up(
     return report
 
 
+def plan_state_snapshots(
+    cfg: EngineConfig, local: ModelConfig, device: torch.device, dtype: torch.dtype
+) -> int:
+    """GDN state snapshots for the prefix cache, planned before the KV pages: the memory budget
+    (--prefix-cache-state-memory-gb; by default a share of the GPU, or a fixed amount on CPU) over one
+    sequence's state (conv + SSM of every GDN layer, at the live state's dtypes)."""
+    if not cfg.enable_prefix_caching:
+        return 0
+    per_snapshot = local.state_bytes_per_sequence(dtype)
+    gib = cfg.prefix_cache_state_memory_gb
+    if gib is None:
+        total = torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else 0
+        gib = GPU_SNAPSHOT_SHARE * total / 2**30 if device.type == "cuda" else CPU_DEFAULT_SNAPSHOT_GB
+    count = int(gib * 2**30 // per_snapshot)
+    logger.info(
+        "prefix cache: %d GDN state snapshots of %.1f MiB (%.2f GiB; --prefix-cache-state-memory-gb)",
+        count,
+        per_snapshot / 2**20,
+        count * per_snapshot / 2**30,
+    )
+    return count
+
+
 def _plan_kv_pages(
     cfg: EngineConfig,
     local: ModelConfig,
     device: torch.device,
     dtype: torch.dtype,
     warmup: WarmupReport | None,
+    num_snapshots: int = 0,
 ) -> int:
-    """KV pages for this rank (`local` is its geometry: its KV heads and GDN heads)."""
+    """KV pages for this rank (`local` is its geometry: its KV heads and GDN heads), from what is left
+    after the state slots and the prefix cache's snapshots."""
     if cfg.num_kv_pages is not None:
         return cfg.num_kv_pages
     page_bytes = local.kv_bytes_per_token(dtype) * cfg.page_size
-    state_bytes = (cfg.max_num_seqs + 1) * local.state_bytes_per_sequence(dtype)
+    state_bytes = (cfg.max_num_seqs + 1 + num_snapshots) * local.state_bytes_per_sequence(dtype)
     if device.type == "cuda":
         assert warmup is not None
         free, total = torch.cuda.mem_get_info(device)
-        # The state pool is allocated after this; graph capture needs a little room of its own.
+        # The state pools are allocated after this; graph capture needs a little room of its own.
         reserve = state_bytes + warmup.peak_activation_bytes + GRAPH_RESERVE_BYTES
         budget = cfg.gpu_memory_utilization * total - (total - free) - reserve
         where = (
             f"GPU {total / 2**30:.1f} GiB x {cfg.gpu_memory_utilization} utilization, "
-            f"{(total - free) / 2**30:.1f} GiB in use (weights, context), state slots {state_bytes / 2**30:.2f} GiB, "
+            f"{(total - free) / 2**30:.1f} GiB in use (weights, context), state slots and snapshots "
+            f"{state_bytes / 2**30:.2f} GiB, "
             f"activations {warmup.peak_activation_bytes / 2**30:.2f} GiB"
         )
         flag = "raise --gpu-memory-utilization, or lower --max-num-seqs or --max-num-batched-tokens"

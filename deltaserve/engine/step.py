@@ -1,7 +1,8 @@
 """The step vocabulary between the scheduler and the backend.
 
 A tick builds ONE `StepPlan`: decode rows (one token each) first, then prefill chunks, each naming the
-pages, state slot and context the cache manager gave it, plus an optional token feed. The backend
+pages, state slot and context the cache manager gave it, plus an optional token feed and the
+prefix cache's device copies (hits restored, snapshots saved). The backend
 executes the plan without allocating anything and returns a `PendingStep`; the scheduler advances the
 cursors at launch and applies the `StepResult` when it reads it.
 """
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from deltaserve.cache.copies import CacheCopy
 from deltaserve.engine.protocol import TokenLogprobs
 from deltaserve.engine.sampler import SamplingRow
 from deltaserve.ops.batch import BatchRow
@@ -87,6 +89,10 @@ class StepPlan:
     decode: list[PlannedRow] = field(default_factory=list)  # one token each, context > 0
     prefill: list[PlannedRow] = field(default_factory=list)  # chunks, after the decode rows
     feed: TokenFeed | None = None
+    # Prefix-cache copies: hits restored and end-of-request snapshots saved before the forward; snapshots
+    # at a cache point a chunk ends on, after it. Both run in order, on every rank.
+    copies_before: list[CacheCopy] = field(default_factory=list)
+    copies_after: list[CacheCopy] = field(default_factory=list)
 
     @property
     def rows(self) -> list[PlannedRow]:

@@ -36,6 +36,7 @@ from typing import Protocol, TypeVar
 import torch
 import torch.distributed as dist
 
+from deltaserve.cache.copies import CacheCopy
 from deltaserve.cache.device import DeviceCaches
 from deltaserve.config import EngineConfig, ModelConfig
 from deltaserve.engine.rank import build_rank
@@ -63,6 +64,8 @@ class TensorParallelError(RuntimeError):
 class RankStep:
     step_id: int
     rows: list[BatchRow]
+    copies_before: tuple[CacheCopy, ...] = ()  # the prefix cache's device copies, run on every rank
+    copies_after: tuple[CacheCopy, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,13 +130,18 @@ class RankGroup:
             logger.error("tensor-parallel group poisoned: %s", reason)
         return TensorParallelError(self.poisoned)
 
-    def dispatch(self, rows: list[BatchRow]) -> int:
+    def dispatch(
+        self,
+        rows: list[BatchRow],
+        copies_before: Sequence[CacheCopy] = (),
+        copies_after: Sequence[CacheCopy] = (),
+    ) -> int:
         """Start gate: the step reaches every rank before any rank is released into it. Returns its id."""
         if self.poisoned is not None:
             raise TensorParallelError(self.poisoned)
         step_id = self._next_step
         self._next_step += 1
-        command = RankStep(step_id, rows)
+        command = RankStep(step_id, rows, tuple(copies_before), tuple(copies_after))
         for i, channel in enumerate(self.channels):
             try:
                 channel.send(command)
@@ -187,14 +195,22 @@ class TensorParallelWorker(ModelWorker):
         self.workers = workers
 
     def run(
-        self, rows: list[BatchRow], fed: torch.Tensor | None = None, *, logits: bool = True
+        self,
+        rows: list[BatchRow],
+        fed: torch.Tensor | None = None,
+        *,
+        logits: bool = True,
+        copies_before: Sequence[CacheCopy] = (),
+        copies_after: Sequence[CacheCopy] = (),
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if fed is not None:
             raise ValueError("tensor parallelism takes every input token from the host (no token feed)")
         group = self.workers.group
-        step_id = group.dispatch(rows)
+        step_id = group.dispatch(rows, copies_before, copies_after)
         try:
-            out = super().run(rows, None, logits=logits)
+            out = super().run(
+                rows, None, logits=logits, copies_before=copies_before, copies_after=copies_after
+            )
         except Exception as exc:
             raise group.poison(f"rank 0 failed step {step_id}: {type(exc).__name__}: {exc}") from exc
         group.collect(step_id)
@@ -392,7 +408,12 @@ def _serve_steps(rank: int, worker: ModelWorker, channel: Connection) -> None:
                 return
             error = None
             try:
-                worker.run(pending.rows, logits=False)  # rank 0 alone computes logits and samples
+                worker.run(  # rank 0 alone computes logits and samples
+                    pending.rows,
+                    logits=False,
+                    copies_before=pending.copies_before,
+                    copies_after=pending.copies_after,
+                )
             except Exception as exc:
                 logger.exception("rank %d failed step %d", rank, msg.step_id)
                 error = f"{type(exc).__name__}: {exc}"

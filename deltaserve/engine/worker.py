@@ -6,8 +6,11 @@ The worker reads and writes only the pages and slots a step's rows name; it allo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
+from deltaserve.cache.copies import CacheCopy
 from deltaserve.cache.device import DeviceCaches
 from deltaserve.engine.cuda_graphs import CudaGraphRunner
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
@@ -25,12 +28,27 @@ class ModelWorker:
 
     @torch.inference_mode()
     def run(
-        self, rows: list[BatchRow], fed: torch.Tensor | None = None, *, logits: bool = True
+        self,
+        rows: list[BatchRow],
+        fed: torch.Tensor | None = None,
+        *,
+        logits: bool = True,
+        copies_before: Sequence[CacheCopy] = (),
+        copies_after: Sequence[CacheCopy] = (),
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The forward over `rows` (a decode graph when one fits). With `logits`: float32 logits of the
-        rows that need them and the hidden states of the scored tokens (None when no row scores);
-        without (a rank that does not sample), (None, None). `fed`: input tokens of the first
-        fed.shape[0] rows, on the device."""
+        """The cache copies before, the forward over `rows` (a decode graph when one fits; none when
+        there are no rows), the copies after. With `logits`: float32 logits of the rows that need them
+        and the hidden states of the scored tokens (None when no row scores); without (a rank that
+        does not sample), (None, None). `fed`: input tokens of the first fed.shape[0] rows, on the
+        device."""
+        self.caches.copy(copies_before)
+        out = self._forward(rows, fed, logits) if rows else (None, None)
+        self.caches.copy(copies_after)
+        return out
+
+    def _forward(
+        self, rows: list[BatchRow], fed: torch.Tensor | None, logits: bool
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         graphs = self.graphs
         scoring = any(r.scored for r in rows)
         if logits and graphs is not None and not scoring and _all_need_logits(rows) and graphs.can_run(rows):

@@ -15,7 +15,7 @@ One tick, in this fixed order:
   8. build the plan: Prefill | Decode | Unified (or launch an overlapped prefill); a pure-decode step
      following a decode-ahead step is launched before that step's tokens are read
   9. execute (or launch ahead); dispatch tokens; retire
- 10. ITL telemetry line
+ 10. launch the prefix cache's copies no step carried (end-of-request snapshots); ITL telemetry line
 
 Ownership (request.py): a request is in exactly one queue or has had its single terminal update. Only
 the scheduler thread touches the queues.
@@ -37,11 +37,12 @@ from deltaserve.engine.protocol import (
     ClientMessage,
     LoadSnapshot,
     RequestUpdate,
+    ResetPrefixCache,
     Shutdown,
     StepOutputs,
 )
 from deltaserve.engine.sampler import make_seed
-from deltaserve.engine.scheduler import lifecycle, steps, telemetry, validation
+from deltaserve.engine.scheduler import lifecycle, prefix, steps, telemetry, validation
 from deltaserve.engine.scheduler.request import Phase, Request
 from deltaserve.engine.scheduler.state import SchedulerConfig, SchedulerState
 from deltaserve.engine.structured import GrammarBackend
@@ -109,6 +110,7 @@ class Scheduler(SchedulerState):
             return False
         steps.admit(self)
         steps.run_step(self)
+        steps.flush_cache_copies(self)
         self._publish_load()
         self._flush()
         return True
@@ -125,6 +127,8 @@ class Scheduler(SchedulerState):
                 req = self.by_id.get(msg.request_id)
                 if req is not None:
                     req.closed = True
+            elif isinstance(msg, ResetPrefixCache):
+                self.cache.reset_prefix_cache()
             elif isinstance(msg, Shutdown):
                 lifecycle.terminal_scheduler_shutdown(self, msg.reason)
                 return
@@ -154,6 +158,8 @@ class Scheduler(SchedulerState):
             arrival_time=msg.arrival_time or time.monotonic(),
             echo=msg.echo,
         )
+        if self.cache.prefix_caching:
+            req.cache_points = prefix.cache_points(prompt_len, msg.cache_points)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]
         self.by_id[req.request_id] = req
@@ -164,6 +170,7 @@ class Scheduler(SchedulerState):
     def _publish_load(self) -> None:
         kv = self.cache.kv
         states = self.cache.states
+        snapshots = self.cache.snapshots
         inflight = len(self.inflight.requests) if self.inflight else 0
         self.load = LoadSnapshot(
             running=len(self.running) + len(self.prefilling) + inflight,
@@ -173,6 +180,11 @@ class Scheduler(SchedulerState):
             state_slots_free=states.num_free,
             state_slots_total=states.capacity,
             num_preemptions=self.num_preemptions,
+            prefix_cache_queries=self.prefix_queries,
+            prefix_cache_hits=self.prefix_hits,
+            kv_pages_cached=kv.num_cached,
+            state_snapshots_used=snapshots.num_used if snapshots is not None else 0,
+            state_snapshots_total=snapshots.capacity if snapshots is not None else 0,
         )
 
     def _flush(self) -> None:

@@ -18,6 +18,7 @@ import contextlib
 import queue
 
 from deltaserve.engine.protocol import AddRequest, LoadSnapshot, RequestUpdate, StepOutputs
+from deltaserve.engine.scheduler import prefix
 from deltaserve.engine.scheduler.request import Phase, Request
 from deltaserve.engine.scheduler.state import SchedulerState
 
@@ -47,6 +48,9 @@ def retire(
     over it has been waited for, within the tick for an abort) and emits `update` (or a bare update
     with `finish_reason`)."""
 
+    reason = update.finish_reason if update is not None else finish_reason
+    if reason in ("stop", "length"):
+        prefix.save_request_end(sched, req)
     release_caches(sched, req)
     req.phase = Phase.DONE
     sched.by_id.pop(req.request_id, None)
@@ -57,6 +61,7 @@ def retire(
             num_prompt_tokens=len(req.prompt_token_ids),
             num_output_tokens=len(req.output_token_ids),
             num_preemptions=req.num_preemptions,
+            num_cached_tokens=req.num_cached_tokens,
         )
     sched.updates.append(update)
 

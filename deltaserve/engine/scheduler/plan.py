@@ -12,12 +12,16 @@ alone (`KV_BUDGET` rejects the rest), so nothing livelocks.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
 # Under the `auto` policy a tick whose decoders include one this close to its max_tokens runs decode only.
 DECODE_FINISH_WINDOW_TOKENS = 4
+
+
+def _nothing_cached(index: int) -> int:
+    return 0
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:
@@ -67,9 +71,15 @@ class AdmissionDecision:
     # every other pending request stays queued, in order
 
 
-def admit_pending_requests(pending: Sequence[PendingView], cap: AdmissionCapacity) -> AdmissionDecision:
+def admit_pending_requests(
+    pending: Sequence[PendingView],
+    cap: AdmissionCapacity,
+    cached_pages: Callable[[int], int] = _nothing_cached,
+) -> AdmissionDecision:
     """FCFS admission. Impossible requests are rejected whatever their position and never block later
-    ones; the first request that cannot be admitted now blocks every later one (strict FCFS)."""
+    ones; the first request that cannot be admitted now blocks every later one (strict FCFS).
+    `cached_pages(i)`: pages of request i's cached prefix that other holders already reference (they
+    cost no free page); asked only for the requests whose fit is checked, in order."""
     admitted: list[int] = []
     rejected: list[tuple[int, Rejection]] = []
     page_budget = cap.free_pages - cap.committed_pages - cap.decode_headroom_pages
@@ -82,8 +92,11 @@ def admit_pending_requests(pending: Sequence[PendingView], cap: AdmissionCapacit
             continue
         if blocked:
             continue
-        need = pages_for(req.prompt_len + req.num_output, cap.page_size)
-        if len(admitted) >= slot_budget or need > page_budget:
+        if len(admitted) >= slot_budget:
+            blocked = True
+            continue
+        need = pages_for(req.prompt_len + req.num_output, cap.page_size) - cached_pages(i)
+        if need > page_budget:
             blocked = True
             continue
         admitted.append(i)
@@ -128,18 +141,22 @@ def choose_prefill_budget(
     return min(front_remaining, budget)
 
 
-def plan_prefill_chunks(remaining: Sequence[int], budget: int) -> list[int]:
-    """Chunk lengths for the prefilling FIFO: whole prompts are packed front to back; only the last
-    scheduled request may be partial, and planning stops there."""
+def plan_prefill_chunks(remaining: Sequence[int], budget: int, stops: Sequence[int | None] = ()) -> list[int]:
+    """Chunk lengths for the prefilling FIFO, packed front to back within the budget. `stops[i]`: the
+    tokens request i may take before its next cache point (None: none ahead). A chunk ends at its
+    request's cache point (the state must exist at exactly that token) and planning goes on with the
+    next request; a chunk the budget cuts is the last one planned."""
     chunks: list[int] = []
     left = budget
-    for rem in remaining:
+    for i, rem in enumerate(remaining):
         if left <= 0:
             break
-        take = min(rem, left)
+        stop = stops[i] if i < len(stops) else None
+        want = rem if stop is None else min(rem, stop)
+        take = min(want, left)
         chunks.append(take)
         left -= take
-        if take < rem:
+        if take < want:
             break
     return chunks
 

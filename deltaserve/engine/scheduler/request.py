@@ -48,6 +48,11 @@ class Request:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     prompt_logprobs_sent: bool = False
     grammar: RequestGrammar | None = None  # structured output, built by the submission checks
+    # Prefix cache: positions after which a GDN state snapshot is saved (a chunk ends there), sorted;
+    # the content keys of its full pages so far; the tokens its first admission found cached.
+    cache_points: list[int] = field(default_factory=list)
+    page_keys: list[bytes] = field(default_factory=list)
+    num_cached_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -65,5 +65,7 @@ class SchedulerState:
         self.updates: list[RequestUpdate] = []  # produced this tick, published at its end
         self.load = LoadSnapshot()  # replaced whole each tick: readable from other threads without locks
         self.num_preemptions = 0
+        self.prefix_queries = 0  # tokens of first admissions looked up in the prefix cache
+        self.prefix_hits = 0  # of those, tokens found cached
         self.stopped = False
         self._admitted = 0

@@ -21,9 +21,10 @@ import time
 
 import torch
 
+from deltaserve.cache.manager import CacheWork, PrefixHit
 from deltaserve.engine.protocol import RequestUpdate, TokenLogprobs
 from deltaserve.engine.sampler import SamplingRow, uses_penalties
-from deltaserve.engine.scheduler import lifecycle, telemetry
+from deltaserve.engine.scheduler import lifecycle, prefix, telemetry
 from deltaserve.engine.scheduler.plan import (
     AdmissionCapacity,
     PendingView,
@@ -62,14 +63,25 @@ def admit(sched: SchedulerState) -> None:
     )
     waiting = list(sched.waiting)
     views = [PendingView(len(r.prompt_token_ids), r.max_tokens, len(r.output_token_ids)) for r in waiting]
-    decision = admit_pending_requests(views, capacity)
+    hits: dict[int, PrefixHit | None] = {}
+
+    def cached_pages(index: int) -> int:
+        hits[index] = hit = prefix.lookup(sched, waiting[index])
+        return 0 if hit is None else sum(1 for page in hit.pages if cache.kv.refs(page) > 0)
+
+    decision = admit_pending_requests(views, capacity, cached_pages)
     gone = set(decision.admitted)
     for index, rejection in decision.rejected:
         gone.add(index)
         lifecycle.send_rejection(sched, waiting[index], rejection.message, "max_tokens")
     for index in decision.admitted:
         req = waiting[index]
-        req.seq = cache.open()
+        hit = hits.get(index)
+        req.seq = cache.open() if hit is None else cache.open_hit(hit)
+        if cache.prefix_caching and req.num_preemptions == 0:  # counted at its first admission
+            req.num_cached_tokens = 0 if hit is None else hit.position
+            sched.prefix_queries += req.num_tokens
+            sched.prefix_hits += req.num_cached_tokens
         req.phase = Phase.PREFILLING
         req.admitted_order = sched._admitted
         sched._admitted += 1
@@ -147,25 +159,45 @@ def _launch(
 ) -> LaunchedStep | None:
     """Builds the step's plan (reserving each row's pages through the cache manager), launches it and
     advances every row's cursor: after this, KV, conv/SSM state and position have moved together by the
-    row's tokens. Returns None when the launch ran out of memory (its requests have failed)."""
+    row's tokens. The plan also carries the prefix cache's pending copies (before the forward) and the
+    snapshots of chunks ending on a cache point (after it). Returns None when the launch ran out of
+    memory (its requests have failed)."""
+    cache = sched.cache
     pending = 0 if feed is None else 1  # a fed row's input token is in flight, not yet on the host
+    before, after = cache.take_pending(), CacheWork()
     try:
         plan = StepPlan(
             decode=[_decode_row(sched, r, pending) for r in decode],
             prefill=[_chunk_row(sched, c) for c in chunks],
             feed=feed,
         )
+        after = prefix.save_at_chunk_ends(sched, chunks)  # after every row's pages are reserved
+        plan.copies_before, plan.copies_after = before.copies, after.copies
         launched = sched.backend.launch(plan)
     except (torch.OutOfMemoryError, MemoryError) as exc:
+        cache.pending.extend(before)  # not known to have run: they run again with the next launch
+        cache.abandoned(after)
         lifecycle.fail_requests(
             sched, decode + [c.request for c in chunks], f"step failed: out of memory ({exc})"
         )
         return None
+    cache.launched(before)
+    cache.launched(after)
     step = LaunchedStep(decode, chunks, launched)
     for req, row in zip(step.requests, plan.rows, strict=True):
-        sched.cache.advance(req.seq, len(row.token_ids))
+        cache.advance(req.seq, len(row.token_ids))
         req.launched = step
     return step
+
+
+def flush_cache_copies(sched: SchedulerState) -> None:
+    """Launches the prefix cache's pending copies that no step carried this tick (end-of-request
+    snapshots become findable for the next admission)."""
+    cache = sched.cache
+    if cache.pending.copies:
+        work = cache.take_pending()
+        sched.backend.launch(StepPlan(copies_before=work.copies))
+        cache.launched(work)
 
 
 def _run_now(sched: SchedulerState, decode: list[Request], chunks: list[ScheduledChunk]) -> None:
@@ -180,6 +212,10 @@ def apply_step(sched: SchedulerState, step: LaunchedStep, result: StepResult) ->
     requeued."""
     dispatch_decode_tokens(sched, step.decode, result)
     promote_or_requeue(sched, step.chunks, result, offset=len(step.decode))
+    if sched.cache.prefix_caching:
+        for req in step.requests:
+            if req.phase is not Phase.DONE:
+                prefix.register_computed_pages(sched, req)
 
 
 def _decode_row(sched: SchedulerState, req: Request, pending: int) -> PlannedRow:
@@ -275,17 +311,20 @@ def take_prefill_chunks(sched: SchedulerState, budget: int, free_pages: int) -> 
     """Takes chunks off the front of the prefilling FIFO within the token budget and the free pages;
     the requests leave the FIFO (promote_or_requeue puts unfinished ones back at its front)."""
     page_size = sched.cache.page_size
-    lengths = plan_prefill_chunks([r.num_pending for r in sched.prefilling], budget)
+    queue = list(sched.prefilling)
+    lengths = plan_prefill_chunks(
+        [r.num_pending for r in queue], budget, [prefix.tokens_to_next_point(r) for r in queue]
+    )
     chunks: list[ScheduledChunk] = []
-    for req, length in zip(list(sched.prefilling), lengths, strict=False):
+    for req, planned in zip(queue, lengths, strict=False):
         fits = (len(req.seq.pages) + free_pages) * page_size - req.num_computed
-        length = min(length, fits)
+        length = min(planned, fits)
         if length <= 0:
             break
         free_pages -= sched.cache.pages_needed(req.seq, req.num_computed + length)
         chunks.append(ScheduledChunk(req, req.num_computed, length))
-        if length < req.num_pending:
-            break
+        if length < planned:
+            break  # out of pages: no chunk after it
     for _ in chunks:
         sched.prefilling.popleft()
     return chunks
@@ -363,6 +402,7 @@ def _append_token(sched: SchedulerState, req: Request, token: int, logprobs: Tok
         num_prompt_tokens=len(req.prompt_token_ids),
         num_output_tokens=len(req.output_token_ids),
         num_preemptions=req.num_preemptions,
+        num_cached_tokens=req.num_cached_tokens,
     )
     if len(req.output_token_ids) == 1 and req.first_scheduled_time is not None:
         update.queued_time = req.first_scheduled_time - req.arrival_time
@@ -409,10 +449,17 @@ def _ensure_decode_pages(sched: SchedulerState) -> int:
     """Makes sure every decoder can write its next position, preempting the newest page holders when
     the pool cannot; returns the pages the decode rows will take this step."""
     cache = sched.cache
+    need = sum(cache.pages_needed(r.seq, r.num_computed + 1) for r in sched.running)
+    if need <= cache.kv.num_free:
+        return need
     holders = sorted(list(sched.running) + list(sched.prefilling), key=lambda r: r.admitted_order)
     running = set(map(id, sched.running))
+    # What preempting a holder gives back: its pages no other sequence shares.
     demands = [
-        (len(r.seq.pages), cache.pages_needed(r.seq, r.num_computed + 1) if id(r) in running else 0)
+        (
+            cache.pages_freed_by_release(r.seq),
+            cache.pages_needed(r.seq, r.num_computed + 1) if id(r) in running else 0,
+        )
         for r in holders
     ]
     victims = preemptions_needed(cache.kv.num_free, demands)
@@ -441,7 +488,7 @@ def _relieve_page_deadlock(sched: SchedulerState) -> None:
     """No decoders, nothing in flight, and the prefilling FIFO could not get a page: the newest
     prefilling request gives its pages back so the older ones proceed (recomputed later)."""
     holders = sorted(sched.prefilling, key=lambda r: r.admitted_order)
-    if len(holders) > 1 and holders[-1].seq.pages:
+    if len(holders) > 1 and sched.cache.pages_freed_by_release(holders[-1].seq):
         preempt(sched, holders[-1])
         return
     raise RuntimeError(

@@ -1,0 +1,32 @@
+"""Content keys of the prefix cache: a hash chain over token ids, one key per full KV page.
+
+key(page i) = H(key(page i - 1) || tokens of page i), key(page -1) = ROOT, so a key names the page's
+tokens AND everything before them: two sequences share page i's KV exactly when their keys agree. A
+GDN state snapshot at position P is indexed under the key of the P // page_size full pages before it
+and holds the tail tokens [P - P % page_size, P) itself. blake2b with 128-bit digests: a collision
+(which would serve another prefix's KV) is not a practical event.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+ROOT = b"deltaserve-prefix-root"
+
+
+def chain(parent: bytes, tokens: Sequence[int]) -> bytes:
+    return hashlib.blake2b(parent + array("I", tokens).tobytes(), digest_size=16).digest()
+
+
+def extend_page_keys(keys: list[bytes], tokens: Sequence[int], page_size: int) -> None:
+    """Appends the keys of the full pages of `tokens` not yet in `keys` (keys[i] is page i's)."""
+    for i in range(len(keys), len(tokens) // page_size):
+        parent = keys[i - 1] if i else ROOT
+        keys.append(chain(parent, tokens[i * page_size : (i + 1) * page_size]))
+
+
+def prefix_key(keys: Sequence[bytes], num_pages: int) -> bytes:
+    """The key of the first `num_pages` full pages (ROOT for none)."""
+    return keys[num_pages - 1] if num_pages else ROOT
