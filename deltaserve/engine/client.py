@@ -30,6 +30,7 @@ from deltaserve.engine.protocol import (
     ClientMessage,
     LoadSnapshot,
     RequestUpdate,
+    ResetPrefixCache,
     Shutdown,
     decode_outputs,
     encode_client_message,
@@ -125,7 +126,11 @@ class AsyncEngineClient:
     # ---- requests ------------------------------------------------------------------------------
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_points: list[int] | None = None,
     ) -> AsyncIterator[RequestUpdate]:
         if self.dead or self._closing:
             raise EngineDeadError(self.dead_reason or "the engine is not running (shutting down)")
@@ -136,7 +141,13 @@ class AsyncEngineClient:
         finished = False
         try:
             await self._send(
-                AddRequest(request_id, list(prompt_token_ids), params, arrival_time=time.monotonic())
+                AddRequest(
+                    request_id,
+                    list(prompt_token_ids),
+                    params,
+                    arrival_time=time.monotonic(),
+                    cache_points=list(cache_points or ()),
+                )
             )
             while True:
                 update = await q.get()
@@ -148,6 +159,11 @@ class AsyncEngineClient:
             self._queues.pop(request_id, None)
             if not finished and not self.dead:
                 await self.abort(request_id)
+
+    async def reset_prefix_cache(self) -> None:
+        if self.dead:
+            raise EngineDeadError(self.dead_reason or "the engine is not running")
+        await self._send(ResetPrefixCache())
 
     async def abort(self, request_id: str) -> None:
         if not self.dead:

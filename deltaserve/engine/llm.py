@@ -17,7 +17,7 @@ from typing import Any
 from deltaserve.config import EngineConfig
 from deltaserve.engine.core import EngineCore
 from deltaserve.engine.output import OutputState, RequestOutput
-from deltaserve.engine.protocol import AbortRequest, AddRequest, StepOutputs
+from deltaserve.engine.protocol import AbortRequest, AddRequest, ResetPrefixCache, StepOutputs
 from deltaserve.errors import RequestValidationError
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.tokenizer import Tokenizer
@@ -107,6 +107,10 @@ class LLM:
         raise RequestValidationError(
             "prompt", f"a prompt must be a string or {{'prompt_token_ids': [...]}}, got {prompt!r}"
         )
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached page and state snapshot (the next tick of the engine)."""
+        self.engine.submit(ResetPrefixCache())
 
     def shutdown(self) -> None:
         self.engine.shutdown("LLM shut down")

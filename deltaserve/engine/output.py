@@ -37,6 +37,7 @@ class RequestOutput:
     error_field: str | None = None
     # Asked-for prompt logprobs: entry i scores prompt token i (None for the first).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 @dataclass(slots=True)
@@ -53,6 +54,7 @@ class OutputDelta:
     abort_engine: bool = False  # a stop string ended it: the engine must be told to stop generating
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # in the first delta, when asked for
 
     @property
@@ -76,6 +78,7 @@ class OutputState:
     error: str | None = None
     error_field: str | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    num_cached_tokens: int = 0
     _detok: IncrementalDetokenizer | None = field(default=None, init=False, repr=False)
     _holdback: int = field(default=0, init=False, repr=False)  # length of the longest stop string
 
@@ -94,6 +97,7 @@ class OutputState:
         if self.finished:  # a stop string already ended it; late engine updates are dropped
             return OutputDelta("", [], None)
         self.token_ids.extend(update.new_token_ids)
+        self.num_cached_tokens = update.num_cached_tokens
         if update.prompt_logprobs is not None:
             self.prompt_logprobs = update.prompt_logprobs
         if self.logprobs is not None and update.new_logprobs:
@@ -127,6 +131,7 @@ class OutputState:
             abort_engine=abort,
             num_prompt_tokens=update.num_prompt_tokens or len(self.prompt_token_ids),
             num_output_tokens=len(self.token_ids),
+            num_cached_tokens=update.num_cached_tokens,
             prompt_logprobs=update.prompt_logprobs,
         )
         self.sent = end
@@ -160,4 +165,5 @@ class OutputState:
             error=self.error,
             error_field=self.error_field,
             prompt_logprobs=self.prompt_logprobs,
+            num_cached_tokens=self.num_cached_tokens,
         )

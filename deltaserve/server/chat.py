@@ -70,7 +70,13 @@ async def create_chat_completion(
     )
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     reqs = [
-        EngineRequest(rid if body.n == 1 else f"{rid}-{j}", prompt.text, prompt.token_ids, choice_params)
+        EngineRequest(
+            rid if body.n == 1 else f"{rid}-{j}",
+            prompt.text,
+            prompt.token_ids,
+            choice_params,
+            prompt.cache_points,
+        )
         for j, choice_params in enumerate(params.per_choice(body.n))
     ]
     if body.stream:
@@ -224,7 +230,8 @@ async def _complete(
         id=rid,
         model=state.model_name,
         choices=[c.choice(state, body, i) for i, c in enumerate(choices)],
-        usage=UsageInfo.of(len(prompt.token_ids), outputs),  # the prompt once: its n choices share it
+        # the prompt once: its n choices share it (and the first choice's cached share)
+        usage=UsageInfo.of(len(prompt.token_ids), outputs, choices[0].last.num_cached_tokens),
         prompt_logprobs=None
         if scored is None
         else prompt_logprobs(state.token_texts, prompt.token_ids, scored),
@@ -247,6 +254,7 @@ async def _stream(
 
     outs = [AssistantOutput.for_prompt(prompt) for _ in reqs]
     num_output_tokens = [0] * len(reqs)
+    num_cached_tokens = 0
     try:
         for i in range(len(reqs)):
             yield chunk(ChatStreamChoice(index=i, delta=ChatDelta(role="assistant", content="")))
@@ -256,6 +264,8 @@ async def _stream(
                 if error is not None:
                     raise error
                 num_output_tokens[i] = delta.num_output_tokens
+                if i == 0:
+                    num_cached_tokens = delta.num_cached_tokens
                 lp = None
                 if body.logprobs and delta.logprobs:
                     lp = chat_logprobs(state.token_texts, delta.token_ids, delta.logprobs)
@@ -263,7 +273,7 @@ async def _stream(
                 if choice is not None:
                     yield chunk(choice)
         if body.include_usage:
-            usage = UsageInfo.of(len(prompt.token_ids), sum(num_output_tokens))
+            usage = UsageInfo.of(len(prompt.token_ids), sum(num_output_tokens), num_cached_tokens)
             yield data_event(
                 ChatCompletionChunk(id=rid, created=created, model=model, choices=[], usage=usage)
             )

@@ -13,7 +13,7 @@ Shared by /v1/chat/completions and /v1/responses. Decisions:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from deltaserve.errors import RequestValidationError
@@ -41,6 +41,7 @@ class ChatPrompt:
     parse_tools: bool
     forced_prefix: str  # output text the prompt already contains; feed it to the parser first
     tool_choice: ToolChoice = ToolChoice("auto")  # "required"/"named" calls are also grammar-constrained
+    cache_points: list[int] = field(default_factory=list)  # message boundaries for the prefix cache
 
 
 def answer_start_token(tokenizer: Tokenizer, prompt: ChatPrompt) -> int | None:
@@ -100,12 +101,37 @@ def render_chat_prompt(
         raise from_validation(err) from err
     thinking = text.rstrip().endswith("<think>")
     text += forced
+    token_ids = tokenizer.encode(text)
     return ChatPrompt(
         text=text,
-        token_ids=tokenizer.encode(text),
+        token_ids=token_ids,
         thinking=thinking,
         tools=tools,
         parse_tools=tools is not None and tool_choice.mode != "none",
         forced_prefix=forced,
         tool_choice=tool_choice,
+        cache_points=chat_cache_points(tokenizer, token_ids),
     )
+
+
+def chat_cache_points(tokenizer: Tokenizer, token_ids: list[int]) -> list[int]:
+    """Where the next turn of this conversation is likely to diverge, for the prefix cache: the end
+    of a leading system turn (system message and tools, shared across conversations) and the end of
+    the last message before the generation prompt (the template renders earlier assistant turns
+    without their reasoning, so the next turn's prompt leaves this one's there). A message ends after
+    its `<|im_end|>` and the newline that follows."""
+    end, newline = tokenizer.encode("<|im_end|>\n")
+    bounds, i = [], -1
+    while True:
+        try:
+            i = token_ids.index(end, i + 1)
+        except ValueError:
+            break
+        if i + 1 < len(token_ids) and token_ids[i + 1] == newline:
+            bounds.append(i + 2)
+    if not bounds:
+        return []
+    points = {bounds[-1]}
+    if token_ids[:2] == tokenizer.encode("<|im_start|>system"):
+        points.add(bounds[0])
+    return sorted(points)

@@ -149,6 +149,7 @@ class _Choice:
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0
     scored_prompt: list[TokenLogprobs | None] | None = None
     seen: bool = False  # a delta arrived (the echo goes out with the first)
 
@@ -161,6 +162,7 @@ class _Choice:
         self.logprobs += delta.logprobs or []
         self.num_prompt_tokens = delta.num_prompt_tokens
         self.num_output_tokens = delta.num_output_tokens
+        self.num_cached_tokens = delta.num_cached_tokens
         if delta.finished:
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
 
@@ -168,7 +170,8 @@ class _Choice:
 def _usage(choices: list[_Choice], n: int) -> UsageInfo:
     """Each prompt once (its n choices share it), every choice's output."""
     prompt_tokens = sum(c.num_prompt_tokens for c in choices[::n])
-    return UsageInfo.of(prompt_tokens, sum(c.num_output_tokens for c in choices))
+    cached = sum(c.num_cached_tokens for c in choices[::n])
+    return UsageInfo.of(prompt_tokens, sum(c.num_output_tokens for c in choices), cached)
 
 
 async def _complete(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from deltaserve.engine.client import EngineDeadError
@@ -29,6 +29,7 @@ class EngineRequest:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
+    cache_points: list[int] = field(default_factory=list)  # chat message boundaries (prefix cache)
 
 
 async def generate(state: ServerState, req: EngineRequest, arrival: float) -> AsyncIterator[OutputDelta]:
@@ -37,7 +38,7 @@ async def generate(state: ServerState, req: EngineRequest, arrival: float) -> As
     ended_by = "abort"  # what the metrics count if no terminal arrives: the client went away
     state.inflight += 1
     try:
-        updates = state.client.generate(req.request_id, req.prompt_token_ids, req.params)
+        updates = state.client.generate(req.request_id, req.prompt_token_ids, req.params, req.cache_points)
         async with contextlib.aclosing(updates):
             async for update in updates:
                 delta = output.apply(update)

@@ -3,7 +3,8 @@
 Latencies are measured in the API server from the request's arrival (before tokenization), as vLLM does:
 TTFT = first output token - arrival; ITL = gap between successive output updates of one request;
 e2e = terminal - arrival; queue time = the engine's first-scheduled - arrival. Load gauges (running,
-waiting, KV use, preemptions) are read from the engine's latest LoadSnapshot at scrape time.
+waiting, KV use, preemptions, prefix-cache queries and hits in tokens) are read from the engine's latest
+LoadSnapshot at scrape time.
 """
 
 from __future__ import annotations
@@ -52,6 +53,17 @@ class _LoadCollector(Collector):
         )
         preemptions.add_metric([self._model_name], float(load.num_preemptions))
         yield preemptions
+        for name, doc, value in (
+            (
+                "vllm:prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache.",
+                load.prefix_cache_queries,
+            ),
+            ("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.", load.prefix_cache_hits),
+        ):
+            counter = CounterMetricFamily(name, doc, labels=["model_name"])
+            counter.add_metric([self._model_name], float(value))
+            yield counter
 
 
 @dataclass(slots=True)

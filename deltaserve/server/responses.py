@@ -29,6 +29,7 @@ from deltaserve.server.response_store import StoredResponse
 from deltaserve.server.responses_items import chat_tools, input_messages
 from deltaserve.server.responses_protocol import (
     Event,
+    InputTokensDetails,
     OutputTokensDetails,
     ResponseObject,
     ResponsesRequest,
@@ -129,7 +130,7 @@ def _prepare(state: ServerState, body: ResponsesRequest, arrival: float) -> _Run
         metadata=body.metadata or {},
         store=body.store,
     )
-    req = EngineRequest(rid, prompt.text, prompt.token_ids, params)
+    req = EngineRequest(rid, prompt.text, prompt.token_ids, params, prompt.cache_points)
     return _Run(state, body.store, prompt, req, ResponseBuilder(response), conversation, arrival)
 
 
@@ -183,7 +184,7 @@ async def _events(run: _Run) -> AsyncIterator[Event]:
             for event in builder.add(out.feed(delta.text, final=delta.finished)):
                 yield event
             if delta.finished:
-                usage = _usage(run, out, token_ids)
+                usage = _usage(run, out, token_ids, delta.num_cached_tokens)
                 for event in builder.finish(delta.finish_reason, usage):
                     yield event
     if run.store:
@@ -198,7 +199,7 @@ async def _events(run: _Run) -> AsyncIterator[Event]:
         )
 
 
-def _usage(run: _Run, out: AssistantOutput, token_ids: list[int]) -> ResponseUsage:
+def _usage(run: _Run, out: AssistantOutput, token_ids: list[int], cached_tokens: int) -> ResponseUsage:
     """Reasoning tokens: output tokens up to and including `</think>` (all of them if it never came)."""
     reasoning_tokens = 0
     if run.prompt.thinking:
@@ -209,6 +210,7 @@ def _usage(run: _Run, out: AssistantOutput, token_ids: list[int]) -> ResponseUsa
     n_in, n_out = len(run.req.prompt_token_ids), len(token_ids)
     return ResponseUsage(
         input_tokens=n_in,
+        input_tokens_details=InputTokensDetails(cached_tokens=cached_tokens),
         output_tokens=n_out,
         output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning_tokens),
         total_tokens=n_in + n_out,

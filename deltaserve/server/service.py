@@ -1,4 +1,4 @@
-"""Service endpoints: /health, /v1/models, /metrics, /load, /version."""
+"""Service endpoints: /health, /v1/models, /metrics, /load, /version, /reset_prefix_cache."""
 
 from __future__ import annotations
 
@@ -61,7 +61,19 @@ async def load(request: Request) -> dict[str, Any]:
     """The scheduler's latest load snapshot (published every tick) plus the server's in-flight count."""
     state = get_state(request)
     snapshot = state.client.load
-    return {**asdict(snapshot), "kv_cache_usage": snapshot.kv_usage, "server_inflight": state.inflight}
+    return {
+        **asdict(snapshot),
+        "kv_cache_usage": snapshot.kv_usage,
+        "prefix_cache_cached_tokens": snapshot.kv_pages_cached * state.client.info.page_size,
+        "server_inflight": state.inflight,
+    }
+
+
+@router.post("/reset_prefix_cache")
+async def reset_prefix_cache(request: Request) -> Response:
+    """Forgets every cached page and state snapshot; requests in flight keep theirs (safe at any time)."""
+    await get_state(request).client.reset_prefix_cache()
+    return Response(status_code=200)
 
 
 @router.get("/version")

@@ -32,6 +32,7 @@ from driver import Driver, StepItem
 
 from deltaserve.cache.device import build_device_caches
 from deltaserve.cache.manager import CacheManager
+from deltaserve.cache.prefix import extend_page_keys
 from deltaserve.config import ModelConfig
 from deltaserve.engine.backend import Backend
 from deltaserve.engine.cuda_graphs import CudaGraphRunner
@@ -108,7 +109,7 @@ class Engine:
         self.model = Qwen35ForCausalLM(config, dtype=dtype, device=DEVICE)
         load_state_dict(self.model, state_dict, "HF model")
         self.caches = build_device_caches(
-            config, num_pages=2048, page_size=16, num_slots=9, dtype=dtype, device=DEVICE
+            config, num_pages=2048, page_size=16, num_slots=9, dtype=dtype, device=DEVICE, num_snapshots=4
         )
         self.cache = CacheManager.for_device(self.caches)
         self.graphs = CudaGraphRunner(self.model, self.caches, max_num_seqs=8, max_model_len=9000)
@@ -363,6 +364,51 @@ def test_mixed_prefill_and_decode_steps_and_slot_reuse(pair, precision):
 def test_long_prompts(pair, precision, length):
     gate = Gate(f"{precision} long prompt {length}")
     replay(pair, precision, True, [prompt_of(length, length)], chunk=2048, gate=gate)
+    gate.finish()
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("graphs", [True, False])
+def test_resumed_from_the_prefix_cache(pair, precision, graphs):
+    """A prompt sharing 203 tokens (a boundary inside a page of 16) with an earlier one resumes from its
+    cached KV pages and GDN state snapshot: its logits after the boundary and its decode steps match
+    HF's over the whole prompt."""
+    gate = Gate(f"{precision} resumed from the prefix cache, graphs={graphs}")
+    engine = pair.engines[precision]
+    backend, cache = engine.backend(graphs), engine.cache
+    boundary = 203
+    shared = prompt_of(boundary, 7)
+    a, b = shared + prompt_of(40, 8), shared + prompt_of(60, 9)
+    ref = pair.reference(b)
+    keys_a: list[bytes] = []
+    extend_page_keys(keys_a, a, cache.page_size)
+    sa = cache.open()
+    backend.forward([StepItem(sa, a[:boundary])])
+    saved = cache.save(sa, keys_a, a, boundary, donate=False)
+    engine.caches.copy(saved.copies)
+    cache.launched(saved)
+    backend.forward([StepItem(sa, a[boundary:])])  # a goes on writing past the boundary
+    cache.register_pages(sa, keys_a)
+    cache.release(sa)
+    keys_b: list[bytes] = []
+    extend_page_keys(keys_b, b, cache.page_size)
+    hit = cache.lookup(keys_b, b, len(b) - 1)
+    assert hit is not None and hit.position == boundary
+    sb = cache.open_hit(hit)
+    restore = cache.take_pending()
+    engine.caches.copy(restore.copies)
+    cache.launched(restore)
+    compared = [k for k, pos in enumerate(ref.positions) if pos >= boundary]
+    logits = prefill_logits_at(
+        backend, [StepItem(sb, b[boundary:])], [[ref.positions[k] - boundary for k in compared]]
+    )
+    for row, k in zip(logits, compared, strict=True):
+        gate.check(row, *ref.at(precision, k), f"position {ref.positions[k]}")
+    for step in range(DECODE_STEPS):
+        out = backend.forward([StepItem(sb, [ref.tokens[step]])])
+        gate.check(out[0], *ref.at(precision, len(ref.positions) + step), f"decode {step}")
+    cache.release(sb)
+    cache.reset_prefix_cache()
     gate.finish()
 
 
