@@ -16,7 +16,6 @@ import os
 import platform
 import subprocess
 import time
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from deltaserve.bench.client import Endpoint, first_model, send, wait_for_health
 from deltaserve.bench.datasets import (
     QWEN35_BASE_VOCAB_SIZE,
     BenchRequest,
@@ -164,17 +164,6 @@ def arrival_offsets(
     return (times * (num_requests / request_rate / times[-1])).tolist()
 
 
-@dataclass(slots=True)
-class _Endpoint:
-    session: aiohttp.ClientSession
-    url: str
-    headers: dict[str, str]
-    model: str
-    chat: bool
-    ignore_eos: bool
-    temperature: float
-
-
 async def _bench(args: argparse.Namespace) -> BenchResult:
     _validate(args)
     goodput = parse_goodput(args.goodput) if args.goodput else None
@@ -198,9 +187,9 @@ async def _bench(args: argparse.Namespace) -> BenchResult:
     # limit=0 lifts aiohttp's default pool cap of 100 connections, which would silently cap concurrency.
     connector = aiohttp.TCPConnector(limit=args.max_concurrency or 0)
     async with aiohttp.ClientSession(connector=connector, timeout=_REQUEST_TIMEOUT) as session:
-        await _wait_for_health(session, base_url, args.ready_check_timeout_sec)
-        model = args.model or await _first_model(session, base_url, headers)
-        endpoint = _Endpoint(
+        await wait_for_health(session, base_url, args.ready_check_timeout_sec)
+        model = args.model or await first_model(session, base_url, headers)
+        endpoint = Endpoint(
             session, base_url + args.endpoint, headers, model, chat, ignore_eos, args.temperature
         )
         if args.num_warmups > 0:
@@ -226,7 +215,7 @@ async def _bench(args: argparse.Namespace) -> BenchResult:
 
 
 async def _send_all(
-    endpoint: _Endpoint,
+    endpoint: Endpoint,
     requests: list[BenchRequest],
     offsets: list[float] | None,
     max_concurrency: int | None,
@@ -239,7 +228,7 @@ async def _send_all(
 
     async def limited(request: BenchRequest) -> RequestRecord:
         async with limit:
-            return await _send(endpoint, request)
+            return await send(endpoint, request)
 
     start = time.perf_counter()
     tasks = []
@@ -249,115 +238,6 @@ async def _send_all(
             await asyncio.sleep(delay)
         tasks.append(asyncio.create_task(limited(request)))
     return list(await asyncio.gather(*tasks))
-
-
-def _payload(endpoint: _Endpoint, request: BenchRequest) -> dict[str, Any]:
-    payload: dict[str, Any] = {"model": endpoint.model}
-    if endpoint.chat:
-        payload["messages"] = [{"role": "user", "content": request.prompt}]
-        payload["max_completion_tokens"] = request.output_len
-    else:
-        payload["prompt"] = request.prompt
-        payload["max_tokens"] = request.output_len
-    payload |= {
-        "temperature": endpoint.temperature,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    if endpoint.ignore_eos:
-        payload["ignore_eos"] = True
-    return payload
-
-
-async def _send(endpoint: _Endpoint, request: BenchRequest) -> RequestRecord:
-    """Stream one request. Success needs HTTP 200, a `choices` chunk, a usage chunk and `[DONE]`."""
-    payload = _payload(endpoint, request)
-    chunk_times: list[float] = []
-    texts: list[str] = []
-    tokens: tuple[int, int] | None = None  # (prompt, completion) from the usage chunk
-    done = False
-    error = ""
-    send_time = time.perf_counter()
-    try:
-        async with endpoint.session.post(endpoint.url, json=payload, headers=endpoint.headers) as resp:
-            if resp.status != 200:
-                error = f"HTTP {resp.status}: {(await resp.text())[:2000]}"
-            else:
-                # SSE: "data: {...}" lines separated by blank lines; ":" lines are keep-alive comments.
-                async for raw in resp.content:
-                    line = raw.strip()
-                    if not line.startswith(b"data:"):
-                        continue
-                    data = line[len(b"data:") :].strip()
-                    if data == b"[DONE]":
-                        done = True
-                        continue
-                    arrival = time.perf_counter()
-                    chunk = json.loads(data)
-                    if chunk.get("error"):
-                        error = f"error event in stream: {json.dumps(chunk['error'])[:2000]}"
-                        break
-                    if choices := chunk.get("choices"):
-                        chunk_times.append(arrival)
-                        texts.append(_chunk_text(choices[0], endpoint.chat))
-                    if (usage := chunk.get("usage")) and "completion_tokens" in usage:
-                        tokens = (usage.get("prompt_tokens", request.prompt_len), usage["completion_tokens"])
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-        error = f"{type(exc).__name__}: {exc}"
-    if not error:
-        error = _stream_error(done, len(chunk_times), tokens is not None)
-    text = "".join(texts)
-    if error or tokens is None:
-        return RequestRecord(False, error, send_time, chunk_times, request.prompt_len, 0, text)
-    return RequestRecord(True, "", send_time, chunk_times, tokens[0], tokens[1], text)
-
-
-def _stream_error(done: bool, num_chunks: int, has_usage: bool) -> str:
-    if not done:
-        return f"stream ended without [DONE] after {num_chunks} chunks with choices"
-    if num_chunks == 0:
-        return "stream had no chunk with choices"
-    if not has_usage:
-        return "stream had no usage chunk with completion_tokens; the server must honour stream_options.include_usage"
-    return ""
-
-
-def _chunk_text(choice: dict[str, Any], chat: bool) -> str:
-    if chat:
-        return (choice.get("delta") or {}).get("content") or ""
-    return choice.get("text") or ""
-
-
-async def _wait_for_health(session: aiohttp.ClientSession, base_url: str, timeout_s: float) -> None:
-    if timeout_s <= 0:
-        return
-    deadline = time.monotonic() + timeout_s
-    last = "no answer"
-    while True:
-        try:
-            async with session.get(f"{base_url}/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
-                if resp.status == 200:
-                    return
-                last = f"HTTP {resp.status}"
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            last = f"{type(exc).__name__}: {exc}"
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError(
-                f"GET {base_url}/health did not answer 200 within {timeout_s:g} s (last: {last}); "
-                "start the server, check --base-url, or raise --ready-check-timeout-sec"
-            )
-        await asyncio.sleep(min(0.5, remaining))
-
-
-async def _first_model(session: aiohttp.ClientSession, base_url: str, headers: dict[str, str]) -> str:
-    async with session.get(f"{base_url}/v1/models", headers=headers) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"GET {base_url}/v1/models answered HTTP {resp.status}; pass --model")
-        models = (await resp.json()).get("data") or []
-    if not models:
-        raise RuntimeError(f"GET {base_url}/v1/models lists no models; pass --model")
-    return models[0]["id"]
 
 
 def _validate(args: argparse.Namespace) -> None:

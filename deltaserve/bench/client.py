@@ -1,0 +1,138 @@
+"""One streamed request as `vllm bench serve` sends and times it, plus the server checks before a run.
+
+`send` posts a payload, reads the SSE stream and returns a RequestRecord (times, text, usage counts);
+`completion_payload` builds the request body for one BenchRequest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from deltaserve.bench.datasets import BenchRequest
+from deltaserve.bench.metrics import RequestRecord
+
+
+@dataclass(slots=True)
+class Endpoint:
+    session: aiohttp.ClientSession
+    url: str
+    headers: dict[str, str]
+    model: str
+    chat: bool
+    ignore_eos: bool
+    temperature: float
+
+
+def completion_payload(endpoint: Endpoint, request: BenchRequest) -> dict[str, Any]:
+    payload: dict[str, Any] = {"model": endpoint.model}
+    if endpoint.chat:
+        payload["messages"] = [{"role": "user", "content": request.prompt}]
+        payload["max_completion_tokens"] = request.output_len
+    else:
+        payload["prompt"] = request.prompt
+        payload["max_tokens"] = request.output_len
+    payload |= {
+        "temperature": endpoint.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if endpoint.ignore_eos:
+        payload["ignore_eos"] = True
+    return payload
+
+
+async def send(endpoint: Endpoint, request: BenchRequest) -> RequestRecord:
+    """Stream one request. Success needs HTTP 200, a `choices` chunk, a usage chunk and `[DONE]`."""
+    payload = completion_payload(endpoint, request)
+    chunk_times: list[float] = []
+    texts: list[str] = []
+    tokens: tuple[int, int] | None = None  # (prompt, completion) from the usage chunk
+    done = False
+    error = ""
+    send_time = time.perf_counter()
+    try:
+        async with endpoint.session.post(endpoint.url, json=payload, headers=endpoint.headers) as resp:
+            if resp.status != 200:
+                error = f"HTTP {resp.status}: {(await resp.text())[:2000]}"
+            else:
+                # SSE: "data: {...}" lines separated by blank lines; ":" lines are keep-alive comments.
+                async for raw in resp.content:
+                    line = raw.strip()
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[len(b"data:") :].strip()
+                    if data == b"[DONE]":
+                        done = True
+                        continue
+                    arrival = time.perf_counter()
+                    chunk = json.loads(data)
+                    if chunk.get("error"):
+                        error = f"error event in stream: {json.dumps(chunk['error'])[:2000]}"
+                        break
+                    if choices := chunk.get("choices"):
+                        chunk_times.append(arrival)
+                        texts.append(_chunk_text(choices[0], endpoint.chat))
+                    if (usage := chunk.get("usage")) and "completion_tokens" in usage:
+                        tokens = (usage.get("prompt_tokens", request.prompt_len), usage["completion_tokens"])
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    if not error:
+        error = _stream_error(done, len(chunk_times), tokens is not None)
+    text = "".join(texts)
+    if error or tokens is None:
+        return RequestRecord(False, error, send_time, chunk_times, request.prompt_len, 0, text)
+    return RequestRecord(True, "", send_time, chunk_times, tokens[0], tokens[1], text)
+
+
+def _stream_error(done: bool, num_chunks: int, has_usage: bool) -> str:
+    if not done:
+        return f"stream ended without [DONE] after {num_chunks} chunks with choices"
+    if num_chunks == 0:
+        return "stream had no chunk with choices"
+    if not has_usage:
+        return "stream had no usage chunk with completion_tokens; the server must honour stream_options.include_usage"
+    return ""
+
+
+def _chunk_text(choice: dict[str, Any], chat: bool) -> str:
+    if chat:
+        return (choice.get("delta") or {}).get("content") or ""
+    return choice.get("text") or ""
+
+
+async def wait_for_health(session: aiohttp.ClientSession, base_url: str, timeout_s: float) -> None:
+    if timeout_s <= 0:
+        return
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    while True:
+        try:
+            async with session.get(f"{base_url}/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                if resp.status == 200:
+                    return
+                last = f"HTTP {resp.status}"
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            last = f"{type(exc).__name__}: {exc}"
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(
+                f"GET {base_url}/health did not answer 200 within {timeout_s:g} s (last: {last}); "
+                "start the server, check --base-url, or raise --ready-check-timeout-sec"
+            )
+        await asyncio.sleep(min(0.5, remaining))
+
+
+async def first_model(session: aiohttp.ClientSession, base_url: str, headers: dict[str, str]) -> str:
+    async with session.get(f"{base_url}/v1/models", headers=headers) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"GET {base_url}/v1/models answered HTTP {resp.status}; pass --model")
+        models = (await resp.json()).get("data") or []
+    if not models:
+        raise RuntimeError(f"GET {base_url}/v1/models lists no models; pass --model")
+    return models[0]["id"]
