@@ -24,7 +24,7 @@ ITL_S = 0.020  # stub delay between later chunks
 
 class StubServer:
     """Streams `max_tokens` chunks "t0 ", "t1 ", ...: the first after TTFT_S, the rest ITL_S apart, then a
-    usage chunk and [DONE]. Prompt "bad" gets HTTP 400; prompt "cut" stops after two chunks without
+    usage chunk and [DONE]; chat streams open with a role-only chunk sent at once. Prompt "bad" gets HTTP 400; prompt "cut" stops after two chunks without
     [DONE]; prompt "nousage" omits the usage chunk. Counts concurrent streams and records every payload."""
 
     def __init__(self) -> None:
@@ -88,11 +88,11 @@ class StubServer:
             await resp.write(f"data: {json.dumps(data)}\n\n".encode())
 
         num_tokens = body["max_completion_tokens" if chat else "max_tokens"]
-        await asyncio.sleep(TTFT_S)
-        if chat:  # OpenAI's first chat chunk carries the role and empty content
+        if chat:  # the opening chat chunk: the role and empty content, sent before any token
             await event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+        await asyncio.sleep(TTFT_S)
         for i in range(num_tokens):
-            if i or chat:
+            if i:
                 await asyncio.sleep(ITL_S)
             choice = {"index": 0, "delta": {"content": f"t{i} "}} if chat else {"index": 0, "text": f"t{i} "}
             await event({"choices": [choice]})
@@ -218,7 +218,7 @@ def test_http_400_a_stream_without_done_or_usage_are_failures_with_their_error_t
     assert all("ignore_eos" not in p for p in stub.payloads)  # off by default for custom prompts
 
 
-def test_chat_ttft_counts_the_empty_role_chunk(stub, tmp_path):
+def test_chat_ttft_ends_at_the_first_token_not_at_the_role_only_chunk(stub, tmp_path):
     rows = [{"prompt": "hi there", "output_len": 3}]
     path = _jsonl(tmp_path / "d.jsonl", rows)
     args = _args(
@@ -231,9 +231,10 @@ def test_chat_ttft_counts_the_empty_role_chunk(stub, tmp_path):
     assert stub.payloads[0]["messages"] == [{"role": "user", "content": "hi there"}]
     assert stub.payloads[0]["max_completion_tokens"] == 3
     record = result.records[0]
-    assert len(record.chunk_times) == 4 and record.generated_text == "t0 t1 t2 "
-    # The role chunk is the first of the 4 chunks with choices, so TTFT ends there.
-    assert TTFT_S * 1000 <= result.latency["ttft"].mean_ms < (TTFT_S + ITL_S) * 1000 + 500
+    # The stub sends the role chunk at once and the first token TTFT_S later: only the 3 tokens are timed.
+    assert len(record.chunk_times) == 3 and record.generated_text == "t0 t1 t2 "
+    assert TTFT_S * 1000 <= result.latency["ttft"].mean_ms < TTFT_S * 1000 + 500
+    assert 0.75 * ITL_S * 1000 <= result.latency["itl"].median_ms < ITL_S * 1000 + 200
 
 
 def test_warmups_run_first_and_are_not_measured(stub):

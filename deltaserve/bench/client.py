@@ -75,7 +75,7 @@ async def send(endpoint: Endpoint, request: BenchRequest) -> RequestRecord:
                     if chunk.get("error"):
                         error = f"error event in stream: {json.dumps(chunk['error'])[:2000]}"
                         break
-                    if choices := chunk.get("choices"):
+                    if (choices := chunk.get("choices")) and _carries_output(choices[0], endpoint.chat):
                         chunk_times.append(arrival)
                         texts.append(_chunk_text(choices[0], endpoint.chat))
                     if (usage := chunk.get("usage")) and "completion_tokens" in usage:
@@ -98,6 +98,25 @@ def _stream_error(done: bool, num_chunks: int, has_usage: bool) -> str:
     if not has_usage:
         return "stream had no usage chunk with completion_tokens; the server must honour stream_options.include_usage"
     return ""
+
+
+def _carries_output(choice: dict[str, Any], chat: bool) -> bool:
+    """False only for a chat chunk whose delta announces the role and nothing else (no content,
+    reasoning, tool call, logprobs or finish reason): it carries no token, so it is not timed.
+
+    vLLM's server sends that chunk together with the first token, so skipping it moves vLLM's TTFT by
+    microseconds; a server that sends it before the prefill would otherwise report a TTFT that times
+    only request parsing.
+    """
+    if not chat:
+        return True
+    delta = choice.get("delta") or {}
+    if "role" not in delta:
+        return True
+    output_keys = ("content", "reasoning_content", "reasoning", "tool_calls")
+    return any(delta.get(k) for k in output_keys) or bool(
+        choice.get("finish_reason") or choice.get("logprobs")
+    )
 
 
 def _chunk_text(choice: dict[str, Any], chat: bool) -> str:

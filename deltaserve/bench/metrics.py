@@ -1,6 +1,8 @@
 """Serving-benchmark metrics, defined exactly as `vllm bench serve` defines them so numbers compare.
 
-- TTFT: send -> first streamed chunk carrying `choices` (even with empty text).
+- TTFT: send -> first streamed chunk carrying `choices` (even with empty text). A chat chunk whose delta
+  holds only the role carries no token and is not timed (vLLM sends it with the first token; a server
+  that sends it before the prefill would otherwise report a TTFT without the prefill).
 - ITL: gaps between successive `choices` chunks, pooled over all successful requests (a chunk carrying
   k tokens contributes one gap).
 - TPOT per request: (E2EL - TTFT) / (completion_tokens - 1), only for requests with more than one token.
