@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from aiohttp import web
 
+from deltaserve.bench.client import UsageCounts, usage_counts
 from deltaserve.bench.datasets import load_custom_jsonl, random_token_prompts
 from deltaserve.bench.serve import add_bench_serve_arguments, arrival_offsets, main, run_bench_serve
 
@@ -107,9 +108,13 @@ class StubServer:
         return resp
 
     @staticmethod
-    def _usage(prompt: str | list[int], num_tokens: int) -> dict[str, int]:
+    def _usage(prompt: str | list[int], num_tokens: int) -> dict[str, Any]:
+        """A prompt starting with "cached" reports all its tokens but the first as cached."""
         prompt_tokens = len(prompt) if isinstance(prompt, list) else len(prompt.split())
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": num_tokens}
+        usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": num_tokens}
+        if isinstance(prompt, str) and prompt.startswith("cached"):
+            usage["prompt_tokens_details"] = {"cached_tokens": prompt_tokens - 1}
+        return usage
 
 
 @pytest.fixture(scope="module")
@@ -235,6 +240,37 @@ def test_chat_ttft_ends_at_the_first_token_not_at_the_role_only_chunk(stub, tmp_
     assert len(record.chunk_times) == 3 and record.generated_text == "t0 t1 t2 "
     assert TTFT_S * 1000 <= result.latency["ttft"].mean_ms < TTFT_S * 1000 + 500
     assert 0.75 * ITL_S * 1000 <= result.latency["itl"].median_ms < ITL_S * 1000 + 200
+
+
+def test_cached_share_comes_from_usage_prompt_tokens_details(stub, tmp_path):
+    # "cached a b c" reports 3 of its 4 prompt tokens cached; "x y" has no prompt_tokens_details (0 of 2).
+    rows = [{"prompt": "cached a b c", "output_len": 2}, {"prompt": "x y", "output_len": 2}]
+    args = _args(
+        stub,
+        *("--dataset-name", "custom", "--dataset-path", _jsonl(tmp_path / "d.jsonl", rows)),
+        *(
+            "--num-prompts",
+            "2",
+            "--save-result",
+            "--result-dir",
+            str(tmp_path),
+            "--result-filename",
+            "r.json",
+        ),
+    )
+    result = run_bench_serve(args)
+
+    assert [r.cached_tokens for r in result.records] == [3, None]
+    assert (result.total_cached_tokens, result.total_input_tokens) == (3, 6)
+    assert json.loads((tmp_path / "r.json").read_text())["cached_token_share"] == pytest.approx(3 / 6)
+
+
+def test_usage_counts_read_cached_tokens_and_tolerate_their_absence():
+    usage = {"prompt_tokens": 9, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 8}}
+    assert usage_counts(usage, 0) == UsageCounts(9, 2, 8)
+    assert usage_counts({"prompt_tokens": 9, "completion_tokens": 2}, 0) == UsageCounts(9, 2, None)
+    assert usage_counts({"completion_tokens": 2, "prompt_tokens_details": None}, 5) == UsageCounts(5, 2, None)
+    assert usage_counts({"prompt_tokens": 9}, 0) is None  # not a final usage object
 
 
 def test_warmups_run_first_and_are_not_measured(stub):

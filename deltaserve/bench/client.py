@@ -52,7 +52,7 @@ async def send(endpoint: Endpoint, request: BenchRequest) -> RequestRecord:
     payload = completion_payload(endpoint, request)
     chunk_times: list[float] = []
     texts: list[str] = []
-    tokens: tuple[int, int] | None = None  # (prompt, completion) from the usage chunk
+    usage: UsageCounts | None = None
     done = False
     error = ""
     send_time = time.perf_counter()
@@ -78,16 +78,45 @@ async def send(endpoint: Endpoint, request: BenchRequest) -> RequestRecord:
                     if (choices := chunk.get("choices")) and _carries_output(choices[0], endpoint.chat):
                         chunk_times.append(arrival)
                         texts.append(_chunk_text(choices[0], endpoint.chat))
-                    if (usage := chunk.get("usage")) and "completion_tokens" in usage:
-                        tokens = (usage.get("prompt_tokens", request.prompt_len), usage["completion_tokens"])
+                    if chunk.get("usage"):
+                        usage = usage_counts(chunk["usage"], request.prompt_len) or usage
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
         error = f"{type(exc).__name__}: {exc}"
     if not error:
-        error = _stream_error(done, len(chunk_times), tokens is not None)
+        error = _stream_error(done, len(chunk_times), usage is not None)
     text = "".join(texts)
-    if error or tokens is None:
+    if error or usage is None:
         return RequestRecord(False, error, send_time, chunk_times, request.prompt_len, 0, text)
-    return RequestRecord(True, "", send_time, chunk_times, tokens[0], tokens[1], text)
+    return RequestRecord(
+        True,
+        "",
+        send_time,
+        chunk_times,
+        usage.prompt_tokens,
+        usage.completion_tokens,
+        text,
+        usage.cached_tokens,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class UsageCounts:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int | None  # usage.prompt_tokens_details.cached_tokens; None when the server omits it
+
+
+def usage_counts(usage: dict[str, Any], default_prompt_len: int) -> UsageCounts | None:
+    """The token counts of a usage object; None without `completion_tokens` (not a final usage)."""
+    if "completion_tokens" not in usage:
+        return None
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return UsageCounts(
+        prompt_tokens=usage.get("prompt_tokens", default_prompt_len),
+        completion_tokens=usage["completion_tokens"],
+        cached_tokens=cached if isinstance(cached, int) else None,
+    )
 
 
 def _stream_error(done: bool, num_chunks: int, has_usage: bool) -> str:
