@@ -1,7 +1,8 @@
 """One streamed request as `vllm bench serve` sends and times it, plus the server checks before a run.
 
-`send` posts a payload, reads the SSE stream and returns a RequestRecord (times, text, usage counts);
-`completion_payload` builds the request body for one BenchRequest.
+`send_payload` posts a request body, reads the SSE stream and returns a RequestRecord (times, text,
+usage counts); `completion_payload` builds the body for one BenchRequest, `chat_payload` for a list of
+chat messages (the multi-turn workload).
 """
 
 from __future__ import annotations
@@ -27,29 +28,46 @@ class Endpoint:
     chat: bool
     ignore_eos: bool
     temperature: float
+    chat_template_kwargs: dict[str, Any] | None = None  # sent with chat requests when set
 
 
 def completion_payload(endpoint: Endpoint, request: BenchRequest) -> dict[str, Any]:
-    payload: dict[str, Any] = {"model": endpoint.model}
     if endpoint.chat:
-        payload["messages"] = [{"role": "user", "content": request.prompt}]
-        payload["max_completion_tokens"] = request.output_len
-    else:
-        payload["prompt"] = request.prompt
-        payload["max_tokens"] = request.output_len
-    payload |= {
+        assert isinstance(request.prompt, str), "chat prompts are text"
+        return chat_payload(endpoint, [{"role": "user", "content": request.prompt}], request.output_len)
+    payload: dict[str, Any] = {"model": endpoint.model, "prompt": request.prompt}
+    payload["max_tokens"] = request.output_len
+    return payload | _sampling_fields(endpoint)
+
+
+def chat_payload(endpoint: Endpoint, messages: list[dict[str, str]], output_len: int) -> dict[str, Any]:
+    payload: dict[str, Any] = {"model": endpoint.model, "messages": list(messages)}
+    payload["max_completion_tokens"] = output_len
+    if endpoint.chat_template_kwargs is not None:
+        payload["chat_template_kwargs"] = endpoint.chat_template_kwargs
+    return payload | _sampling_fields(endpoint)
+
+
+def _sampling_fields(endpoint: Endpoint) -> dict[str, Any]:
+    fields: dict[str, Any] = {
         "temperature": endpoint.temperature,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
     if endpoint.ignore_eos:
-        payload["ignore_eos"] = True
-    return payload
+        fields["ignore_eos"] = True
+    return fields
 
 
 async def send(endpoint: Endpoint, request: BenchRequest) -> RequestRecord:
-    """Stream one request. Success needs HTTP 200, a `choices` chunk, a usage chunk and `[DONE]`."""
-    payload = completion_payload(endpoint, request)
+    return await send_payload(endpoint, completion_payload(endpoint, request), request.prompt_len)
+
+
+async def send_payload(endpoint: Endpoint, payload: dict[str, Any], prompt_len: int) -> RequestRecord:
+    """Stream one request. Success needs HTTP 200, a `choices` chunk, a usage chunk and `[DONE]`.
+
+    `prompt_len` is the client's count of prompt tokens (0 if unknown), used only when the usage chunk
+    has no `prompt_tokens` and for failed requests."""
     chunk_times: list[float] = []
     texts: list[str] = []
     usage: UsageCounts | None = None
@@ -79,14 +97,14 @@ async def send(endpoint: Endpoint, request: BenchRequest) -> RequestRecord:
                         chunk_times.append(arrival)
                         texts.append(_chunk_text(choices[0], endpoint.chat))
                     if chunk.get("usage"):
-                        usage = usage_counts(chunk["usage"], request.prompt_len) or usage
+                        usage = usage_counts(chunk["usage"], prompt_len) or usage
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
         error = f"{type(exc).__name__}: {exc}"
     if not error:
         error = _stream_error(done, len(chunk_times), usage is not None)
     text = "".join(texts)
     if error or usage is None:
-        return RequestRecord(False, error, send_time, chunk_times, request.prompt_len, 0, text)
+        return RequestRecord(False, error, send_time, chunk_times, prompt_len, 0, text)
     return RequestRecord(
         True,
         "",

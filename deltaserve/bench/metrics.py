@@ -17,10 +17,13 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from deltaserve.bench.turn_metrics import TurnStats
 
 METRIC_NAMES = ("ttft", "tpot", "itl", "e2el")
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")
@@ -76,7 +79,8 @@ class BenchResult:
     """Aggregates of one timed run. `latency` holds the selected metrics in `METRIC_NAMES` order.
 
     `config` is the run's flags (argparse names; `metadata` is a dict of free-form KEY=VALUE notes);
-    `environment` describes the client machine and the date. Both are filled by the client.
+    `environment` describes the client machine and the date. Both are filled by the client, and so is
+    `turns` for a multi-turn run.
     """
 
     completed: int
@@ -95,6 +99,7 @@ class BenchResult:
     records: list[RequestRecord]
     config: dict[str, Any] = field(default_factory=dict)
     environment: dict[str, Any] = field(default_factory=dict)
+    turns: list[TurnStats] = field(default_factory=list)  # per turn index, multi-turn runs only
 
     @property
     def cached_token_share(self) -> float | None:
@@ -137,6 +142,8 @@ class BenchResult:
             out[f"std_{name}_ms"] = stats.std_ms
             for p, value in stats.percentiles_ms.items():
                 out[f"p{_percentile_word(p)}_{name}_ms"] = value
+        if self.turns:
+            out["per_turn"] = [asdict(t) for t in self.turns]
         out["config"] = config
         out["environment"] = _json_safe(self.environment)
         return out
@@ -191,7 +198,7 @@ def compute_metrics(
         total_token_throughput=(total_input + total_output) / duration_s,
         max_output_tokens_per_s=_peak_chunks_per_second(ok),
         max_concurrent_requests=_peak_concurrency(ok),
-        latency={m: _stats(samples[m], percentiles) for m in METRIC_NAMES if m in percentile_metrics},
+        latency={m: latency_stats(samples[m], percentiles) for m in METRIC_NAMES if m in percentile_metrics},
         records=records,
     )
 
@@ -237,7 +244,7 @@ def _tpot(r: RequestRecord) -> float:
     return (r.e2el - r.ttft) / (r.completion_tokens - 1)
 
 
-def _stats(values_s: list[float], percentiles: tuple[float, ...]) -> LatencyStats:
+def latency_stats(values_s: list[float], percentiles: tuple[float, ...]) -> LatencyStats:
     arr = np.asarray(values_s or [0.0], dtype=np.float64) * 1000.0
     return LatencyStats(
         mean_ms=float(np.mean(arr)),
