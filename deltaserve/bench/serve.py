@@ -18,6 +18,7 @@ import math
 import os
 import platform
 import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from datetime import datetime
@@ -486,13 +487,14 @@ def _print_errors(records: list[RequestRecord]) -> None:
             print(f"Error {i}: {r.error}")
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    """Exit status 0 when at least one request completed, as `deltaserve bench serve`."""
     parser = argparse.ArgumentParser(
         prog="deltaserve bench serve", description="Benchmark a running server with streaming requests."
     )
     add_bench_serve_arguments(parser)
-    run_bench_serve(parser.parse_args(argv))
+    return 0 if run_bench_serve(parser.parse_args(argv)).completed > 0 else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
