@@ -250,6 +250,11 @@ def test_markdown_puts_the_floor_and_previous_record_beside_each_number(tmp_path
     record["wall_s"] = 182.0
     fast, loaded = record["cells"]
     fast["streams"][0]["summary"] = summary_json(StreamSummary.from_bench_json(_bench_json(20, 0)))
+    prefill = _bench_json(3, 0) | {
+        f"{s}_{m}_ms": 0.0 for s in ["mean", "median", "p99", "p100"] for m in ["tpot", "itl"]
+    }
+    prefill_row = render_markdown(_one_cell(plan, "prefill-4b", "8192-1-c1", prefill))
+    assert "| 4B, 8192 in / 1 out, concurrency 1 | 3 / 0 | 12.0 / 11.5 / 15.0 / 16.0 | — | — |" in prefill_row
     loaded["streams"][0]["error"] = "bench serve exited with 1; see 1024-256-c64.log: HTTP 500"
     md = render_markdown(json.loads(json.dumps(record))).splitlines()
 
@@ -275,6 +280,13 @@ def test_markdown_puts_the_floor_and_previous_record_beside_each_number(tmp_path
         line.startswith("python3 -m deltaserve.bench.serve ") and "--result-dir $RAW" in line for line in md
     )
     assert not record_ok(record)
+
+
+def _one_cell(plan: Plan, group: str, cell: str, bench_json: dict[str, Any]) -> dict[str, Any]:
+    """A record of one cell of `group` with `bench_json` as its result."""
+    _, record = _record(plan.out_dir, group, cell)
+    record["cells"][0]["streams"][0]["summary"] = summary_json(StreamSummary.from_bench_json(bench_json))
+    return record
 
 
 def test_markdown_of_a_multi_turn_cell_has_the_per_turn_table(tmp_path):

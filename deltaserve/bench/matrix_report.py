@@ -268,6 +268,9 @@ def _previous(cell: dict[str, Any]) -> str:
 
 
 def _spread(s: Spread) -> str:
+    """ "—" for an empty sample (bench serve reports 0, as vLLM does): TPOT and ITL of 1-token outputs."""
+    if s.max == 0:
+        return "—"
     return f"{_ms(s.mean)} / {_ms(s.median)} / {_ms(s.p99)} / {_ms(s.max)}"
 
 
