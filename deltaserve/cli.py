@@ -1,4 +1,4 @@
-"""`deltaserve serve | generate | bench serve | make-tiny`."""
+"""`deltaserve serve | generate | bench serve | bench latency | bench matrix | make-tiny`."""
 
 from __future__ import annotations
 
@@ -182,6 +182,12 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
     return 0 if result.completed > 0 else 1
 
 
+def _cmd_bench_matrix(args: argparse.Namespace) -> int:
+    from deltaserve.bench.matrix import run_bench_matrix
+
+    return run_bench_matrix(args)
+
+
 def _cmd_bench_latency(args: argparse.Namespace) -> int:
     from deltaserve.bench.latency import run_bench_latency
 
@@ -235,6 +241,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_latency_arguments(bench_latency)
     bench_latency.set_defaults(func=_cmd_bench_latency)
+    bench_matrix = bench_sub.add_parser(
+        "matrix",
+        help="start a server and run one group of the standard matrix with `bench serve`; write the record",
+    )
+    from deltaserve.bench.matrix import add_bench_matrix_arguments
+
+    add_bench_matrix_arguments(bench_matrix)
+    bench_matrix.set_defaults(func=_cmd_bench_matrix)
     return parser
 
 

@@ -110,6 +110,28 @@ def test_parse_goodput_accepts_name_ms_pairs_and_names_the_flag_on_error():
             parse_goodput([bad])
 
 
+def test_cached_share_sums_reported_cached_tokens_over_successful_prompt_tokens():
+    # A reports 6 of its 10 prompt tokens cached, B omits the field (0 cached), C reports 0 of 5;
+    # D (failed) reports 7 and must not count. Share = 6 / (10 + 20 + 5).
+    a = _ok(0.0, [0.1], prompt=10, completion=1)
+    a.cached_tokens = 6
+    c = _ok(0.0, [0.1], prompt=5, completion=1)
+    c.cached_tokens = 0
+    d = RequestRecord(False, "HTTP 500", 0.0, [], 7, 0, cached_tokens=7)
+    r = compute_metrics([a, B, c, d], 1.0)
+    assert r.total_cached_tokens == 6
+    assert r.cached_token_share == pytest.approx(6 / 35)
+    assert r.to_json()["cached_token_share"] == pytest.approx(6 / 35)
+    assert f"{'Cached prompt token share:':<40} {'17.14%':<10}" in format_report(r).splitlines()
+
+
+def test_cached_share_is_not_reported_when_no_response_had_the_field():
+    r = _result()
+    assert r.total_cached_tokens is None and r.cached_token_share is None
+    assert r.to_json()["cached_token_share"] is None
+    assert f"{'Cached prompt token share:':<40} {'not reported':<10}" in format_report(r).splitlines()
+
+
 def test_all_failed_reports_zero_latencies_like_vllm():
     r = compute_metrics([D], 1.0)
     assert (r.completed, r.failed, r.max_concurrent_requests, r.max_output_tokens_per_s) == (0, 1, 0, 0.0)

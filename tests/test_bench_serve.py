@@ -11,11 +11,20 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import numpy as np
 import pytest
 from aiohttp import web
 
+from deltaserve.bench.client import Endpoint, UsageCounts, usage_counts
 from deltaserve.bench.datasets import load_custom_jsonl, random_token_prompts
+from deltaserve.bench.multi_turn import (
+    Conversation,
+    MultiTurnDataset,
+    TurnRecord,
+    converse,
+    multi_turn_dataset,
+)
 from deltaserve.bench.serve import add_bench_serve_arguments, arrival_offsets, main, run_bench_serve
 
 TTFT_S = 0.060  # stub delay before the first chunk
@@ -24,7 +33,8 @@ ITL_S = 0.020  # stub delay between later chunks
 
 class StubServer:
     """Streams `max_tokens` chunks "t0 ", "t1 ", ...: the first after TTFT_S, the rest ITL_S apart, then a
-    usage chunk and [DONE]. Prompt "bad" gets HTTP 400; prompt "cut" stops after two chunks without
+    usage chunk and [DONE]; chat streams open with a role-only chunk sent at once. A chat request's prompt
+    is its last message, and its prompt_tokens count the words of all messages. Prompt "bad" gets HTTP 400; prompt "cut" stops after two chunks without
     [DONE]; prompt "nousage" omits the usage chunk. Counts concurrent streams and records every payload."""
 
     def __init__(self) -> None:
@@ -68,18 +78,24 @@ class StubServer:
         body = await request.json()
         self.payloads.append(body)
         chat = request.path == "/v1/chat/completions"
-        prompt = body["messages"][0]["content"] if chat else body["prompt"]
+        prompt = body["messages"][-1]["content"] if chat else body["prompt"]
         if prompt == "bad":
             return web.json_response({"error": {"message": "prompt rejected by stub"}}, status=400)
         self.active += 1
         self.max_active = max(self.max_active, self.active)
         try:
-            return await self._write_chunks(request, body, chat, prompt)
+            counted = " ".join(m["content"] for m in body["messages"]) if chat else prompt
+            return await self._write_chunks(request, body, chat, prompt, counted)
         finally:
             self.active -= 1
 
     async def _write_chunks(
-        self, request: web.Request, body: dict[str, Any], chat: bool, prompt: str | list[int]
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        chat: bool,
+        prompt: str | list[int],
+        counted: str | list[int],
     ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
@@ -88,11 +104,11 @@ class StubServer:
             await resp.write(f"data: {json.dumps(data)}\n\n".encode())
 
         num_tokens = body["max_completion_tokens" if chat else "max_tokens"]
-        await asyncio.sleep(TTFT_S)
-        if chat:  # OpenAI's first chat chunk carries the role and empty content
+        if chat:  # the opening chat chunk: the role and empty content, sent before any token
             await event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+        await asyncio.sleep(TTFT_S)
         for i in range(num_tokens):
-            if i or chat:
+            if i:
                 await asyncio.sleep(ITL_S)
             choice = {"index": 0, "delta": {"content": f"t{i} "}} if chat else {"index": 0, "text": f"t{i} "}
             await event({"choices": [choice]})
@@ -101,15 +117,19 @@ class StubServer:
                 return resp
         await resp.write(b": keep-alive comment\n\n")
         if prompt != "nousage":
-            await event({"choices": [], "usage": self._usage(prompt, num_tokens)})
+            await event({"choices": [], "usage": self._usage(counted, num_tokens)})
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
 
     @staticmethod
-    def _usage(prompt: str | list[int], num_tokens: int) -> dict[str, int]:
+    def _usage(prompt: str | list[int], num_tokens: int) -> dict[str, Any]:
+        """A prompt starting with "cached" reports all its tokens but the first as cached."""
         prompt_tokens = len(prompt) if isinstance(prompt, list) else len(prompt.split())
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": num_tokens}
+        usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": num_tokens}
+        if isinstance(prompt, str) and prompt.startswith("cached"):
+            usage["prompt_tokens_details"] = {"cached_tokens": prompt_tokens - 1}
+        return usage
 
 
 @pytest.fixture(scope="module")
@@ -218,7 +238,7 @@ def test_http_400_a_stream_without_done_or_usage_are_failures_with_their_error_t
     assert all("ignore_eos" not in p for p in stub.payloads)  # off by default for custom prompts
 
 
-def test_chat_ttft_counts_the_empty_role_chunk(stub, tmp_path):
+def test_chat_ttft_ends_at_the_first_token_not_at_the_role_only_chunk(stub, tmp_path):
     rows = [{"prompt": "hi there", "output_len": 3}]
     path = _jsonl(tmp_path / "d.jsonl", rows)
     args = _args(
@@ -231,9 +251,89 @@ def test_chat_ttft_counts_the_empty_role_chunk(stub, tmp_path):
     assert stub.payloads[0]["messages"] == [{"role": "user", "content": "hi there"}]
     assert stub.payloads[0]["max_completion_tokens"] == 3
     record = result.records[0]
-    assert len(record.chunk_times) == 4 and record.generated_text == "t0 t1 t2 "
-    # The role chunk is the first of the 4 chunks with choices, so TTFT ends there.
-    assert TTFT_S * 1000 <= result.latency["ttft"].mean_ms < (TTFT_S + ITL_S) * 1000 + 500
+    # The stub sends the role chunk at once and the first token TTFT_S later: only the 3 tokens are timed.
+    assert len(record.chunk_times) == 3 and record.generated_text == "t0 t1 t2 "
+    assert TTFT_S * 1000 <= result.latency["ttft"].mean_ms < TTFT_S * 1000 + 500
+    assert 0.75 * ITL_S * 1000 <= result.latency["itl"].median_ms < ITL_S * 1000 + 200
+
+
+def test_cached_share_comes_from_usage_prompt_tokens_details(stub, tmp_path):
+    # "cached a b c" reports 3 of its 4 prompt tokens cached; "x y" has no prompt_tokens_details (0 of 2).
+    rows = [{"prompt": "cached a b c", "output_len": 2}, {"prompt": "x y", "output_len": 2}]
+    args = _args(
+        stub,
+        *("--dataset-name", "custom", "--dataset-path", _jsonl(tmp_path / "d.jsonl", rows)),
+        *(
+            "--num-prompts",
+            "2",
+            "--save-result",
+            "--result-dir",
+            str(tmp_path),
+            "--result-filename",
+            "r.json",
+        ),
+    )
+    result = run_bench_serve(args)
+
+    assert [r.cached_tokens for r in result.records] == [3, None]
+    assert (result.total_cached_tokens, result.total_input_tokens) == (3, 6)
+    assert json.loads((tmp_path / "r.json").read_text())["cached_token_share"] == pytest.approx(3 / 6)
+
+
+def test_usage_counts_read_cached_tokens_and_tolerate_their_absence():
+    usage = {"prompt_tokens": 9, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 8}}
+    assert usage_counts(usage, 0) == UsageCounts(9, 2, 8)
+    assert usage_counts({"prompt_tokens": 9, "completion_tokens": 2}, 0) == UsageCounts(9, 2, None)
+    assert usage_counts({"completion_tokens": 2, "prompt_tokens_details": None}, 5) == UsageCounts(5, 2, None)
+    assert usage_counts({"prompt_tokens": 9}, 0) is None  # not a final usage object
+
+
+def test_multi_turn_sends_each_turn_with_the_history_and_the_answers_returned(stub):
+    flags = ["--dataset-name", "multi-turn", "--num-prompts", "2", "--max-concurrency", "1"]
+    flags += ["--multi-turn-num-turns", "3", "--multi-turn-system-prompt-len", "5"]
+    flags += ["--multi-turn-user-len", "3", "--multi-turn-output-len", "2", "--num-warmups", "1"]
+    result = run_bench_serve(_args(stub, *flags))
+
+    assert (result.completed, result.failed) == (6, 0)
+    data = multi_turn_dataset(2, 3, system_prompt_len=5, user_len=3, output_len=2, seed=0)
+    warm, *timed = stub.payloads
+    # The warm-up is a first turn drawn with another seed: it shares no prefix with the timed run.
+    assert len(warm["messages"]) == 2 and warm["messages"][0]["content"] != data.system_prompt
+    for c, conversation in enumerate(data.conversations):  # one at a time: conversation 0's turns first
+        history = [{"role": "system", "content": data.system_prompt}]
+        for k, user_message in enumerate(conversation.user_messages):
+            history.append({"role": "user", "content": user_message})
+            payload = timed[3 * c + k]
+            assert payload["messages"] == history
+            assert payload["max_completion_tokens"] == 2 and payload["ignore_eos"] is True
+            assert payload["chat_template_kwargs"] == {"enable_thinking": False}
+            assert payload["stream_options"] == {"include_usage": True}
+            history.append({"role": "assistant", "content": "t0 t1 "})  # the stub's answer, as returned
+    # The stub counts the words of all messages: 5 + 3, then + 2 (answer) + 3 (user) per turn.
+    assert [t.mean_prompt_tokens for t in result.turns] == [8.0, 13.0, 18.0]
+    assert [t.completed for t in result.turns] == [2, 2, 2]
+    assert all(t.cached_token_share is None for t in result.turns)
+
+
+def test_a_failed_turn_ends_its_conversation_and_its_later_turns_count_as_failed(stub):
+    dataset = MultiTurnDataset("sys", (Conversation(0, ("hello", "bad", "after")),), output_len=2)
+
+    async def run() -> list[TurnRecord]:
+        async with aiohttp.ClientSession() as session:
+            endpoint = Endpoint(session, stub.url + "/v1/chat/completions", {}, "m", True, True, 0.0)
+            return await converse(endpoint, dataset, dataset.conversations[0])
+
+    turns = asyncio.run(run())
+    assert [(t.turn, t.record.success) for t in turns] == [(1, True), (2, False), (3, False)]
+    assert turns[1].record.error.startswith("HTTP 400")
+    assert turns[2].record.error == "not sent: turn 2 of conversation 0 failed"
+    assert len(stub.payloads) == 2
+
+
+def test_multi_turn_refuses_the_completions_endpoint(stub):
+    args = _args(stub, "--dataset-name", "multi-turn", "--endpoint", "/v1/completions")
+    with pytest.raises(ValueError, match="--endpoint /v1/chat/completions"):
+        run_bench_serve(args)
 
 
 def test_warmups_run_first_and_are_not_measured(stub):

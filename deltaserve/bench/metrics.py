@@ -1,21 +1,29 @@
 """Serving-benchmark metrics, defined exactly as `vllm bench serve` defines them so numbers compare.
 
-- TTFT: send -> first streamed chunk carrying `choices` (even with empty text).
+- TTFT: send -> first streamed chunk carrying `choices` (even with empty text). A chat chunk whose delta
+  holds only the role carries no token and is not timed (vLLM sends it with the first token; a server
+  that sends it before the prefill would otherwise report a TTFT without the prefill).
 - ITL: gaps between successive `choices` chunks, pooled over all successful requests (a chunk carrying
   k tokens contributes one gap).
 - TPOT per request: (E2EL - TTFT) / (completion_tokens - 1), only for requests with more than one token.
 - E2EL: send -> last `choices` chunk (the usage chunk and `[DONE]` do not extend it).
 - Percentiles: numpy's default linear interpolation. An empty sample reports 0, as vLLM does.
-- Token counts come from the server's final `usage` chunk.
+- Token counts come from the server's final `usage` chunk. The cached-token share is
+  Σ `usage.prompt_tokens_details.cached_tokens` / Σ `usage.prompt_tokens` over successful requests; a
+  response without the field counts 0 cached, and the share is "not reported" (None) when no response
+  had it.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from deltaserve.bench.turn_metrics import TurnStats
 
 METRIC_NAMES = ("ttft", "tpot", "itl", "e2el")
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")
@@ -43,6 +51,7 @@ class RequestRecord:
     prompt_tokens: int
     completion_tokens: int
     generated_text: str = ""
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens; None: not reported
 
     @property
     def ttft(self) -> float:
@@ -70,7 +79,8 @@ class BenchResult:
     """Aggregates of one timed run. `latency` holds the selected metrics in `METRIC_NAMES` order.
 
     `config` is the run's flags (argparse names; `metadata` is a dict of free-form KEY=VALUE notes);
-    `environment` describes the client machine and the date. Both are filled by the client.
+    `environment` describes the client machine and the date. Both are filled by the client, and so is
+    `turns` for a multi-turn run.
     """
 
     completed: int
@@ -78,6 +88,7 @@ class BenchResult:
     duration: float
     total_input_tokens: int
     total_output_tokens: int
+    total_cached_tokens: int | None  # None: no successful response reported cached_tokens
     request_throughput: float
     request_goodput: float | None
     output_throughput: float
@@ -88,6 +99,13 @@ class BenchResult:
     records: list[RequestRecord]
     config: dict[str, Any] = field(default_factory=dict)
     environment: dict[str, Any] = field(default_factory=dict)
+    turns: list[TurnStats] = field(default_factory=list)  # per turn index, multi-turn runs only
+
+    @property
+    def cached_token_share(self) -> float | None:
+        if self.total_cached_tokens is None:
+            return None
+        return self.total_cached_tokens / self.total_input_tokens if self.total_input_tokens else 0.0
 
     def to_json(self, detailed: bool = False) -> dict[str, Any]:
         """A dict with `vllm bench serve`'s result keys, plus `config` and `environment`."""
@@ -107,6 +125,8 @@ class BenchResult:
             "failed": self.failed,
             "total_input_tokens": self.total_input_tokens,
             "total_output_tokens": self.total_output_tokens,
+            "total_cached_tokens": self.total_cached_tokens,
+            "cached_token_share": self.cached_token_share,
             "request_throughput": self.request_throughput,
             "request_goodput": self.request_goodput,
             "output_throughput": self.output_throughput,
@@ -122,6 +142,8 @@ class BenchResult:
             out[f"std_{name}_ms"] = stats.std_ms
             for p, value in stats.percentiles_ms.items():
                 out[f"p{_percentile_word(p)}_{name}_ms"] = value
+        if self.turns:
+            out["per_turn"] = [asdict(t) for t in self.turns]
         out["config"] = config
         out["environment"] = _json_safe(self.environment)
         return out
@@ -162,19 +184,21 @@ def compute_metrics(
     }
     total_input = sum(r.prompt_tokens for r in ok)
     total_output = sum(r.completion_tokens for r in ok)
+    cached_reported = any(r.cached_tokens is not None for r in ok)
     return BenchResult(
         completed=len(ok),
         failed=len(records) - len(ok),
         duration=duration_s,
         total_input_tokens=total_input,
         total_output_tokens=total_output,
+        total_cached_tokens=sum(r.cached_tokens or 0 for r in ok) if cached_reported else None,
         request_throughput=len(ok) / duration_s,
         request_goodput=None if not goodput_ms else _count_good(ok, goodput_ms) / duration_s,
         output_throughput=total_output / duration_s,
         total_token_throughput=(total_input + total_output) / duration_s,
         max_output_tokens_per_s=_peak_chunks_per_second(ok),
         max_concurrent_requests=_peak_concurrency(ok),
-        latency={m: _stats(samples[m], percentiles) for m in METRIC_NAMES if m in percentile_metrics},
+        latency={m: latency_stats(samples[m], percentiles) for m in METRIC_NAMES if m in percentile_metrics},
         records=records,
     )
 
@@ -193,6 +217,7 @@ def format_report(result: BenchResult) -> str:
     lines.append(f"{'Benchmark duration (s):':<40} {result.duration:<10.2f}")
     lines.append(f"{'Total input tokens:':<40} {result.total_input_tokens:<10}")
     lines.append(f"{'Total generated tokens:':<40} {result.total_output_tokens:<10}")
+    lines.append(f"{'Cached prompt token share:':<40} {format_share(result.cached_token_share):<10}")
     lines.append(f"{'Request throughput (req/s):':<40} {result.request_throughput:<10.2f}")
     if result.request_goodput is not None:
         lines.append(f"{'Request goodput (req/s):':<40} {result.request_goodput:<10.2f}")
@@ -211,11 +236,15 @@ def format_report(result: BenchResult) -> str:
     return "\n".join(lines)
 
 
+def format_share(share: float | None) -> str:
+    return "not reported" if share is None else f"{share:.2%}"
+
+
 def _tpot(r: RequestRecord) -> float:
     return (r.e2el - r.ttft) / (r.completion_tokens - 1)
 
 
-def _stats(values_s: list[float], percentiles: tuple[float, ...]) -> LatencyStats:
+def latency_stats(values_s: list[float], percentiles: tuple[float, ...]) -> LatencyStats:
     arr = np.asarray(values_s or [0.0], dtype=np.float64) * 1000.0
     return LatencyStats(
         mean_ms=float(np.mean(arr)),
@@ -272,6 +301,7 @@ def _detailed_lists(records: list[RequestRecord]) -> dict[str, list[Any]]:
         "latencies": [r.e2el for r in records],
         "start_times": [r.send_time for r in records],
         "generated_texts": [r.generated_text for r in records],
+        "cached_tokens": [r.cached_tokens for r in records],
         "errors": [r.error for r in records],
     }
 

@@ -3,6 +3,9 @@
 Flags, request payloads, arrival process and metrics follow `vllm bench serve`, so a result from this
 client compares with one from vLLM's client against the same server. Run as
 `deltaserve bench serve ...` or `python -m deltaserve.bench.serve ...`.
+
+Datasets: `random` (token-id prompts of fixed lengths), `custom` (JSONL) and `multi-turn` (chat
+conversations sharing a system prompt, multi_turn.py), which reports a per-turn table as well.
 """
 
 from __future__ import annotations
@@ -15,15 +18,18 @@ import math
 import os
 import platform
 import subprocess
+import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 from datetime import datetime
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import numpy as np
 
+from deltaserve.bench.client import Endpoint, first_model, send, wait_for_health
 from deltaserve.bench.datasets import (
     QWEN35_BASE_VOCAB_SIZE,
     BenchRequest,
@@ -38,10 +44,15 @@ from deltaserve.bench.metrics import (
     format_report,
     parse_goodput,
 )
+from deltaserve.bench.multi_turn import MultiTurnDataset, converse, multi_turn_dataset
+from deltaserve.bench.turn_metrics import format_turn_table, per_turn_stats
 
 # One request may legitimately stream for a long time (long outputs under heavy load); vLLM's bound.
 _REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=6 * 60 * 60)
 _MAX_ERRORS_SHOWN = 10
+_COMPLETIONS = "/v1/completions"
+_CHAT = "/v1/chat/completions"
+T = TypeVar("T")
 
 
 def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,9 +61,9 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root URL")
     server.add_argument(
         "--endpoint",
-        default="/v1/completions",
-        choices=["/v1/completions", "/v1/chat/completions"],
-        help="API endpoint to stream from",
+        default=None,
+        choices=[_COMPLETIONS, _CHAT],
+        help=f"API endpoint to stream from (default: {_CHAT} for multi-turn, else {_COMPLETIONS})",
     )
     server.add_argument("--model", default=None, help="model name; default: the first id of GET /v1/models")
     server.add_argument("--api-key", default=None, help="bearer token; default: $OPENAI_API_KEY if set")
@@ -64,13 +75,15 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
     data = parser.add_argument_group("dataset")
-    data.add_argument("--dataset-name", default="random", choices=["random", "custom"])
+    data.add_argument("--dataset-name", default="random", choices=["random", "custom", "multi-turn"])
     data.add_argument(
         "--dataset-path",
         default=None,
         help='custom dataset: JSONL lines {"prompt": str | list[int], "output_len": int}',
     )
-    data.add_argument("--num-prompts", type=int, default=1000)
+    data.add_argument(
+        "--num-prompts", type=int, default=1000, help="requests to send (multi-turn: conversations)"
+    )
     data.add_argument("--random-input-len", type=int, default=1024)
     data.add_argument("--random-output-len", type=int, default=128)
     data.add_argument(
@@ -87,6 +100,49 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="prompt token ids stay below this (default: Qwen3.5's vocabulary without special tokens)",
     )
 
+    multi = parser.add_argument_group(
+        "multi-turn dataset",
+        "Conversations over /v1/chat/completions that all open with one system prompt; each turn sends "
+        "the whole history (earlier user messages and the answers the server returned) plus a new user "
+        "message. --num-prompts counts conversations, --max-concurrency caps conversations in flight and "
+        "--request-rate is conversation starts per second. Lengths are in tokens of the Qwen3.5 "
+        "vocabulary (texts of one-token words; approximate under another tokenizer).",
+    )
+    multi.add_argument(
+        "--multi-turn-num-turns",
+        type=int,
+        default=10,
+        metavar="T",
+        help="turns per conversation (default 10)",
+    )
+    multi.add_argument(
+        "--multi-turn-system-prompt-len",
+        type=int,
+        default=2000,
+        metavar="S",
+        help="tokens of the system prompt every conversation shares (default 2000; 0: no system message)",
+    )
+    multi.add_argument(
+        "--multi-turn-user-len",
+        type=int,
+        default=200,
+        metavar="U",
+        help="tokens of each user message (default 200)",
+    )
+    multi.add_argument(
+        "--multi-turn-output-len",
+        type=int,
+        default=128,
+        metavar="O",
+        help="tokens of each answer (default 128; exact with ignore_eos, on by default)",
+    )
+    multi.add_argument(
+        "--multi-turn-enable-thinking",
+        action="store_true",
+        help="leave thinking to the server's default; by default requests send chat_template_kwargs "
+        '{"enable_thinking": false}, so the whole answer is content and goes back into the history',
+    )
+
     traffic = parser.add_argument_group("traffic")
     traffic.add_argument(
         "--request-rate",
@@ -100,7 +156,12 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=1.0,
         help="gamma shape of inter-arrival times: 1 = Poisson, <1 burstier, >1 more uniform",
     )
-    traffic.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    traffic.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="cap on requests in flight (multi-turn: on conversations in flight)",
+    )
     traffic.add_argument("--num-warmups", type=int, default=0, help="requests sent first and not measured")
     traffic.add_argument("--seed", type=int, default=0)
 
@@ -109,7 +170,8 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--ignore-eos",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="send ignore_eos so every request generates its full length (default: on for random)",
+        help="send ignore_eos so every request generates its full length (default: on for random and "
+        "multi-turn)",
     )
     sampling.add_argument("--temperature", type=float, default=0.0)
 
@@ -164,60 +226,55 @@ def arrival_offsets(
     return (times * (num_requests / request_rate / times[-1])).tolist()
 
 
-@dataclass(slots=True)
-class _Endpoint:
-    session: aiohttp.ClientSession
-    url: str
-    headers: dict[str, str]
-    model: str
-    chat: bool
-    ignore_eos: bool
-    temperature: float
-
-
 async def _bench(args: argparse.Namespace) -> BenchResult:
     _validate(args)
     goodput = parse_goodput(args.goodput) if args.goodput else None
     percentile_metrics = _parse_metric_names(args.percentile_metrics)
     percentiles = _parse_percentiles(args.metric_percentiles)
-    requests = _load_requests(args)
-    chat = args.endpoint == "/v1/chat/completions"
-    if chat and any(isinstance(r.prompt, list) for r in requests):
-        raise ValueError(
-            f"{args.endpoint} takes text, but the prompts are token ids; "
-            "use --endpoint /v1/completions or a custom dataset with text prompts"
-        )
-    ignore_eos = args.ignore_eos if args.ignore_eos is not None else args.dataset_name == "random"
+    endpoint_path = _endpoint_path(args)
+    workload = _load_workload(args, chat=endpoint_path == _CHAT)
+    ignore_eos = args.ignore_eos if args.ignore_eos is not None else args.dataset_name != "custom"
     base_url = args.base_url.rstrip("/")
     api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    offsets = arrival_offsets(
-        len(requests), args.request_rate, args.burstiness, np.random.default_rng(args.seed)
-    )
+    num_jobs = len(workload.conversations) if isinstance(workload, MultiTurnDataset) else len(workload)
+    offsets = arrival_offsets(num_jobs, args.request_rate, args.burstiness, np.random.default_rng(args.seed))
 
     # limit=0 lifts aiohttp's default pool cap of 100 connections, which would silently cap concurrency.
     connector = aiohttp.TCPConnector(limit=args.max_concurrency or 0)
     async with aiohttp.ClientSession(connector=connector, timeout=_REQUEST_TIMEOUT) as session:
-        await _wait_for_health(session, base_url, args.ready_check_timeout_sec)
-        model = args.model or await _first_model(session, base_url, headers)
-        endpoint = _Endpoint(
-            session, base_url + args.endpoint, headers, model, chat, ignore_eos, args.temperature
+        await wait_for_health(session, base_url, args.ready_check_timeout_sec)
+        model = args.model or await first_model(session, base_url, headers)
+        endpoint = Endpoint(
+            session,
+            base_url + endpoint_path,
+            headers,
+            model,
+            endpoint_path == _CHAT,
+            ignore_eos,
+            args.temperature,
+            _chat_template_kwargs(args),
         )
         if args.num_warmups > 0:
             print(f"Warming up with {args.num_warmups} requests...")
-            await _send_all(endpoint, [requests[0]] * args.num_warmups, None, args.max_concurrency)
+            await _warm_up(endpoint, workload, args)
         print(f"Traffic request rate: {args.request_rate}")
         print(f"Burstiness factor: {args.burstiness}")
         print(f"Maximum request concurrency: {args.max_concurrency}")
         start = time.perf_counter()
-        records = await _send_all(endpoint, requests, offsets, args.max_concurrency)
+        turns = await _run_workload(endpoint, workload, offsets, args.max_concurrency)
         duration = time.perf_counter() - start
 
+    records = [record for _, record in turns]
     result = compute_metrics(records, duration, percentile_metrics, percentiles, goodput)
-    result.config = _config(args, model, ignore_eos)
+    if isinstance(workload, MultiTurnDataset):
+        result.turns = per_turn_stats(turns)
+    result.config = _config(args, model, ignore_eos, endpoint_path)
     result.environment = _environment()
     _print_errors(records)
     print(format_report(result))
+    if result.turns:
+        print(format_turn_table(result.turns))
     if args.save_result:
         path = _result_path(args, model, result.environment["date"])
         path.write_text(json.dumps(result.to_json(detailed=args.save_detailed), indent=2) + "\n")
@@ -225,139 +282,56 @@ async def _bench(args: argparse.Namespace) -> BenchResult:
     return result
 
 
-async def _send_all(
-    endpoint: _Endpoint,
-    requests: list[BenchRequest],
+async def _run_workload(
+    endpoint: Endpoint,
+    workload: list[BenchRequest] | MultiTurnDataset,
     offsets: list[float] | None,
     max_concurrency: int | None,
-) -> list[RequestRecord]:
-    """Start request i at `offsets[i]` seconds (all at once if None); at most `max_concurrency` in flight.
+) -> list[tuple[int, RequestRecord]]:
+    """(turn index, record) per request in send order per job; the turn index is 1 outside multi-turn."""
+    if isinstance(workload, MultiTurnDataset):
+        jobs = [partial(converse, endpoint, workload, c) for c in workload.conversations]
+        conversations = await _run_scheduled(jobs, offsets, max_concurrency)
+        return [(t.turn, t.record) for turns in conversations for t in turns]
+    records = await _run_scheduled([partial(send, endpoint, r) for r in workload], offsets, max_concurrency)
+    return [(1, r) for r in records]
 
-    A request waiting on the cap is sent (and its TTFT clock starts) only once it holds a slot, as in vLLM.
+
+async def _warm_up(
+    endpoint: Endpoint, workload: list[BenchRequest] | MultiTurnDataset, args: argparse.Namespace
+) -> None:
+    """`--num-warmups` requests, not measured: the first prompt repeated, as vLLM does; for multi-turn,
+    first turns of conversations drawn with another seed, so they share nothing with the timed run."""
+    if isinstance(workload, MultiTurnDataset):
+        warm = _multi_turn(args, num_conversations=args.num_warmups, num_turns=1, seed=args.seed + 1)
+    else:
+        warm = [workload[0]] * args.num_warmups
+    await _run_workload(endpoint, warm, None, args.max_concurrency)
+
+
+async def _run_scheduled(
+    jobs: list[Callable[[], Awaitable[T]]],
+    offsets: list[float] | None,
+    max_concurrency: int | None,
+) -> list[T]:
+    """Start job i at `offsets[i]` seconds (all at once if None); at most `max_concurrency` run at once.
+
+    A job waiting on the cap starts (and its TTFT clock with it) only once it holds a slot, as in vLLM.
     """
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
 
-    async def limited(request: BenchRequest) -> RequestRecord:
+    async def limited(job: Callable[[], Awaitable[T]]) -> T:
         async with limit:
-            return await _send(endpoint, request)
+            return await job()
 
     start = time.perf_counter()
     tasks = []
-    for i, request in enumerate(requests):
+    for i, job in enumerate(jobs):
         delay = start + offsets[i] - time.perf_counter() if offsets else 0.0
         if delay > 0:
             await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(limited(request)))
+        tasks.append(asyncio.create_task(limited(job)))
     return list(await asyncio.gather(*tasks))
-
-
-def _payload(endpoint: _Endpoint, request: BenchRequest) -> dict[str, Any]:
-    payload: dict[str, Any] = {"model": endpoint.model}
-    if endpoint.chat:
-        payload["messages"] = [{"role": "user", "content": request.prompt}]
-        payload["max_completion_tokens"] = request.output_len
-    else:
-        payload["prompt"] = request.prompt
-        payload["max_tokens"] = request.output_len
-    payload |= {
-        "temperature": endpoint.temperature,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    if endpoint.ignore_eos:
-        payload["ignore_eos"] = True
-    return payload
-
-
-async def _send(endpoint: _Endpoint, request: BenchRequest) -> RequestRecord:
-    """Stream one request. Success needs HTTP 200, a `choices` chunk, a usage chunk and `[DONE]`."""
-    payload = _payload(endpoint, request)
-    chunk_times: list[float] = []
-    texts: list[str] = []
-    tokens: tuple[int, int] | None = None  # (prompt, completion) from the usage chunk
-    done = False
-    error = ""
-    send_time = time.perf_counter()
-    try:
-        async with endpoint.session.post(endpoint.url, json=payload, headers=endpoint.headers) as resp:
-            if resp.status != 200:
-                error = f"HTTP {resp.status}: {(await resp.text())[:2000]}"
-            else:
-                # SSE: "data: {...}" lines separated by blank lines; ":" lines are keep-alive comments.
-                async for raw in resp.content:
-                    line = raw.strip()
-                    if not line.startswith(b"data:"):
-                        continue
-                    data = line[len(b"data:") :].strip()
-                    if data == b"[DONE]":
-                        done = True
-                        continue
-                    arrival = time.perf_counter()
-                    chunk = json.loads(data)
-                    if chunk.get("error"):
-                        error = f"error event in stream: {json.dumps(chunk['error'])[:2000]}"
-                        break
-                    if choices := chunk.get("choices"):
-                        chunk_times.append(arrival)
-                        texts.append(_chunk_text(choices[0], endpoint.chat))
-                    if (usage := chunk.get("usage")) and "completion_tokens" in usage:
-                        tokens = (usage.get("prompt_tokens", request.prompt_len), usage["completion_tokens"])
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-        error = f"{type(exc).__name__}: {exc}"
-    if not error:
-        error = _stream_error(done, len(chunk_times), tokens is not None)
-    text = "".join(texts)
-    if error or tokens is None:
-        return RequestRecord(False, error, send_time, chunk_times, request.prompt_len, 0, text)
-    return RequestRecord(True, "", send_time, chunk_times, tokens[0], tokens[1], text)
-
-
-def _stream_error(done: bool, num_chunks: int, has_usage: bool) -> str:
-    if not done:
-        return f"stream ended without [DONE] after {num_chunks} chunks with choices"
-    if num_chunks == 0:
-        return "stream had no chunk with choices"
-    if not has_usage:
-        return "stream had no usage chunk with completion_tokens; the server must honour stream_options.include_usage"
-    return ""
-
-
-def _chunk_text(choice: dict[str, Any], chat: bool) -> str:
-    if chat:
-        return (choice.get("delta") or {}).get("content") or ""
-    return choice.get("text") or ""
-
-
-async def _wait_for_health(session: aiohttp.ClientSession, base_url: str, timeout_s: float) -> None:
-    if timeout_s <= 0:
-        return
-    deadline = time.monotonic() + timeout_s
-    last = "no answer"
-    while True:
-        try:
-            async with session.get(f"{base_url}/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
-                if resp.status == 200:
-                    return
-                last = f"HTTP {resp.status}"
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            last = f"{type(exc).__name__}: {exc}"
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError(
-                f"GET {base_url}/health did not answer 200 within {timeout_s:g} s (last: {last}); "
-                "start the server, check --base-url, or raise --ready-check-timeout-sec"
-            )
-        await asyncio.sleep(min(0.5, remaining))
-
-
-async def _first_model(session: aiohttp.ClientSession, base_url: str, headers: dict[str, str]) -> str:
-    async with session.get(f"{base_url}/v1/models", headers=headers) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"GET {base_url}/v1/models answered HTTP {resp.status}; pass --model")
-        models = (await resp.json()).get("data") or []
-    if not models:
-        raise RuntimeError(f"GET {base_url}/v1/models lists no models; pass --model")
-    return models[0]["id"]
 
 
 def _validate(args: argparse.Namespace) -> None:
@@ -367,6 +341,49 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     if args.num_warmups < 0:
         raise ValueError(f"--num-warmups must be >= 0, got {args.num_warmups}")
+
+
+def _endpoint_path(args: argparse.Namespace) -> str:
+    if args.dataset_name != "multi-turn":
+        return args.endpoint or _COMPLETIONS
+    if args.endpoint not in (None, _CHAT):
+        raise ValueError(f"--dataset-name multi-turn sends chat messages; use --endpoint {_CHAT}")
+    return _CHAT
+
+
+def _chat_template_kwargs(args: argparse.Namespace) -> dict[str, Any] | None:
+    if args.dataset_name != "multi-turn" or args.multi_turn_enable_thinking:
+        return None
+    return {"enable_thinking": False}
+
+
+def _load_workload(args: argparse.Namespace, chat: bool) -> list[BenchRequest] | MultiTurnDataset:
+    if args.dataset_name == "multi-turn":
+        return _multi_turn(args, args.num_prompts, args.multi_turn_num_turns, args.seed)
+    requests = _load_requests(args)
+    if chat and any(isinstance(r.prompt, list) for r in requests):
+        raise ValueError(
+            f"{_CHAT} takes text, but the prompts are token ids; "
+            f"use --endpoint {_COMPLETIONS} or a custom dataset with text prompts"
+        )
+    return requests
+
+
+def _multi_turn(
+    args: argparse.Namespace, num_conversations: int, num_turns: int, seed: int
+) -> MultiTurnDataset:
+    if args.dataset_path:
+        raise ValueError(
+            "--dataset-path is read only with --dataset-name custom; multi-turn texts are generated"
+        )
+    return multi_turn_dataset(
+        num_conversations,
+        num_turns,
+        args.multi_turn_system_prompt_len,
+        args.multi_turn_user_len,
+        args.multi_turn_output_len,
+        seed,
+    )
 
 
 def _load_requests(args: argparse.Namespace) -> list[BenchRequest]:
@@ -404,12 +421,13 @@ def _parse_percentiles(text: str) -> tuple[float, ...]:
     return values
 
 
-def _config(args: argparse.Namespace, model: str, ignore_eos: bool) -> dict[str, Any]:
+def _config(args: argparse.Namespace, model: str, ignore_eos: bool, endpoint: str) -> dict[str, Any]:
     """The run's flags as resolved. The API key is left out; values that are not data (e.g. a subcommand
     handler set by the main CLI) are dropped."""
     plain = (str, int, float, bool, list, type(None))
     config = {k: v for k, v in vars(args).items() if k != "api_key" and isinstance(v, plain)}
-    config |= {"model": model, "ignore_eos": ignore_eos, "metadata": _parse_metadata(args.metadata)}
+    config |= {"model": model, "endpoint": endpoint, "ignore_eos": ignore_eos}
+    config["metadata"] = _parse_metadata(args.metadata)
     return config
 
 
@@ -469,13 +487,14 @@ def _print_errors(records: list[RequestRecord]) -> None:
             print(f"Error {i}: {r.error}")
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    """Exit status 0 when at least one request completed, as `deltaserve bench serve`."""
     parser = argparse.ArgumentParser(
         prog="deltaserve bench serve", description="Benchmark a running server with streaming requests."
     )
     add_bench_serve_arguments(parser)
-    run_bench_serve(parser.parse_args(argv))
+    return 0 if run_bench_serve(parser.parse_args(argv)).completed > 0 else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

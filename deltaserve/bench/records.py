@@ -1,0 +1,94 @@
+"""Floors and the last measured record for each cell of the standard matrix (one H200).
+
+Floors: batch-1 decode reads every weight once per token (H200 copy bandwidth ~4.3 TB/s, read + write
+counted); prefill runs the model's FLOPs at the bf16 GEMM rate (~790 TFLOP/s). The previous record is
+the 2026-12-01 H200 run with `bench serve` over HTTP, 0 failed requests, unless a figure says otherwise.
+A new run's record (bench/matrix.py) shows both beside its own numbers; update this table when a
+measured run becomes the record.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREVIOUS_RECORD_DATE = "2026-12-01"
+
+
+@dataclass(frozen=True, slots=True)
+class Figure:
+    """One number as a record states it, e.g. Figure("TPOT", 3.03, "ms").
+
+    `metric` names the key of a stream summary (matrix_report.StreamSummary) the number compares
+    with, when it compares with one directly; `text` overrides the printed form (ranges, thousands)."""
+
+    label: str
+    value: float
+    unit: str
+    metric: str | None = None
+    text: str | None = None
+    approx: bool = False
+
+    def __str__(self) -> str:
+        if self.text is not None:
+            return f"{self.label} {self.text}"
+        return f"{self.label} {'~' if self.approx else ''}{self.value:g} {self.unit}"
+
+
+@dataclass(frozen=True, slots=True)
+class CellReference:
+    floor: tuple[Figure, ...] = ()
+    previous: tuple[Figure, ...] = ()
+    note: str = ""  # the previous record's conditions where they differ from the cell's, or a source
+
+
+_DECODE_4B_FLOOR = (Figure("TPOT", 1.95, "ms", metric="tpot_ms.median", approx=True),)
+
+# Keyed by "<preset>:<cell name>" (the cell names of matrix_plan.py).
+REFERENCES: dict[str, CellReference] = {
+    "4b-shape:1-256-c1": CellReference(_DECODE_4B_FLOOR, (Figure("TPOT", 3.03, "ms"),)),
+    "4b-shape:1-1-c1": CellReference(previous=(Figure("TTFT", 56, "ms"),)),
+    "4b-shape:1024-256-c1": CellReference(_DECODE_4B_FLOOR),
+    "4b-shape:1024-256-c16": CellReference(previous=(Figure("TPOT", 4.72, "ms"),)),
+    "4b-shape:1024-256-c64": CellReference(
+        previous=(Figure("TPOT", 8.7, "ms"), Figure("ITL p99", 135, "ms"))
+    ),
+    "4b-shape:128-512-c256": CellReference(
+        previous=(Figure("output", 14.7e3, "tok/s", text="14.7k tok/s"), Figure("ITL p99", 528, "ms"))
+    ),
+    "4b-shape:8192-1-c1": CellReference(
+        floor=(Figure("TTFT", 87, "ms", metric="ttft_ms.median", approx=True),),
+        previous=(Figure("TTFT", 150, "ms"),),
+        note="floor: 69 TFLOP at 790 TFLOP/s",
+    ),
+    "4b-shape:32768-1-c1": CellReference(previous=(Figure("TTFT", 0.76, "s"),)),
+    "4b-shape:131072-1-c1": CellReference(previous=(Figure("TTFT", 6.0, "s"),)),
+    "4b-shape:first-start": CellReference(previous=(Figure("HTTP ready", 25, "s", text="25–32 s"),)),
+    "4b-shape:restart": CellReference(previous=(Figure("HTTP ready", 25, "s", text="25–32 s"),)),
+    "4b-shape:multi-turn-c32": CellReference(
+        note="published elsewhere: SGLang, 4B on one H200, 128 multi-turn clients, prefix hit rate 0.83"
+    ),
+    "9b-shape:1024-128-c512": CellReference(
+        previous=(Figure("total", 26.6e3, "tok/s", text="26.6k tok/s"),),
+        note="30.8k with --max-num-seqs 512 --max-num-batched-tokens 8192; vLLM 0.17.1 on an H100: 29.8k "
+        "default, 34.5k tuned",
+    ),
+    "35b-a3b-shape:1024-128-c512": CellReference(
+        previous=(
+            Figure("total", 25.9e3, "tok/s", text="25.9k tok/s"),
+            Figure("TPOT", 75, "ms"),
+            Figure("ITL p99", 222, "ms"),
+        ),
+        note="previous record at concurrency 256, not 512",
+    ),
+    "27b-shape:1024-256-c1": CellReference(
+        floor=(Figure("TPOT", 11.9, "ms", metric="tpot_ms.median", approx=True),),
+        previous=(Figure("TPOT", 13.98, "ms"),),
+    ),
+    "27b-shape:1024-256-c16": CellReference(
+        previous=(Figure("TPOT", 23.2, "ms"), Figure("ITL p99", 188, "ms"))
+    ),
+}
+
+
+def reference(preset: str, cell: str) -> CellReference:
+    return REFERENCES.get(f"{preset}:{cell}", CellReference())
