@@ -26,7 +26,8 @@ Streaming invariants:
 
 Documented choices:
 - A parameter whose schema lists its values (`enum`, `const`) gets the member its text spells,
-  whitespace around it ignored (` c ` is "c", ` 3` is 3); text that spells none stays a string.
+  whitespace around it ignored (` c ` is "c", ` 3` is 3); text that spells none stays a string. A
+  string with a length, pattern or format constraint is stripped of the whitespace around it.
 - Types come from the request's `tools` schema: integer/number, boolean, null, object/array are converted;
   string, anyOf/oneOf, a list of several non-null types, a parameter missing from the schema and a function
   missing from `tools` keep the value text verbatim as a JSON string (as vLLM does). For converted types
@@ -65,6 +66,10 @@ _PARAM_CLOSE = "</parameter>"
 # Schema types whose values are converted; any other type keeps the value text as a string.
 _CONVERTED_TYPES = frozenset({"integer", "number", "boolean", "null", "object", "array"})
 _ENUM = "enum"  # a value with listed members (enum or const) is matched against them
+# A string with a length, pattern or format constraint is the text between any whitespace around it
+# (a forced call's grammar lets layout whitespace surround it); other strings are kept verbatim.
+_TRIMMED = "trimmed string"
+_STRING_CONSTRAINTS = frozenset({"minLength", "maxLength", "pattern", "format"})
 
 
 @dataclass(slots=True)
@@ -200,6 +205,8 @@ def _param_type(schema: object) -> str | None:
     if isinstance(schema.get("enum"), list) or "const" in schema:
         return _ENUM
     kind = schema.get("type")
+    if kind == "string" and _STRING_CONSTRAINTS & schema.keys():
+        return _TRIMMED
     if isinstance(kind, list):
         non_null = [k for k in kind if k != "null"]
         kind = non_null[0] if len(non_null) == 1 else ("null" if not non_null else None)
@@ -234,6 +241,8 @@ def _convert(value: str, kind: str, schema: object = None) -> object:
     """The value text converted to schema type `kind`; the text itself when it does not convert."""
     if kind == _ENUM:
         return _listed_value(value, schema)  # type: ignore[arg-type]
+    if kind == _TRIMMED:
+        return value.strip()
     text = value.strip()
     if text.lower() == "null":  # any converted type may be null (optional parameters)
         return None
