@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -325,3 +326,12 @@ def test_tokenize_returns_token_strings(server: ServerProcess) -> None:
         f"{server.url}/tokenize", json={"prompt": "Hello world", "return_token_strs": True}
     ).json()
     assert tokens["token_strs"] == ["Hello", "Ġworld"]
+
+
+def test_the_readme_client_snippet_runs_as_written(server: ServerProcess, capsys) -> None:
+    """The README's OpenAI snippet, against a server started as `make serve` starts one (port aside)."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    (snippet,) = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "OpenAI(" in b]
+    assert "http://127.0.0.1:8000/v1" in snippet
+    exec(snippet.replace("http://127.0.0.1:8000", server.url), {})
+    assert "ChatCompletionMessage(" in capsys.readouterr().out
