@@ -78,7 +78,7 @@ class AssistantOutput:
 
     def finish_reason(self, engine_reason: str | None) -> str | None:
         """OpenAI's: a turn that ended normally with tool calls finished with "tool_calls"."""
-        if engine_reason == "stop" and self.calls:
+        if engine_reason == "stop" and self.complete_calls:
             return "tool_calls"
         return engine_reason
 
