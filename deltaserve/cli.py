@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 
+from deltaserve import __version__
 from deltaserve.config import LOAD_FORMATS, EngineConfig
 from deltaserve.errors import ConfigError, RequestValidationError
 
@@ -22,7 +23,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--dtype",
         default=d.dtype,
-        help="auto | float32 | bfloat16 | float16 (auto: bf16 on GPU, fp32 on CPU)",
+        help="auto | float32 | bfloat16 | float16, or vLLM's half | float (auto: bf16 on GPU, fp32 on CPU)",
     )
     g.add_argument("--device", default=d.device, help="auto | cpu | cuda | cuda:N")
     g.add_argument(
@@ -69,6 +70,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "launched first, so host work overlaps the device; a stopped request costs one wasted step)",
     )
     g.add_argument(
+        "--async-scheduling",
+        dest="decode_ahead",
+        action=argparse.BooleanOptionalAction,
+        default=argparse.SUPPRESS,
+        help="vLLM's name for decode-ahead (on by default)",
+    )
+    g.add_argument(
         "--mamba-ssm-cache-dtype",
         default=d.mamba_ssm_cache_dtype,
         help="auto | float32 | bfloat16 | float16: the GDN SSM state (auto: the checkpoint's, float32); "
@@ -97,9 +105,19 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _model_arg(args: argparse.Namespace) -> str | None:
+    """`deltaserve serve DIR` (vLLM's positional model) or `--model DIR`."""
+    positional = getattr(args, "model_tag", None)
+    if positional is not None and args.model is not None and positional != args.model:
+        raise ConfigError(
+            f"the model is given twice, as {positional!r} and as --model {args.model!r}; give one"
+        )
+    return positional if positional is not None else args.model
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     config = EngineConfig(
-        model=args.model,
+        model=_model_arg(args),
         dtype=args.dtype,
         device=args.device,
         load_format=args.load_format,
@@ -143,12 +161,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         for f in dataclasses.fields(config)
         if f.name not in ("model", "extra")
     }
-    if args.model is None:
-        print(
-            "note: no --model given; using the embedded tiny checkpoint, whose weights are RANDOM",
-            file=sys.stderr,
-        )
-    with LLM(args.model, **kwargs) as llm:
+    with LLM(config.model, **kwargs) as llm:  # LLM(None) says the weights are random
         params = SamplingParams(
             temperature=args.temperature,
             top_p=args.top_p,
@@ -171,7 +184,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from deltaserve.server.app import run_server
+    from deltaserve.server.vllm_flags import check_vllm_arguments
 
+    check_vllm_arguments(args)
     return run_server(args, engine_config_from_args(args))
 
 
@@ -197,14 +212,24 @@ def _cmd_bench_latency(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deltaserve", description="Serve Qwen3.5 hybrid models.")
+    parser.add_argument("--version", action="version", version=f"deltaserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server",
+        usage="%(prog)s [MODEL_DIR] [options]  (all options: %(prog)s --help)",
+    )
+    serve.add_argument(
+        "model_tag", nargs="?", default=None, metavar="MODEL_DIR", help="checkpoint directory, as --model"
+    )
     add_engine_arguments(serve)
     from deltaserve.server.args import add_server_arguments
+    from deltaserve.server.vllm_flags import add_vllm_arguments
 
     add_server_arguments(serve)
-    serve.set_defaults(func=_cmd_serve)
+    add_vllm_arguments(serve)
+    serve.set_defaults(func=_cmd_serve, parser=serve)
 
     gen = sub.add_parser("generate", help="complete one prompt offline")
     add_engine_arguments(gen)
@@ -217,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
-    gen.set_defaults(func=_cmd_generate, max_num_seqs=16)
+    gen.set_defaults(func=_cmd_generate, parser=gen, max_num_seqs=16)
 
     tiny = sub.add_parser("make-tiny", help="write a checkpoint with random weights and the real tokenizer")
     tiny.add_argument("dir")
@@ -226,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--config-only", action="store_true", help="no weights: for --load-format dummy")
-    tiny.set_defaults(func=_cmd_make_tiny)
+    tiny.set_defaults(func=_cmd_make_tiny, parser=tiny)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
@@ -234,13 +259,13 @@ def build_parser() -> argparse.ArgumentParser:
     from deltaserve.bench.serve import add_bench_serve_arguments
 
     add_bench_serve_arguments(bench_serve)
-    bench_serve.set_defaults(func=_cmd_bench_serve)
+    bench_serve.set_defaults(func=_cmd_bench_serve, parser=bench_serve)
     bench_latency = bench_sub.add_parser("latency", help="in-process TTFT/TPOT through the engine (no HTTP)")
     add_engine_arguments(bench_latency)
     from deltaserve.bench.latency import add_bench_latency_arguments
 
     add_bench_latency_arguments(bench_latency)
-    bench_latency.set_defaults(func=_cmd_bench_latency)
+    bench_latency.set_defaults(func=_cmd_bench_latency, parser=bench_latency)
     bench_matrix = bench_sub.add_parser(
         "matrix",
         help="start a server and run one group of the standard matrix with `bench serve`; write the record",
@@ -248,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     from deltaserve.bench.matrix import add_bench_matrix_arguments
 
     add_bench_matrix_arguments(bench_matrix)
-    bench_matrix.set_defaults(func=_cmd_bench_matrix)
+    bench_matrix.set_defaults(func=_cmd_bench_matrix, parser=bench_matrix)
     return parser
 
 
@@ -257,7 +282,10 @@ def main(argv: list[str] | None = None) -> int:
         level=os.environ.get("DELTASERVE_LOG_LEVEL", "INFO"),
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # reported by the subcommand, with its usage, not the top-level one
+        getattr(args, "parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.func(args)
     except (ConfigError, RequestValidationError) as err:

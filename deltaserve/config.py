@@ -28,6 +28,14 @@ FULL_ATTENTION = "full_attention"
 # HF's default when a config carries no rope information at all (official configs always do).
 HF_DEFAULT_ROPE_THETA = 10000.0
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# vLLM's other spellings of the same dtypes (`--dtype half`).
+DTYPE_ALIASES = {
+    "half": "float16",
+    "float": "float32",
+    "fp16": "float16",
+    "bf16": "bfloat16",
+    "fp32": "float32",
+}
 
 
 def parse_dtype(name: str, *, what: str) -> torch.dtype:
@@ -178,6 +186,25 @@ def _generation_eos(path: Path) -> tuple[int, ...] | None:
     if eos is None:
         return None
     return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+# generation_config.json keys read as request defaults (vLLM's `--generation-config auto`), with the
+# SamplingParams field each becomes.
+GENERATION_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def read_sampling_defaults(path: Path) -> dict[str, float | int]:
+    """The sampling defaults a checkpoint ships in generation_config.json (Qwen3.5: temperature, top_p,
+    top_k): what a request that omits these fields gets. Other keys (eos, do_sample, ...) are not
+    sampling defaults. A missing file has none."""
+    if not path.is_file():
+        return {}
+    k = _Keys(_read_json(path), str(path))
+    defaults: dict[str, float | int] = {}
+    for key in GENERATION_SAMPLING_KEYS:
+        if k.has(key):
+            defaults[key] = k.int(key, minimum=-1) if key == "top_k" else k.float(key)
+    return defaults
 
 
 class _Keys:
@@ -440,12 +467,20 @@ class EngineConfig:
     prefix_cache_state_memory_gb: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if isinstance(self.dtype, str):
+            self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
+        if isinstance(self.mamba_ssm_cache_dtype, str):
+            self.mamba_ssm_cache_dtype = DTYPE_ALIASES.get(
+                self.mamba_ssm_cache_dtype, self.mamba_ssm_cache_dtype
+            )
+
     def validate(self) -> None:
         def fail(flag: str, expected: str, found: Any) -> ConfigError:
             return ConfigError(f"--{flag.replace('_', '-')} must be {expected}, got {found!r}")
 
-        if self.dtype != "auto":
-            parse_dtype(self.dtype, what="--dtype")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise fail("dtype", f"one of {['auto', *sorted(DTYPES), *sorted(DTYPE_ALIASES)]}", self.dtype)
         if self.mamba_ssm_cache_dtype != "auto":
             parse_dtype(self.mamba_ssm_cache_dtype, what="--mamba-ssm-cache-dtype")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

@@ -60,27 +60,55 @@ def check_choices(n: object) -> None:
 
 @dataclass(slots=True)
 class StructuredOutputParams:
-    """Output constrained while sampling (engine/structured.py): any JSON value, a JSON schema given as
-    JSON text, or an EBNF grammar. With `start_after_token_id` the constraint starts after that token
-    (the end of a reasoning block), the text before it is free."""
+    """Output constrained while sampling (engine/structured.py), by exactly one of: a JSON object
+    (`json_object`), a JSON schema given as JSON text, an EBNF grammar (xgrammar's dialect; a Lark
+    grammar is accepted too), a regular expression, a choice of exact strings, or an xgrammar
+    structural tag given as JSON text (the server's forced tool calls). With `start_after_token_id` the
+    constraint starts after that token (the end of a reasoning block), the text before it is free."""
 
     json_schema: str | None = None
     json_object: bool = False
-    ebnf: str | None = None  # a grammar in xgrammar's EBNF (the server's forced tool calls)
+    ebnf: str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    structural_tag: str | None = None
     start_after_token_id: int | None = None
 
+    @property
+    def kinds(self) -> list[str]:
+        """The constraints set (valid: exactly one)."""
+        given = [name for name in _SPEC_KINDS if getattr(self, name) is not None]
+        return (["json_object"] if self.json_object else []) + given
+
     def validate(self) -> None:
-        if [self.json_object, self.json_schema is not None, self.ebnf is not None].count(True) != 1:
-            raise _invalid("structured_output", "exactly one of json_object, json_schema or ebnf", self)
-        if self.json_schema is not None:
+        if len(self.kinds) != 1:
+            raise _invalid(
+                "structured_output",
+                "exactly one of json_object, json_schema, ebnf, regex, choice or structural_tag",
+                self,
+            )
+        for name in ("json_schema", "structural_tag"):
+            text = getattr(self, name)
+            if text is None:
+                continue
             try:
-                schema = json.loads(self.json_schema)
+                value = json.loads(text)
             except (TypeError, ValueError) as err:
-                raise _invalid(
-                    "structured_output", f"a JSON schema as JSON text ({err})", self.json_schema
-                ) from None
-            if not isinstance(schema, dict):
-                raise _invalid("structured_output", "a JSON schema object", schema)
+                raise _invalid("structured_output", f"{name} as JSON text ({err})", text) from None
+            if not isinstance(value, dict):
+                raise _invalid("structured_output", f"{name}: a JSON object", value)
+        for name in ("ebnf", "regex"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise _invalid("structured_output", f"{name}: a string", getattr(self, name))
+        if self.choice is not None and not (
+            isinstance(self.choice, list)
+            and self.choice
+            and all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise _invalid("structured_output", "choice: a non-empty list of non-empty strings", self.choice)
+
+
+_SPEC_KINDS = ("json_schema", "ebnf", "regex", "choice", "structural_tag")
 
 
 @dataclass(slots=True)

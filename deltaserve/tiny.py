@@ -158,6 +158,11 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+RANDOM_WEIGHTS_NOTE = (
+    "note: no model given; using the embedded tiny checkpoint, whose weights are RANDOM (its text is noise)"
+)
+
+
 def text_config(preset: str) -> dict[str, Any]:
     if preset not in PRESETS:
         raise ValueError(f"--preset must be one of {sorted(PRESETS)}, got {preset!r}")

@@ -116,6 +116,29 @@ def _parse_tool_call_arguments(messages: Sequence[Mapping[str, Any]]) -> list[Ma
     return parsed
 
 
+def _final_text(message: Mapping[str, Any]) -> str:
+    content = message.get("content")
+    if isinstance(content, list):  # the last text part
+        texts = [p.get("text") for p in content if isinstance(p, Mapping) and isinstance(p.get("text"), str)]
+        content = texts[-1] if texts else None
+    return content.strip() if isinstance(content, str) else ""
+
+
+def _ending_in_final_message(text: str, messages: Sequence[Mapping[str, Any]]) -> str:
+    """`text` cut right after the last message's content, where the template put it."""
+    final = _final_text(messages[-1]) if messages else ""
+    if not final:
+        raise RequestValidationError(
+            "messages", "continue_final_message needs a last message with text content to continue"
+        )
+    end = text.rfind(final)
+    if end < 0:
+        raise RequestValidationError(
+            "messages", "continue_final_message: the chat template does not render the last message's content"
+        )
+    return text[: end + len(final)]
+
+
 class Tokenizer:
     """Text <-> token ids for one model, plus its chat template."""
 
@@ -146,8 +169,15 @@ class Tokenizer:
                 ) from exc
 
     @classmethod
-    def from_dir(cls, model_dir: str | os.PathLike[str]) -> Tokenizer:
-        """Loads tokenizer.json and the chat template (chat_template.jinja, else tokenizer_config.json)."""
+    def from_dir(
+        cls,
+        model_dir: str | os.PathLike[str],
+        *,
+        chat_template: str | None = None,
+        chat_template_source: str | None = None,
+    ) -> Tokenizer:
+        """Loads tokenizer.json and the chat template (chat_template.jinja, else tokenizer_config.json);
+        `chat_template` replaces the model's (`chat_template_source` names where it came from)."""
         model_dir = Path(model_dir)
         tokenizer_file = model_dir / "tokenizer.json"
         if not tokenizer_file.is_file():
@@ -156,6 +186,13 @@ class Tokenizer:
             tokenizer = HFTokenizer.from_file(str(tokenizer_file))
         except Exception as exc:  # the Rust side raises a bare Exception for any parse failure
             raise ConfigError(f"{tokenizer_file}: cannot be loaded ({exc})") from exc
+        if chat_template is not None:
+            return cls(
+                tokenizer,
+                chat_template,
+                source=str(tokenizer_file),
+                template_source=chat_template_source or "--chat-template",
+            )
         template, template_file = _load_chat_template(model_dir)
         return cls(
             tokenizer, template, source=str(tokenizer_file), template_source=str(template_file or model_dir)
@@ -195,11 +232,13 @@ class Tokenizer:
         *,
         tools: Sequence[Mapping[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         **template_kwargs: Any,
     ) -> str:
         """Renders OpenAI-shaped messages (plain dicts) to the prompt text. Extra keyword arguments reach
-        the template (e.g. enable_thinking=False). Messages the template rejects raise
-        RequestValidationError(field="messages")."""
+        the template (e.g. enable_thinking=False). With `continue_final_message` the prompt ends right
+        after the last message's content (transformers' rule), so the output continues that message.
+        Messages the template rejects raise RequestValidationError(field="messages")."""
         if self._template is None:
             raise RequestValidationError(
                 "messages",
@@ -207,7 +246,7 @@ class Tokenizer:
             )
         messages = _parse_tool_call_arguments(messages)
         try:
-            return self._template.render(
+            text = self._template.render(
                 messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **template_kwargs
             )
         except _TemplateRaised as exc:
@@ -216,6 +255,7 @@ class Tokenizer:
             raise RequestValidationError(
                 "messages", f"the chat template cannot render these messages: {exc}"
             ) from exc
+        return _ending_in_final_message(text, messages) if continue_final_message else text
 
 
 class IncrementalDetokenizer:

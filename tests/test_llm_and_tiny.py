@@ -142,3 +142,14 @@ def test_cli_generate_runs_on_the_embedded_default():
     )
     assert result.returncode == 0, result.stderr
     assert "weights are RANDOM" in result.stderr and "[4 tokens, finish_reason=length]" in result.stderr
+
+
+def test_chat_renders_the_template_then_generates(llm):
+    messages = [{"role": "user", "content": "Hello"}]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    (chatted,) = llm.chat(messages, params, chat_template_kwargs={"enable_thinking": False})
+    prompt = llm.tokenizer.apply_chat_template(messages, enable_thinking=False)
+    assert chatted.prompt == prompt and prompt.endswith("</think>\n\n")
+    assert chatted.outputs[0].token_ids == llm.generate([prompt], params)[0].outputs[0].token_ids
+    two = llm.chat([messages, [*messages, {"role": "assistant", "content": "Hi"}, *messages]], params)
+    assert len(two) == 2 and two[0].outputs[0].token_ids != two[1].outputs[0].token_ids

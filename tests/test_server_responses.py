@@ -18,10 +18,11 @@ TOOLS: list[Any] = [
         "type": "function",
         "name": "get_weather",
         "description": "Weather for a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        # One required enum parameter: the grammar makes the random model write a complete call quickly.
+        "parameters": {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"]},
     }
 ]
-TOOL_CALL_CLOSE = 248059  # `</tool_call>`
+UNIT_ARGUMENTS = ({"unit": "c"}, {"unit": "f"})
 
 
 @pytest.fixture(scope="module")
@@ -138,13 +139,13 @@ def test_function_call_item_round_trip(client: openai.OpenAI) -> None:
         model=MODEL,
         tools=TOOLS,
         tool_choice={"type": "function", "name": "get_weather"},
-        max_output_tokens=6,
+        max_output_tokens=60,  # the random model spells the tags in small pieces
         temperature=0,
-        extra_body={"logit_bias": {str(TOOL_CALL_CLOSE): 100}, "stop_token_ids": [TOOL_CALL_CLOSE]},
     )
     first = client.responses.create(input="Weather in Paris?", **forced)
     (call,) = [item for item in first.output if item.type == "function_call"]
-    assert call.name == "get_weather" and json.loads(call.arguments) == {} and first.status == "completed"
+    assert call.name == "get_weather" and json.loads(call.arguments) in UNIT_ARGUMENTS
+    assert first.status == "completed"
     answer = client.responses.create(
         model=MODEL,
         previous_response_id=first.id,
@@ -157,7 +158,8 @@ def test_function_call_item_round_trip(client: openai.OpenAI) -> None:
     events = list(client.responses.create(input="Weather in Paris?", stream=True, **forced))
     added = [e for e in events if e.type == "response.output_item.added" and e.item.type == "function_call"]
     done = [e for e in events if e.type == "response.function_call_arguments.done"]
-    assert len(added) == 1 and added[0].item.name == "get_weather" and json.loads(done[0].arguments) == {}
+    assert len(added) == 1 and added[0].item.name == "get_weather"
+    assert json.loads(done[0].arguments) in UNIT_ARGUMENTS
 
 
 def test_text_format_json_schema_constrains_the_answer_not_the_reasoning(server: ServerProcess) -> None:

@@ -65,9 +65,12 @@ def test_a_schema_that_cannot_compile_is_rejected_naming_the_field(llm) -> None:
 
 
 def test_the_specification_is_validated(llm) -> None:
-    with pytest.raises(RequestValidationError, match="exactly one of json_object, json_schema or ebnf"):
+    with pytest.raises(
+        RequestValidationError,
+        match="exactly one of json_object, json_schema, ebnf, regex, choice or structural_tag",
+    ):
         llm.generate(["x"], SamplingParams(structured_output=StructuredOutputParams()))
-    with pytest.raises(RequestValidationError, match="JSON schema as JSON text"):
+    with pytest.raises(RequestValidationError, match="json_schema as JSON text"):
         llm.generate(["x"], SamplingParams(structured_output=StructuredOutputParams(json_schema="{nope")))
     with pytest.raises(RequestValidationError, match="min_tokens must be 0 with structured_output"):
         llm.generate(["x"], SamplingParams(min_tokens=5, structured_output=schema({"enum": ["a"]})))

@@ -32,8 +32,11 @@ def backend() -> GrammarBackend:
     return GrammarBackend(lambda: grammar_vocabulary(tokenizer), [248046, 248044])
 
 
-def accepts(backend: GrammarBackend, named: str | None, text: str) -> bool:
-    grammar = backend.grammar(StructuredOutputParams(ebnf=tool_call_grammar(TOOLS, named)))
+def accepts(
+    backend: GrammarBackend, named: str | None, text: str, tools: list = TOOLS, parallel=True
+) -> bool:
+    tag = tool_call_grammar(tools, named, parallel)
+    grammar = backend.grammar(StructuredOutputParams(structural_tag=tag))
     return bool(grammar.matcher.accept_string(text)) and grammar.matcher.is_completed()
 
 
@@ -62,3 +65,48 @@ def test_a_named_choice_is_exactly_one_call_to_that_function(backend) -> None:
     assert accepts(backend, "get_weather", "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>")
     assert accepts(backend, "ping", "</function>\n</tool_call>")
     assert not accepts(backend, "ping", "</function>\n</tool_call>\n<tool_call>\n<function=ping>\n")
+
+
+TYPED = [
+    {
+        "type": "function",
+        "function": {
+            "name": "book",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "nights": {"type": "integer", "minimum": 1},
+                    "room": {"type": "string", "enum": ["single", "double"]},
+                    "guests": {"type": "array", "items": {"type": "string"}},
+                },
+                "required": ["city", "room"],
+            },
+        },
+    }
+]
+
+
+def _book(**params: str) -> str:
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+    return f"{body}</function>\n</tool_call>"
+
+
+def test_call_arguments_follow_the_schema(backend) -> None:
+    assert accepts(backend, "book", _book(city="Rome", nights="2", room="double"), TYPED)
+    assert accepts(backend, "book", _book(city="Rome", room="single", guests='["a", "b"]'), TYPED)
+    assert not accepts(backend, "book", _book(city="Rome"), TYPED)  # room is required
+    assert not accepts(backend, "book", _book(city="Rome", room="suite"), TYPED)  # not in the enum
+    assert not accepts(backend, "book", _book(city="Rome", nights="two", room="single"), TYPED)
+    assert not accepts(backend, "book", _book(city="Rome", nights="0", room="single"), TYPED)  # minimum 1
+    assert not accepts(backend, "book", _book(city="Rome", room="single", pets="1"), TYPED)  # undeclared
+
+
+def test_blank_runs_between_parameters_are_bounded(backend) -> None:
+    assert not accepts(backend, "book", _book(city="Rome", room="single").replace("\n<", "\n\n\n<"), TYPED)
+
+
+def test_parallel_tool_calls_false_allows_one_call(backend) -> None:
+    one = "ping>\n</function>\n</tool_call>"
+    assert accepts(backend, None, one, parallel=False)
+    assert not accepts(backend, None, one + "\n<tool_call>\n<function=" + one, parallel=False)

@@ -2,6 +2,7 @@
 
     llm = LLM(model=DIR, dtype="float32", device="cpu")
     outs = llm.generate(["Hello", {"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0.0))
+    outs = llm.chat([{"role": "user", "content": "Hello"}], SamplingParams(max_tokens=16))
 
 Requests run through the same EngineCore and scheduler the server uses, in-process on a thread.
 """
@@ -9,17 +10,19 @@ Requests run through the same EngineCore and scheduler the server uses, in-proce
 from __future__ import annotations
 
 import queue
+import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from deltaserve.config import EngineConfig
+from deltaserve.config import EngineConfig, read_sampling_defaults
 from deltaserve.engine.core import EngineCore
 from deltaserve.engine.output import OutputState, RequestOutput
 from deltaserve.engine.protocol import AbortRequest, AddRequest, ResetPrefixCache, StepOutputs
 from deltaserve.errors import RequestValidationError
 from deltaserve.sampling_params import SamplingParams
+from deltaserve.tiny import RANDOM_WEIGHTS_NOTE
 from deltaserve.tokenizer import Tokenizer
 
 Prompt = str | dict[str, Any]
@@ -33,6 +36,8 @@ class LLM:
         unknown = sorted(set(engine_kwargs) - known)
         if unknown:
             raise TypeError(f"LLM() got unknown engine arguments {unknown}; known: {sorted(known)}")
+        if model is None:
+            print(RANDOM_WEIGHTS_NOTE, file=sys.stderr, flush=True)
         self.engine = EngineCore(EngineConfig(model=model, **engine_kwargs))
         self.tokenizer = Tokenizer.from_dir(self.engine.model_dir)
         self._outputs: queue.SimpleQueue[StepOutputs] = queue.SimpleQueue()
@@ -53,7 +58,7 @@ class LLM:
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params_list = (
             [sampling_params] * len(prompts)
             if isinstance(sampling_params, SamplingParams)
@@ -91,6 +96,37 @@ class LLM:
                 if st.finished:
                     pending.discard(update.request_id)
         return [_joined([states[rid].to_output() for rid in ids]) for ids in choices]
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the checkpoint's generation_config.json sampling defaults (vLLM's)."""
+        return SamplingParams(**read_sampling_defaults(self.engine.model_dir / "generation_config.json"))  # type: ignore[arg-type]
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of message dicts) or several (a list of them) through the model's
+        chat template, then `generate`: one RequestOutput per conversation. The text is the raw output,
+        reasoning included (as vLLM's LLM.chat); chat_template_kwargs={"enable_thinking": False} turns
+        thinking off."""
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        prompts = [
+            self.tokenizer.apply_chat_template(
+                list(conversation),  # type: ignore[arg-type]
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                **(chat_template_kwargs or {}),
+            )
+            for conversation in conversations
+        ]
+        return self.generate(prompts, sampling_params)
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

@@ -19,6 +19,7 @@ import zmq
 
 from deltaserve.config import EngineConfig
 from deltaserve.engine.protocol import StepOutputs, decode_client_message, encode_outputs
+from deltaserve.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,9 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str, 
         from deltaserve.engine.core import EngineCore
 
         core = EngineCore(config)
+    except ConfigError as exc:  # a flag or checkpoint that cannot be served: its one-line message is all
+        ready.send(("error", str(exc)))
+        raise SystemExit(1) from exc
     except Exception as exc:
         logger.exception("engine failed to start")
         ready.send(("error", f"{type(exc).__name__}: {exc}"))

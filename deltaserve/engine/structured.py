@@ -1,4 +1,5 @@
-"""Structured output: JSON (any object, or a JSON schema) enforced while sampling, with xgrammar.
+"""Structured output: a JSON object, a JSON schema, a grammar, a regex, a choice of strings or a
+structural tag, enforced while sampling with xgrammar.
 
 Each constrained request holds a grammar matcher. Before a step samples, every active matcher writes
 the tokens that can continue a valid document into a bitmask, and the others' logits become -inf; after
@@ -14,6 +15,7 @@ optional dependency (`pip install deltaserve[structured]`); without it such requ
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -53,7 +55,7 @@ class GrammarBackend:
         self._stop_token_ids = list(stop_token_ids)
         self._compiler: xgrammar.GrammarCompiler | None = None
         self.vocab_size = 0
-        self._compiled: dict[tuple[str | None, bool, str | None], xgrammar.CompiledGrammar] = {}
+        self._compiled: dict[tuple[object, ...], xgrammar.CompiledGrammar] = {}
 
     def grammar(self, spec: StructuredOutputParams) -> RequestGrammar:
         try:
@@ -72,21 +74,70 @@ class GrammarBackend:
                 stop_token_ids=self._stop_token_ids,
             )
             self._compiler = xgr.GrammarCompiler(info)
-        key = (spec.json_schema, spec.json_object, spec.ebnf)
+        key = (
+            spec.json_object,
+            spec.json_schema,
+            spec.ebnf,
+            spec.regex,
+            _choice_key(spec),
+            spec.structural_tag,
+        )
         compiled = self._compiled.get(key)
         if compiled is None:
-            try:
-                if spec.json_object:
-                    compiled = self._compiler.compile_builtin_json_grammar()
-                elif spec.ebnf is not None:
-                    compiled = self._compiler.compile_grammar(spec.ebnf)
-                else:
-                    compiled = self._compiler.compile_json_schema(spec.json_schema, any_whitespace=False)
-            except Exception as err:  # xgrammar raises RuntimeError/ValueError with its parser's message
-                what = "grammar" if spec.ebnf is not None else "JSON schema"
-                raise StructuredOutputError(f"the {what} cannot be compiled: {err}") from err
+            compiled = _compile(self._compiler, spec)
             self._compiled[key] = compiled
         return RequestGrammar(xgr.GrammarMatcher(compiled), spec.start_after_token_id, self.vocab_size)
+
+
+def _choice_key(spec: StructuredOutputParams) -> tuple[str, ...] | None:
+    return None if spec.choice is None else tuple(spec.choice)
+
+
+def choice_grammar(choices: Sequence[str]) -> str:
+    """EBNF of exactly one of `choices` (literal strings)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+# A JSON object (json_object): any properties, but an object, never another JSON value.
+_ANY_OBJECT_SCHEMA = '{"type": "object"}'
+
+
+def _compile(compiler: xgrammar.GrammarCompiler, spec: StructuredOutputParams) -> xgrammar.CompiledGrammar:
+    """Raises StructuredOutputError with xgrammar's reason."""
+    kind = spec.kinds[0] if spec.kinds else "structured output"
+    try:
+        if spec.json_object:
+            return compiler.compile_json_schema(_ANY_OBJECT_SCHEMA, any_whitespace=False)
+        if spec.json_schema is not None:
+            return compiler.compile_json_schema(spec.json_schema, any_whitespace=False)
+        if spec.regex is not None:
+            return compiler.compile_regex(spec.regex)
+        if spec.choice is not None:
+            return compiler.compile_grammar(choice_grammar(spec.choice))
+        if spec.structural_tag is not None:
+            return compiler.compile_structural_tag(spec.structural_tag)
+        assert spec.ebnf is not None, "validate() admits exactly one kind"
+        return _compile_ebnf_or_lark(compiler, spec.ebnf)
+    except StructuredOutputError:
+        raise
+    except Exception as err:  # xgrammar raises RuntimeError/ValueError with its parser's message
+        what = {"json_schema": "JSON schema", "ebnf": "grammar", "json_object": "JSON grammar"}.get(
+            kind, kind
+        )
+        raise StructuredOutputError(f"the {what} cannot be compiled: {err}") from err
+
+
+def _compile_ebnf_or_lark(compiler: xgrammar.GrammarCompiler, grammar: str) -> xgrammar.CompiledGrammar:
+    """xgrammar's EBNF, else (vLLM accepts both) a Lark grammar; the EBNF error is the one reported."""
+    try:
+        return compiler.compile_grammar(grammar)
+    except Exception as ebnf_error:
+        try:
+            return compiler.compile_lark(grammar)
+        except Exception:
+            raise StructuredOutputError(
+                f"the grammar cannot be compiled as EBNF (nor as Lark): {ebnf_error}"
+            ) from ebnf_error
 
 
 class RequestGrammar:

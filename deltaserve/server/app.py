@@ -14,12 +14,13 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deltaserve import __version__
 from deltaserve.config import EngineConfig
-from deltaserve.server import chat, completions, responses, service, tokenize
+from deltaserve.server import chat, completions, invocations, responses, service, tokenize
 from deltaserve.server.args import ServerConfig
 from deltaserve.server.disconnect import ClientDisconnected
 from deltaserve.server.errors import AUTHENTICATION, INVALID_REQUEST, NOT_FOUND, SERVER_ERROR, APIError
@@ -38,7 +39,7 @@ def build_app(state: ServerState) -> FastAPI:
         description="OpenAI-compatible server for Qwen3.5 hybrid models",
     )
     app.state.server = state
-    for module in (completions, chat, responses, tokenize, service):
+    for module in (completions, chat, responses, tokenize, service, invocations):
         app.include_router(module.router)
     app.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
@@ -47,7 +48,16 @@ def build_app(state: ServerState) -> FastAPI:
     app.add_exception_handler(Exception, _unexpected)
     app.add_middleware(BodySizeLimit, max_bytes=state.config.max_request_body_bytes)
     if state.config.api_key:
-        app.add_middleware(APIKeyAuth, api_key=state.config.api_key)  # outermost: checked first
+        app.add_middleware(APIKeyAuth, api_key=state.config.api_key)
+    cors = state.config.cors
+    if cors is not None:  # outermost: preflights and error responses get the CORS headers too
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(cors.allowed_origins),
+            allow_methods=list(cors.allowed_methods),
+            allow_headers=list(cors.allowed_headers),
+            allow_credentials=cors.allow_credentials,
+        )
     return app
 
 

@@ -6,19 +6,32 @@ import argparse
 import json
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from deltaserve.errors import ConfigError
+from deltaserve.sampling_params import MAX_LOGPROBS
 
 API_KEY_ENV = "DELTASERVE_API_KEY"
 DEFAULT_MAX_BODY_BYTES = 32 << 20
 
 
 @dataclass(frozen=True, slots=True)
+class CorsConfig:
+    """CORS headers for browser clients (`--allowed-origins` and friends); absent: no CORS headers."""
+
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
-    served_model_name: str | None = None  # None: derived from --model
+    # The ids clients may send; the first is the one responses report. Empty: derived from --model.
+    served_model_names: tuple[str, ...] = ()
     api_key: str | None = None  # None: no authentication
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     response_store_size: int = 1000
@@ -26,14 +39,29 @@ class ServerConfig:
     shutdown_timeout_s: float = 30.0
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     uvicorn_log_level: str = "warning"
+    max_logprobs: int = MAX_LOGPROBS
+    log_requests: bool = False  # one log line when a request arrives and one when it ends
+    log_stats: bool = True  # the periodic load line
+    generation_config: str = "auto"  # auto: the model's generation_config.json; vllm: none; else a folder
+    chat_template: str | None = None  # the template text (--chat-template FILE, read at start-up)
+    chat_template_source: str | None = None  # where it came from, for error messages
+    cors: CorsConfig | None = None
+    root_path: str = ""
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+
+    @property
+    def served_model_name(self) -> str | None:
+        return self.served_model_names[0] if self.served_model_names else None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServerConfig:
         kwargs = _parse_json_flag("--default-chat-template-kwargs", args.default_chat_template_kwargs)
+        template, template_source = _chat_template(args.chat_template)
         config = cls(
             host=args.host,
             port=args.port,
-            served_model_name=args.served_model_name,
+            served_model_names=tuple(args.served_model_name or ()),
             api_key=args.api_key or None,
             max_request_body_bytes=args.max_request_body_bytes,
             response_store_size=args.response_store_size,
@@ -41,6 +69,16 @@ class ServerConfig:
             shutdown_timeout_s=args.shutdown_timeout_s,
             default_chat_template_kwargs=kwargs,
             uvicorn_log_level=args.uvicorn_log_level,
+            max_logprobs=args.max_logprobs,
+            log_requests=args.log_requests,
+            log_stats=not args.disable_log_stats,
+            generation_config=args.generation_config,
+            chat_template=template,
+            chat_template_source=template_source,
+            cors=_cors(args),
+            root_path=args.root_path,
+            ssl_keyfile=args.ssl_keyfile,
+            ssl_certfile=args.ssl_certfile,
         )
         config.validate()
         return config
@@ -56,8 +94,59 @@ class ServerConfig:
             raise ConfigError(f"--log-interval-s must be > 0, got {self.log_interval_s}")
         if self.shutdown_timeout_s < 0:
             raise ConfigError(f"--shutdown-timeout-s must be >= 0, got {self.shutdown_timeout_s}")
-        if self.served_model_name is not None and not self.served_model_name.strip():
-            raise ConfigError("--served-model-name must not be empty")
+        for name in self.served_model_names:
+            if not name.strip():
+                raise ConfigError(f"--served-model-name must not be empty, got {name!r}")
+        if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
+            raise ConfigError(
+                f"--max-logprobs must be in [0, {MAX_LOGPROBS}] (the most this engine returns), "
+                f"got {self.max_logprobs}"
+            )
+        if self.root_path and (not self.root_path.startswith("/") or self.root_path.endswith("/")):
+            raise ConfigError(f"--root-path must start with '/' and not end with one, got {self.root_path!r}")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ConfigError("--ssl-keyfile and --ssl-certfile must be given together")
+        for flag, path in (("--ssl-keyfile", self.ssl_keyfile), ("--ssl-certfile", self.ssl_certfile)):
+            if path is not None and not os.path.isfile(path):
+                raise ConfigError(f"{flag} must be a readable file, got {path!r} (no such file)")
+
+
+def _chat_template(value: str | None) -> tuple[str | None, str | None]:
+    """--chat-template: a file, or (as vLLM allows) the template itself on one line."""
+    if value is None:
+        return None, None
+    if os.path.isfile(value):
+        try:
+            return Path(value).read_text(encoding="utf-8"), value
+        except OSError as exc:
+            raise ConfigError(f"--chat-template {value}: cannot be read ({exc.strerror})") from exc
+    if "{" in value:
+        return value, "--chat-template"
+    raise ConfigError(f"--chat-template must be a jinja template file or the template text, got {value!r}")
+
+
+def _json_list(flag: str, text: str | None) -> tuple[str, ...] | None:
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{flag} must be a JSON list of strings, got {text!r} ({exc})") from exc
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"{flag} must be a JSON list of strings, got {text!r}")
+    return tuple(value)
+
+
+def _cors(args: argparse.Namespace) -> CorsConfig | None:
+    """CORS is on once any CORS flag is given; the others keep vLLM's defaults (everything allowed)."""
+    lists = {
+        name: _json_list(f"--{name.replace('_', '-')}", getattr(args, name))
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers")
+    }
+    if all(v is None for v in lists.values()) and not args.allow_credentials:
+        return None
+    given = {k: v for k, v in lists.items() if v is not None}
+    return CorsConfig(**given, allow_credentials=args.allow_credentials)  # type: ignore[arg-type]
 
 
 def _parse_json_flag(flag: str, text: str | None) -> dict[str, Any]:
@@ -75,12 +164,16 @@ def _parse_json_flag(flag: str, text: str | None) -> dict[str, Any]:
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     d = ServerConfig()
     g = parser.add_argument_group("server")
-    g.add_argument("--host", default=d.host, help="interface to listen on")
+    g.add_argument(
+        "--host", default=d.host, help="interface to listen on (0.0.0.0: all interfaces; default: local only)"
+    )
     g.add_argument("--port", type=int, default=d.port, help="TCP port (0: any free port)")
     g.add_argument(
         "--served-model-name",
+        nargs="+",
         default=None,
-        help="the model id clients send and /v1/models lists (default: the --model path)",
+        help="the model ids clients may send, listed by /v1/models; responses report the first "
+        "(default: the --model path)",
     )
     g.add_argument(
         "--api-key",
@@ -119,6 +212,46 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--uvicorn-log-level",
         default=d.uvicorn_log_level,
+        type=str.lower,
         choices=["critical", "error", "warning", "info", "debug", "trace"],
         help="uvicorn's own log level (access lines at info)",
     )
+    g.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=d.max_logprobs,
+        help=f"the most logprobs / top_logprobs / prompt_logprobs a request may ask for (<= {MAX_LOGPROBS})",
+    )
+    g.add_argument(
+        "--enable-log-requests",
+        dest="log_requests",
+        action="store_true",
+        default=d.log_requests,
+        help="log a line when each request arrives and when it ends",
+    )
+    g.add_argument(
+        "--disable-log-requests",
+        dest="log_requests",
+        action="store_false",
+        default=argparse.SUPPRESS,
+        help="no per-request log lines (the default)",
+    )
+    g.add_argument("--disable-log-stats", action="store_true", help="no periodic load line")
+    g.add_argument(
+        "--generation-config",
+        default=d.generation_config,
+        help="sampling defaults for fields a request omits: auto (the model's generation_config.json), "
+        "vllm (none: the API defaults), or a folder holding a generation_config.json",
+    )
+    g.add_argument(
+        "--chat-template", default=None, help="a jinja chat template file replacing the model's own"
+    )
+    g.add_argument("--allowed-origins", default=None, help="CORS: JSON list of origins, e.g. '[\"*\"]'")
+    g.add_argument("--allowed-methods", default=None, help="CORS: JSON list of methods (default all)")
+    g.add_argument("--allowed-headers", default=None, help="CORS: JSON list of headers (default all)")
+    g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    g.add_argument(
+        "--root-path", default=d.root_path, help="the path prefix a proxy serves this server under"
+    )
+    g.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (PEM)")
+    g.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate (PEM)")

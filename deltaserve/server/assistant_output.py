@@ -38,11 +38,12 @@ class AssistantOutput:
     reasoning: str = ""
     content: str = ""
     calls: list[CallState] = field(default_factory=list)
+    single_call: bool = False  # parallel_tool_calls false: calls after the first are dropped
 
     @classmethod
     def for_prompt(cls, prompt: ChatPrompt) -> AssistantOutput:
         parser = OutputParser(thinking=prompt.thinking, tools=prompt.tools, parse_tools=prompt.parse_tools)
-        out = cls(parser)
+        out = cls(parser, single_call=not prompt.parallel_tool_calls)
         if prompt.forced_prefix:
             out.pending = parser.feed(prompt.forced_prefix)
         return out
@@ -55,6 +56,8 @@ class AssistantOutput:
                 delta.reasoning += part.reasoning
                 delta.content += part.content
                 _extend_calls(delta.tool_calls, part.tool_calls)
+        if self.single_call:
+            delta.tool_calls = [c for c in delta.tool_calls if c.index == 0]
         self._record(delta)
         return delta
 
@@ -67,9 +70,15 @@ class AssistantOutput:
             else:
                 self.calls[call.index].arguments += call.arguments
 
+    @property
+    def complete_calls(self) -> list[CallState]:
+        """The calls the output closed: a call that max_tokens (or a stop) cut off is not one of them."""
+        cut_off = self.parser.cut_off_calls
+        return [c for i, c in enumerate(self.calls) if i not in cut_off]
+
     def finish_reason(self, engine_reason: str | None) -> str | None:
         """OpenAI's: a turn that ended normally with tool calls finished with "tool_calls"."""
-        if engine_reason == "stop" and self.calls:
+        if engine_reason == "stop" and self.complete_calls:
             return "tool_calls"
         return engine_reason
 

@@ -21,7 +21,13 @@ from deltaserve.engine.output import OutputDelta
 from deltaserve.engine.protocol import TokenLogprobs
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.server.assistant_output import AssistantOutput
-from deltaserve.server.chat_prompt import ChatPrompt, ToolChoice, answer_start_token, render_chat_prompt
+from deltaserve.server.chat_prompt import (
+    ChatPrompt,
+    ToolChoice,
+    answer_start_token,
+    render_chat_prompt,
+    template_kwargs,
+)
 from deltaserve.server.disconnect import unless_disconnected
 from deltaserve.server.errors import APIError, bad_request, unsupported
 from deltaserve.server.generation import EngineRequest, generate, merge, terminal_error
@@ -43,7 +49,8 @@ from deltaserve.server.protocol import (
     UsageInfo,
     now,
 )
-from deltaserve.server.sampling import build_params, check_context_window
+from deltaserve.server.refused_fields import refuse_meaningful_fields
+from deltaserve.server.sampling import build_params, check_context_window, structured_field
 from deltaserve.server.sse import DONE, SSEResponse, data_event
 from deltaserve.server.state import ServerState, get_state
 from deltaserve.server.tool_grammar import forced_call_output
@@ -60,10 +67,11 @@ async def create_chat_completion(
     state = get_state(request)
     state.check_model(body.model)
     state.check_available()
+    refuse_meaningful_fields("/v1/chat/completions", body.model_extra)
     state.warn_unknown_fields("/v1/chat/completions", body.unknown_fields())
     prompt = _render(state, body)
     params = _params(state, body, prompt)
-    state.check_structured_output(params)
+    state.check_structured_output(params, "tools" if prompt.forced_prefix else structured_field(body))
     max_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     check_context_window(
         len(prompt.token_ids), params.max_tokens, state.max_model_len, max_tokens_field=max_field
@@ -95,11 +103,37 @@ def _render(state: ServerState, body: ChatCompletionRequest) -> ChatPrompt:
         tool_choice = ToolChoice(choice)
     else:
         tool_choice = ToolChoice("named", choice.function.name)
-    kwargs = {**state.config.default_chat_template_kwargs, **(body.chat_template_kwargs or {})}
+    kwargs = template_kwargs(
+        state.config.default_chat_template_kwargs, body.chat_template_kwargs, body.reasoning_effort
+    )
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     return render_chat_prompt(
-        state.tokenizer, messages, tools=tools, tool_choice=tool_choice, template_kwargs=kwargs
+        state.tokenizer,
+        messages,
+        tools=tools,
+        tool_choice=tool_choice,
+        template_kwargs=kwargs,
+        add_generation_prompt=_adds_generation_prompt(body),
+        continue_final_message=body.continue_final_message,
+        parallel_tool_calls=body.parallel_tool_calls is not False,
     )
+
+
+def _adds_generation_prompt(body: ChatCompletionRequest) -> bool:
+    """add_generation_prompt as sent; unsent, continue_final_message turns it off (vLLM asks for both)."""
+    if "add_generation_prompt" in body.model_fields_set:
+        return body.add_generation_prompt
+    return not body.continue_final_message
+
+
+def _echoed(body: ChatCompletionRequest) -> str:
+    """echo: the last message's text starts the answer when that message is the assistant's (vLLM's rule)."""
+    last = body.messages[-1]
+    if not body.echo or last.role != "assistant":
+        return ""
+    if isinstance(last.content, str):
+        return last.content
+    return "".join(p.get("text", "") for p in last.content or () if isinstance(p.get("text"), str))
 
 
 def _params(state: ServerState, body: ChatCompletionRequest, prompt: ChatPrompt) -> SamplingParams:
@@ -117,11 +151,12 @@ def _params(state: ServerState, body: ChatCompletionRequest, prompt: ChatPrompt)
         rename["max_tokens"] = "max_completion_tokens"
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     forced_call = forced_call_output(prompt)
-    if forced_call is not None and body.response_format is not None and body.response_format.type != "text":
+    constrained = structured_field(body)
+    if forced_call is not None and constrained is not None:
         raise bad_request(
-            f"response_format {body.response_format.type!r} cannot be combined with a forced tool call "
+            f"{constrained} cannot be combined with a forced tool call "
             f"(tool_choice {prompt.tool_choice.mode!r}): the call is the output",
-            "response_format",
+            constrained,
         )
     return build_params(
         body,
@@ -132,6 +167,8 @@ def _params(state: ServerState, body: ChatCompletionRequest, prompt: ChatPrompt)
         allow_n=True,
         structured_start=answer_start_token(state.tokenizer, prompt),
         structured=forced_call,
+        defaults=state.sampling_defaults,
+        max_logprobs=state.config.max_logprobs,
     )
 
 
@@ -190,12 +227,13 @@ class _ChoiceState:
     def choice(self, state: ServerState, body: ChatCompletionRequest, index: int) -> ChatChoice:
         last, out = self.last, self.out
         assert last is not None and last.finished, "generate() ends with a finished delta"
+        content = _echoed(body) + out.content
         message = ChatMessageOut(
-            content=out.content or None,
+            content=content or None,
             reasoning_content=out.reasoning or None,
             tool_calls=[
                 ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
-                for c in out.calls
+                for c in out.complete_calls
             ],
         )
         return ChatChoice(
@@ -249,23 +287,33 @@ async def _stream(
     created = now()
     model = state.model_name
 
-    def chunk(choice: ChatStreamChoice) -> str:
-        return data_event(ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice]))
-
     outs = [AssistantOutput.for_prompt(prompt) for _ in reqs]
     num_output_tokens = [0] * len(reqs)
-    num_cached_tokens = 0
+    num_cached_tokens = [0] * len(reqs)
+
+    def usage() -> UsageInfo:
+        # the first choice's cached share: the n choices share the prompt
+        return UsageInfo.of(len(prompt.token_ids), sum(num_output_tokens), num_cached_tokens[0])
+
+    def chunk(choice: ChatStreamChoice) -> str:
+        running = usage() if body.continuous_usage else None
+        return data_event(
+            ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice], usage=running)
+        )
+
     try:
+        echoed = _echoed(body)
         for i in range(len(reqs)):
             yield chunk(ChatStreamChoice(index=i, delta=ChatDelta(role="assistant", content="")))
+            if echoed:
+                yield chunk(ChatStreamChoice(index=i, delta=ChatDelta(content=echoed)))
         async with aclosing(merge([generate(state, r, arrival) for r in reqs])) as deltas:
             async for i, delta in deltas:
                 error = terminal_error(delta)
                 if error is not None:
                     raise error
                 num_output_tokens[i] = delta.num_output_tokens
-                if i == 0:
-                    num_cached_tokens = delta.num_cached_tokens
+                num_cached_tokens[i] = delta.num_cached_tokens
                 lp = None
                 if body.logprobs and delta.logprobs:
                     lp = chat_logprobs(state.token_texts, delta.token_ids, delta.logprobs)
@@ -273,9 +321,8 @@ async def _stream(
                 if choice is not None:
                     yield chunk(choice)
         if body.include_usage:
-            usage = UsageInfo.of(len(prompt.token_ids), sum(num_output_tokens), num_cached_tokens)
             yield data_event(
-                ChatCompletionChunk(id=rid, created=created, model=model, choices=[], usage=usage)
+                ChatCompletionChunk(id=rid, created=created, model=model, choices=[], usage=usage())
             )
     except APIError as err:
         yield data_event(err.response())

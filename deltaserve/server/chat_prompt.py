@@ -3,7 +3,9 @@
 Shared by /v1/chat/completions and /v1/responses. Decisions:
 - OpenAI's `developer` role is the template's `system`.
 - Thinking is on when the rendered prompt ends with an open `<think>` (the Qwen3.5 template opens it
-  unless chat_template_kwargs has enable_thinking=false); the output is then reasoning until `</think>`.
+  unless chat_template_kwargs has enable_thinking=false, which reasoning effort "none" also sets); the
+  output is then reasoning until `</think>`. Without a generation prompt, or continuing the final
+  message, the output is content.
 - tool_choice "none" leaves the tools out of the prompt and tool-call text stays content.
 - tool_choice "required" or a named function is enforced by starting the
   assistant turn with the call (and, where xgrammar is installed, by its grammar: tool_grammar.py): the prompt ends with `<tool_call>\\n<function=` (required) or
@@ -20,7 +22,9 @@ from deltaserve.errors import RequestValidationError
 from deltaserve.server.errors import bad_request, from_validation
 from deltaserve.tokenizer import Tokenizer
 
-_RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt"})
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"messages", "tools", "add_generation_prompt", "continue_final_message"}
+)
 _TOOL_CALL_START = "<tool_call>\n<function="
 
 
@@ -42,6 +46,7 @@ class ChatPrompt:
     forced_prefix: str  # output text the prompt already contains; feed it to the parser first
     tool_choice: ToolChoice = ToolChoice("auto")  # "required"/"named" calls are also grammar-constrained
     cache_points: list[int] = field(default_factory=list)  # message boundaries for the prefix cache
+    parallel_tool_calls: bool = True  # False: one call at most (the grammar's, or the first parsed)
 
 
 def answer_start_token(tokenizer: Tokenizer, prompt: ChatPrompt) -> int | None:
@@ -70,6 +75,15 @@ def check_tool_choice(choice: ToolChoice, tools: list[dict[str, Any]] | None) ->
         )
 
 
+def template_kwargs(
+    server_defaults: dict[str, Any], request: dict[str, Any] | None, reasoning_effort: str | None
+) -> dict[str, Any]:
+    """The kwargs the template gets: the server's --default-chat-template-kwargs, under reasoning effort
+    "none" (thinking off), under the request's own chat_template_kwargs."""
+    effort = {"enable_thinking": False} if reasoning_effort == "none" else {}
+    return {**server_defaults, **effort, **(request or {})}
+
+
 def render_chat_prompt(
     tokenizer: Tokenizer,
     messages: list[dict[str, Any]],
@@ -77,13 +91,29 @@ def render_chat_prompt(
     tools: list[dict[str, Any]] | None,
     tool_choice: ToolChoice,
     template_kwargs: dict[str, Any],
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    parallel_tool_calls: bool = True,
 ) -> ChatPrompt:
-    """Raises APIError (400) for messages the template refuses or a tool_choice that cannot be met."""
+    """Raises APIError (400) for messages the template refuses or a tool_choice that cannot be met.
+    With `continue_final_message` the output continues the last message (no generation prompt)."""
     tools = tools or None
     check_tool_choice(tool_choice, tools)
     reserved = sorted(_RESERVED_TEMPLATE_KWARGS & template_kwargs.keys())
     if reserved:
         raise bad_request(f"chat_template_kwargs must not set {reserved}", "chat_template_kwargs")
+    if continue_final_message and add_generation_prompt:
+        raise bad_request(
+            "continue_final_message continues the last message, add_generation_prompt opens a new one; "
+            "set add_generation_prompt to false",
+            "add_generation_prompt",
+        )
+    if tool_choice.mode in ("required", "named") and not add_generation_prompt:
+        raise bad_request(
+            f"tool_choice {tool_choice.mode!r} starts a new assistant turn with the call; it cannot be "
+            "combined with add_generation_prompt false or continue_final_message",
+            "tool_choice",
+        )
     forced = ""
     kwargs = dict(template_kwargs)
     if tool_choice.mode == "required":
@@ -95,7 +125,11 @@ def render_chat_prompt(
     template_tools = None if tool_choice.mode == "none" else tools
     try:
         text = tokenizer.apply_chat_template(
-            normalise_messages(messages), tools=template_tools, add_generation_prompt=True, **kwargs
+            normalise_messages(messages),
+            tools=template_tools,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            **kwargs,
         )
     except RequestValidationError as err:
         raise from_validation(err) from err
@@ -111,6 +145,7 @@ def render_chat_prompt(
         forced_prefix=forced,
         tool_choice=tool_choice,
         cache_points=chat_cache_points(tokenizer, token_ids),
+        parallel_tool_calls=parallel_tool_calls,
     )
 
 

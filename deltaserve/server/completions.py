@@ -36,7 +36,8 @@ from deltaserve.server.protocol import (
     UsageInfo,
     now,
 )
-from deltaserve.server.sampling import build_params, check_context_window
+from deltaserve.server.refused_fields import refuse_meaningful_fields
+from deltaserve.server.sampling import build_params, check_context_window, structured_field
 from deltaserve.server.sse import DONE, SSEResponse, data_event
 from deltaserve.server.state import ServerState, get_state
 
@@ -50,6 +51,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     state = get_state(request)
     state.check_model(body.model)
     state.check_available()
+    refuse_meaningful_fields("/v1/completions", body.model_extra)
     state.warn_unknown_fields("/v1/completions", body.unknown_fields())
     _refuse_unsupported(body)
     prompts = _prompts(state, body)
@@ -61,10 +63,12 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         vocab_size=state.vocab_size,
         prompt_logprobs=max(echo_scores, body.prompt_logprobs or 0) if echo_scores is not None else None,
         allow_n=True,
+        defaults=state.sampling_defaults,
+        max_logprobs=state.config.max_logprobs,
     )
     for _, ids in prompts:
         check_context_window(len(ids), body.max_tokens, state.max_model_len)
-    state.check_structured_output(params)
+    state.check_structured_output(params, structured_field(body))
     rid = f"cmpl-{uuid.uuid4().hex}"
     per_choice = params.per_choice(body.n)
     reqs = [
@@ -274,7 +278,10 @@ async def _stream(
                         stop_reason=delta.stop_reason,
                         prompt_logprobs=prompt_lps,
                     )
-                    chunk = CompletionChunk(id=rid, created=created, model=state.model_name, choices=[choice])
+                    running = _usage(choices, body.n) if body.continuous_usage else None
+                    chunk = CompletionChunk(
+                        id=rid, created=created, model=state.model_name, choices=[choice], usage=running
+                    )
                     yield data_event(chunk)
         if body.include_usage:
             chunk = CompletionChunk(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -21,6 +22,7 @@ from deltaserve.server.errors import SERVER_ERROR, APIError, engine_unavailable
 from deltaserve.server.state import ServerState
 
 T = TypeVar("T")
+logger = logging.getLogger("deltaserve.server")
 
 
 @dataclass(slots=True)
@@ -36,6 +38,9 @@ async def generate(state: ServerState, req: EngineRequest, arrival: float) -> As
     output = OutputState(req.request_id, req.prompt, req.prompt_token_ids, req.params, state.tokenizer)
     tracker = state.metrics.track(arrival)
     ended_by = "abort"  # what the metrics count if no terminal arrives: the client went away
+    log = state.config.log_requests
+    if log:
+        logger.info("request %s: %d prompt tokens, %s", req.request_id, len(req.prompt_token_ids), req.params)
     state.inflight += 1
     try:
         updates = state.client.generate(req.request_id, req.prompt_token_ids, req.params, req.cache_points)
@@ -44,7 +49,8 @@ async def generate(state: ServerState, req: EngineRequest, arrival: float) -> As
                 delta = output.apply(update)
                 tracker.on_tokens(len(delta.token_ids), delta.num_prompt_tokens, update.queued_time)
                 if delta.finished:
-                    tracker.finish(delta.finish_reason or "error")
+                    ended_by = delta.finish_reason or "error"
+                    tracker.finish(ended_by)
                 yield delta
                 if delta.finished:
                     return  # a stop string may end it before the engine does: closing aborts it there
@@ -54,6 +60,10 @@ async def generate(state: ServerState, req: EngineRequest, arrival: float) -> As
     finally:
         tracker.finish(ended_by)  # a no-op after the terminal
         state.inflight -= 1
+        if log:
+            logger.info(
+                "request %s finished: %s, %d output tokens", req.request_id, ended_by, len(output.token_ids)
+            )
 
 
 def terminal_error(delta: OutputDelta) -> APIError | None:

@@ -14,18 +14,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 import socket
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI
 
-from deltaserve.config import EngineConfig
+from deltaserve.config import EngineConfig, read_sampling_defaults
 from deltaserve.engine.client import AsyncEngineClient
 from deltaserve.engine.core import resolve_model_dir
 from deltaserve.errors import ConfigError
@@ -55,6 +57,26 @@ def warn_random_weights() -> None:
         file=sys.stderr,
         flush=True,
     )
+
+
+def generation_defaults(source: str, model_dir: Path) -> dict[str, float | int]:
+    """--generation-config: auto reads the model's generation_config.json, vllm reads none, anything
+    else names a folder that must hold one."""
+    if source == "vllm":
+        return {}
+    if source == "auto":
+        path = model_dir / "generation_config.json"
+    else:
+        path = Path(source) / "generation_config.json"
+        if not path.is_file():
+            raise ConfigError(
+                f"--generation-config must be auto, vllm or a folder holding generation_config.json, "
+                f"got {source!r} (no {path})"
+            )
+    defaults = read_sampling_defaults(path)
+    if defaults:
+        logger.info("request defaults from %s (for fields a request omits): %s", path, defaults)
+    return defaults
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -149,10 +171,18 @@ async def serve(
 ) -> int:
     if engine_config.model is None:
         warn_random_weights()
+    model_dir = resolve_model_dir(engine_config.model)
+    sampling_defaults = generation_defaults(config.generation_config, model_dir)
     sock = bind_socket(config.host, config.port)
     # The tokenizer loads (about a second for Qwen's vocabulary) while the engine process starts.
     tokenizer_load = asyncio.get_running_loop().run_in_executor(
-        None, Tokenizer.from_dir, resolve_model_dir(engine_config.model)
+        None,
+        functools.partial(
+            Tokenizer.from_dir,
+            model_dir,
+            chat_template=config.chat_template,
+            chat_template_source=config.chat_template_source,
+        ),
     )
     try:
         client = await AsyncEngineClient.start(engine_config)
@@ -167,12 +197,15 @@ async def serve(
         sock.close()
         await client.shutdown("the tokenizer failed to load")
         raise
-    name = config.served_model_name or engine_config.model or DEFAULT_MODEL_NAME
+    names = config.served_model_names or (engine_config.model or DEFAULT_MODEL_NAME,)
+    name = names[0]
     state = ServerState(
         config=config,
         client=client,
         tokenizer=tokenizer,
         model_name=name,
+        model_aliases=names[1:],
+        sampling_defaults=sampling_defaults,
         metrics=ServerMetrics(name, lambda: client.load),
         responses=ResponseStore(config.response_store_size),
         token_texts=TokenTexts(tokenizer),
@@ -184,21 +217,32 @@ async def serve(
         log_level=config.uvicorn_log_level,
         timeout_graceful_shutdown=config.shutdown_timeout_s + 5.0,
         lifespan="off",
+        root_path=config.root_path,
+        ssl_keyfile=config.ssl_keyfile,
+        ssl_certfile=config.ssl_certfile,
     )
     life.server = _Server(uv_config, life.on_signal)
     # uvicorn re-raises the signal that stopped it once it is done; these handlers make that a no-op, so
     # an orderly shutdown exits with our code rather than being killed by the re-raised signal.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _ignore_signal)
-    stats = asyncio.create_task(log_stats_periodically(state, config.log_interval_s))
+    stats = (
+        asyncio.create_task(log_stats_periodically(state, config.log_interval_s))
+        if config.log_stats
+        else None
+    )
     host, port = sock.getsockname()[:2]
-    logger.info("serving %r on http://%s:%d (OpenAPI docs at /docs)", name, host, port)
+    scheme = "https" if config.ssl_certfile else "http"
+    logger.info(
+        "serving %r on %s://%s:%d%s (OpenAPI docs at /docs)", name, scheme, host, port, config.root_path
+    )
     try:
         await life.server.serve(sockets=[sock])
     finally:
-        stats.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await stats
+        if stats is not None:
+            stats.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await stats
         await life.close_engine(SHUTDOWN_REASON)
         sock.close()
     if state.dead_reason is not None:

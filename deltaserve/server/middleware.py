@@ -33,6 +33,12 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
     return None
 
 
+def _route_path(scope: Scope) -> str:
+    """The path the routes see: uvicorn puts --root-path in front of the request's path."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path
+
+
 class APIKeyAuth:
     """401 for /v1/* without `Authorization: Bearer <key>` (compared in constant time)."""
 
@@ -43,7 +49,7 @@ class APIKeyAuth:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
             scope["type"] == "http"
-            and scope["path"].startswith(PROTECTED_PREFIX)
+            and _route_path(scope).startswith(PROTECTED_PREFIX)
             and scope.get("method") != "OPTIONS"
         ):
             given = _header(scope, b"authorization") or b""

@@ -25,6 +25,9 @@ Streaming invariants:
   `arguments` fragments of a call is `json.dumps(args, ensure_ascii=False)`.
 
 Documented choices:
+- A parameter whose schema lists its values (`enum`, `const`) gets the member its text spells,
+  whitespace around it ignored (` c ` is "c", ` 3` is 3); text that spells none stays a string. A
+  string with a length, pattern or format constraint is stripped of the whitespace around it.
 - Types come from the request's `tools` schema: integer/number, boolean, null, object/array are converted;
   string, anyOf/oneOf, a list of several non-null types, a parameter missing from the schema and a function
   missing from `tools` keep the value text verbatim as a JSON string (as vLLM does). For converted types
@@ -37,7 +40,8 @@ Documented choices:
 - A `<tool_call>` block that does not open with `<function=NAME>` is not a call: its raw text is content.
 - At `finish()` (e.g. max_tokens cut the output), a call whose name was not complete comes back as raw
   content; an open call is closed so its arguments stay valid JSON: a cut-off value keeps the text it had
-  received, a parameter whose name was cut off is dropped. A missing final `</tool_call>` is no error.
+  received, a parameter whose name was cut off is dropped, and the call is listed in `cut_off` (it is
+  not a complete call). A missing final `</tool_call>` after `</function>` is no error.
 """
 
 from __future__ import annotations
@@ -61,6 +65,11 @@ _PARAM_CLOSE = "</parameter>"
 
 # Schema types whose values are converted; any other type keeps the value text as a string.
 _CONVERTED_TYPES = frozenset({"integer", "number", "boolean", "null", "object", "array"})
+_ENUM = "enum"  # a value with listed members (enum or const) is matched against them
+# A string with a length, pattern or format constraint is the text between any whitespace around it
+# (a forced call's grammar lets layout whitespace surround it); other strings are kept verbatim.
+_TRIMMED = "trimmed string"
+_STRING_CONSTRAINTS = frozenset({"minLength", "maxLength", "pattern", "format"})
 
 
 @dataclass(slots=True)
@@ -193,7 +202,11 @@ def _param_type(schema: object) -> str | None:
     """The schema type to convert a value to, or None to keep the value text as a string."""
     if not isinstance(schema, dict):
         return None
+    if isinstance(schema.get("enum"), list) or "const" in schema:
+        return _ENUM
     kind = schema.get("type")
+    if kind == "string" and _STRING_CONSTRAINTS & schema.keys():
+        return _TRIMMED
     if isinstance(kind, list):
         non_null = [k for k in kind if k != "null"]
         kind = non_null[0] if len(non_null) == 1 else ("null" if not non_null else None)
@@ -213,8 +226,23 @@ def _parse_structured(text: str) -> object:
     raise ValueError(f"not a JSON or Python literal: {text[:40]!r}")
 
 
-def _convert(value: str, kind: str) -> object:
+def _listed_value(value: str, schema: dict) -> object:
+    """The enum (or const) member the value text spells, whitespace around it ignored; the text itself
+    when it spells none."""
+    members = schema["enum"] if isinstance(schema.get("enum"), list) else [schema.get("const")]
+    text = value.strip()
+    for member in members:
+        if member == text or (not isinstance(member, str) and json.dumps(member) == text):
+            return member
+    return value
+
+
+def _convert(value: str, kind: str, schema: object = None) -> object:
     """The value text converted to schema type `kind`; the text itself when it does not convert."""
+    if kind == _ENUM:
+        return _listed_value(value, schema)  # type: ignore[arg-type]
+    if kind == _TRIMMED:
+        return value.strip()
     text = value.strip()
     if text.lower() == "null":  # any converted type may be null (optional parameters)
         return None
@@ -258,8 +286,10 @@ class ToolCallParser:
         self._raw = ""
         self._block_has_call = False
         self._index = -1  # index of the current (or last) call
+        self.cut_off: set[int] = set()  # calls the output ended inside of (closed by finish())
         self._props: dict | None = None  # schema properties of the current call; None if unknown
         self._num_params = 0  # parameters emitted in the current call
+        self._value_schema: object = None  # the current parameter's schema
         self._value_type: str | None = None  # None: the value streams as a JSON string
         self._value_started = False  # the value's first character (a newline to strip) was seen
         self._value = ""  # consumed text of a converted (non-string) value
@@ -295,6 +325,7 @@ class ToolCallParser:
             if self._state is _State.VALUE:
                 self._close_value(self._value + rest, out)
             self._emit_args(out, "}")
+            self.cut_off.add(self._index)
         self._state = _State.TEXT
         return out
 
@@ -382,7 +413,8 @@ class ToolCallParser:
         if i < 0:
             return False
         key = self._consume(i + 1)[:-1].strip()
-        self._value_type = _param_type(self._props.get(key)) if self._props is not None else None
+        self._value_schema = self._props.get(key) if self._props is not None else None
+        self._value_type = _param_type(self._value_schema)
         self._value_started = False
         self._value = ""
         separator = ", " if self._num_params else ""
@@ -423,7 +455,7 @@ class ToolCallParser:
         if self._value_type is None:
             self._emit_args(out, _json_fragment(text) + '"')
         else:
-            converted = _convert(text, self._value_type)
+            converted = _convert(text, self._value_type, self._value_schema)
             self._emit_args(out, json.dumps(converted, ensure_ascii=False))
 
 
@@ -457,6 +489,11 @@ class OutputParser:
         delta = self._tools.feed(content)
         delta.reasoning = reasoning
         return delta
+
+    @property
+    def cut_off_calls(self) -> set[int]:
+        """Indices of calls the output ended inside of: their arguments are what came before the end."""
+        return self._tools.cut_off if self._tools is not None else set()
 
     def finish(self) -> ParsedDelta:
         reasoning, content = self._reasoning.finish()

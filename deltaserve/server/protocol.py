@@ -52,11 +52,29 @@ class ErrorResponse(BaseModel):
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
 
 
 class ResponseFormat(BaseModel):
     model_config = ConfigDict(extra="allow")
     type: Literal["text", "json_object", "json_schema"]
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: exactly one constraint. Unknown keys are refused (400)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_schema: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: dict[str, Any] | str | None = None
+    # Accepted, no effect needed: output JSON never has free whitespace, and objects never take
+    # undeclared properties unless the schema allows them.
+    disable_any_whitespace: bool = False
+    disable_fallback: bool = False
+    disable_additional_properties: bool = False
 
 
 class SamplingFields(OpenAIRequest):
@@ -83,11 +101,23 @@ class SamplingFields(OpenAIRequest):
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    # vLLM's older names of structured_outputs.json / regex / choice / grammar
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # accepted: xgrammar is the only backend
+    spaces_between_special_tokens: bool = True
     user: str | None = None
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
 class PromptTokensDetails(BaseModel):
@@ -215,6 +245,11 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # "none" turns thinking off; any other level leaves it on (Qwen3.5 thinks or does not)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    echo: bool = False  # vLLM's: the answer starts with the last message when that is the assistant's
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the output continues the last (assistant) message
 
 
 class TopLogprob(BaseModel):
@@ -331,12 +366,17 @@ class TokenizeRequest(OpenAIRequest):
     messages: list[ChatMessage] | None = None
     tools: list[ChatTool] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = True  # accepted: the Qwen3.5 tokenizer adds none either way
+    return_token_strs: bool = False
 
 
 class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None
 
 
 class DetokenizeRequest(OpenAIRequest):

@@ -21,22 +21,31 @@ from fastapi.responses import Response
 
 from deltaserve.sampling_params import StructuredOutputParams
 from deltaserve.server.assistant_output import AssistantOutput
-from deltaserve.server.chat_prompt import ChatPrompt, ToolChoice, answer_start_token, render_chat_prompt
+from deltaserve.server.chat_prompt import (
+    ChatPrompt,
+    ToolChoice,
+    answer_start_token,
+    render_chat_prompt,
+    template_kwargs,
+)
 from deltaserve.server.disconnect import unless_disconnected
-from deltaserve.server.errors import NOT_FOUND, APIError, unsupported
+from deltaserve.server.errors import NOT_FOUND, APIError, bad_request, unsupported
 from deltaserve.server.generation import EngineRequest, generate, terminal_error
+from deltaserve.server.refused_fields import refuse_meaningful_fields
 from deltaserve.server.response_store import StoredResponse
 from deltaserve.server.responses_items import chat_tools, input_messages
 from deltaserve.server.responses_protocol import (
+    REASONING_EFFORTS,
     Event,
     InputTokensDetails,
     OutputTokensDetails,
     ResponseObject,
     ResponsesRequest,
     ResponseUsage,
+    TextConfig,
 )
 from deltaserve.server.responses_stream import ResponseBuilder
-from deltaserve.server.sampling import build_params, check_context_window, json_constraint
+from deltaserve.server.sampling import build_params, check_context_window, json_constraint, structured_field
 from deltaserve.server.sse import SSEResponse, typed_event
 from deltaserve.server.state import ServerState, get_state
 from deltaserve.server.tool_grammar import forced_call_output
@@ -64,6 +73,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response 
     state = get_state(request)
     state.check_model(body.model)
     state.check_available()
+    refuse_meaningful_fields("/v1/responses", body.model_extra)
     state.warn_unknown_fields("/v1/responses", body.unknown_fields())
     run = _prepare(state, body, arrival)
     if body.stream:
@@ -94,22 +104,42 @@ def _prepare(state: ServerState, body: ResponsesRequest, arrival: float) -> _Run
         instructions + conversation,
         tools=tools,
         tool_choice=_tool_choice(body, tools),
-        template_kwargs={**state.config.default_chat_template_kwargs, **(body.chat_template_kwargs or {})},
+        template_kwargs=template_kwargs(
+            state.config.default_chat_template_kwargs, body.chat_template_kwargs, _effort(body)
+        ),
+        parallel_tool_calls=body.parallel_tool_calls is not False,
     )
     if body.prompt_logprobs is not None:
         raise unsupported(
             "prompt_logprobs",
             "prompt_logprobs is not supported by the Responses API; use /v1/completions or /v1/chat/completions",
         )
+    text_format = _text_format(state, body, prompt)
+    constrained = "text.format" if text_format is not None else structured_field(body)
+    forced_call = forced_call_output(prompt)
+    if forced_call is not None and constrained is not None:
+        raise bad_request(
+            f"{constrained} cannot be combined with a forced tool call "
+            f"(tool_choice {prompt.tool_choice.mode!r}): the call is the output",
+            constrained,
+        )
+    if text_format is not None and structured_field(body) is not None:
+        raise bad_request(
+            f"text.format and {structured_field(body)} each constrain the output; send only one of them",
+            structured_field(body),
+        )
     params = build_params(
         body,
         max_tokens=body.max_output_tokens,
         logprobs=None,
         vocab_size=state.vocab_size,
-        rename={"max_tokens": "max_output_tokens", "structured_output": "text.format"},
-        structured=_text_format(state, body, prompt) or forced_call_output(prompt),
+        rename={"max_tokens": "max_output_tokens", "structured_output": constrained or "text.format"},
+        structured_start=answer_start_token(state.tokenizer, prompt),
+        structured=text_format or forced_call,
+        defaults=state.sampling_defaults,
+        max_logprobs=state.config.max_logprobs,
     )
-    state.check_structured_output(params, "text.format")
+    state.check_structured_output(params, "tools" if forced_call is not None else constrained)
     check_context_window(
         len(prompt.token_ids),
         body.max_output_tokens,
@@ -124,11 +154,14 @@ def _prepare(state: ServerState, body: ResponsesRequest, arrival: float) -> _Run
         previous_response_id=body.previous_response_id,
         tools=body.tools or [],
         tool_choice=body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none"),
+        parallel_tool_calls=body.parallel_tool_calls is not False,
         temperature=body.temperature,
         top_p=body.top_p,
         max_output_tokens=body.max_output_tokens,
         metadata=body.metadata or {},
         store=body.store,
+        text=body.text if body.text is not None else TextConfig(),
+        reasoning=body.reasoning,
     )
     req = EngineRequest(rid, prompt.text, prompt.token_ids, params, prompt.cache_points)
     return _Run(state, body.store, prompt, req, ResponseBuilder(response), conversation, arrival)
@@ -142,6 +175,16 @@ async def retrieve_response(response_id: str, request: Request) -> ResponseObjec
             404, f"no stored response with id {response_id!r}", type=NOT_FOUND, param="response_id"
         )
     return entry.response
+
+
+def _effort(body: ResponsesRequest) -> str | None:
+    """reasoning.effort: "none" turns thinking off; the other levels leave it on."""
+    effort = (body.reasoning or {}).get("effort")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise bad_request(
+            f"reasoning.effort must be one of {list(REASONING_EFFORTS)}, got {effort!r}", "reasoning"
+        )
+    return effort
 
 
 def _history(state: ServerState, previous_id: str | None) -> list[dict[str, Any]]:

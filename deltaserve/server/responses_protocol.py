@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from deltaserve.server.protocol import DropNone, SamplingFields, now
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
 class TextFormat(BaseModel):
@@ -145,6 +146,7 @@ class ResponseObject(BaseModel):
     error: ResponseError | None = None
     metadata: dict[str, str] = Field(default_factory=dict)
     text: TextConfig = Field(default_factory=TextConfig)
+    reasoning: dict[str, Any] | None = None
     truncation: Literal["auto", "disabled"] = "disabled"
     store: bool = True
 

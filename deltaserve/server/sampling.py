@@ -8,9 +8,10 @@ and never occupies the engine.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 
 from deltaserve.errors import RequestValidationError
-from deltaserve.sampling_params import SamplingParams, StructuredOutputParams, check_choices
+from deltaserve.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputParams, check_choices
 from deltaserve.server.errors import APIError, bad_request, from_validation, unsupported
 from deltaserve.server.protocol import SamplingFields
 
@@ -35,20 +36,28 @@ def build_params(
     allow_n: bool = False,
     structured_start: int | None = None,
     structured: StructuredOutputParams | None = None,
+    defaults: Mapping[str, float | int] | None = None,
+    max_logprobs: int = MAX_LOGPROBS,
 ) -> SamplingParams:
     """SamplingParams for `req`, for ONE engine request (n = 1: with `allow_n` the endpoint fans `req.n`
     choices out itself, see SamplingParams.per_choice); `rename` maps SamplingParams field names to this
     endpoint's wire names (for the `param` of errors). `prompt_logprobs` overrides the request's
-    (completions' echo). A JSON response_format is enforced from the start of the output, or after the
-    `structured_start` token (the end of a reasoning block); `structured` replaces it (the Responses
-    API's text.format)."""
+    (completions' echo). The request's structured output (response_format, structured_outputs or a
+    guided_* field) is enforced from the start of the output, or after the `structured_start` token (the
+    end of a reasoning block); `structured` replaces it (the Responses API's text.format, a forced tool
+    call). `defaults` (generation_config.json's) fill the sampling fields the request omits; logprobs
+    beyond `max_logprobs` (--max-logprobs) are refused."""
     if not allow_n and req.n != 1:
         raise unsupported("n", f"n > 1 is not supported by this endpoint, got {req.n}; send n requests")
+    source = "response_format"
     if structured is None:
+        source = structured_field(req) or source
         structured = structured_output(req, structured_start)
     kwargs: dict[str, object] = {f: getattr(req, f) for f in _OPTIONAL_FLOATS if getattr(req, f) is not None}
     if req.top_k is not None:
         kwargs["top_k"] = req.top_k
+    for name, value in (defaults or {}).items():
+        kwargs.setdefault(name, value)
     params = SamplingParams(
         seed=req.seed,
         max_tokens=max_tokens,
@@ -59,29 +68,100 @@ def build_params(
         logprobs=logprobs,
         logit_bias=_logit_bias(req.logit_bias),
         skip_special_tokens=req.skip_special_tokens,
+        spaces_between_special_tokens=req.spaces_between_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
         prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else req.prompt_logprobs,
         structured_output=structured,
         **kwargs,  # type: ignore[arg-type]
     )
+    names = {"structured_output": source, **(rename or {})}
     try:
         if allow_n:
             check_choices(req.n)
         params.validate()
         params.validate_token_ids(vocab_size)
     except RequestValidationError as err:
-        raise from_validation(err, {"structured_output": "response_format", **(rename or {})}) from err
+        raise from_validation(err, names) from err
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > max_logprobs:
+            wire = names.get(name, name)
+            raise bad_request(
+                f"{wire} must be <= {max_logprobs} (the server's --max-logprobs), got {value}", wire
+            )
     return params
 
 
-def structured_output(req: SamplingFields, start_after: int | None) -> StructuredOutputParams | None:
-    """response_format -> the engine's JSON constraint: json_object, or json_schema's `schema`."""
+_GUIDED = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+
+
+def structured_field(req: SamplingFields) -> str | None:
+    """The one request field that asks for structured output (None: none does); 400 when several do."""
     fmt = req.response_format
-    if fmt is None:
+    given = ["response_format"] if fmt is not None and fmt.type != "text" else []
+    if req.structured_outputs is not None:
+        given.append("structured_outputs")
+    given += [name for name in _GUIDED if getattr(req, name) is not None]
+    if len(given) > 1:
+        raise bad_request(f"{' and '.join(given)} each constrain the output; send only one of them", given[1])
+    return given[0] if given else None
+
+
+def structured_output(req: SamplingFields, start_after: int | None) -> StructuredOutputParams | None:
+    """The request's structured output -> the engine's constraint: response_format (json_object, or
+    json_schema's `schema`), vLLM's structured_outputs, or its older guided_json / guided_regex /
+    guided_choice / guided_grammar."""
+    field = structured_field(req)
+    if field is None:
         return None
-    spec = (fmt.model_extra or {}).get("json_schema")
-    schema = spec.get("schema") if isinstance(spec, dict) else None
-    return json_constraint(fmt.type, schema, start_after, param="response_format", where="json_schema.schema")
+    if field == "response_format":
+        fmt = req.response_format
+        assert fmt is not None
+        spec = (fmt.model_extra or {}).get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        return json_constraint(fmt.type, schema, start_after, param=field, where="json_schema.schema")
+    if field == "structured_outputs":
+        outputs = req.structured_outputs
+        assert outputs is not None
+        given = {
+            key: value
+            for key in ("json_schema", "regex", "choice", "grammar", "json_object", "structural_tag")
+            if (value := getattr(outputs, key)) is not None and value is not False
+        }
+        if len(given) != 1:
+            wire = sorted("json" if k == "json_schema" else k for k in given)
+            raise bad_request(
+                "structured_outputs must set exactly one of json, regex, choice, grammar, json_object or "
+                f"structural_tag, got {wire}",
+                field,
+            )
+        ((kind, value),) = given.items()
+        return _constraint(kind, value, start_after, field)
+    return _constraint(_GUIDED[field], getattr(req, field), start_after, field)
+
+
+def _constraint(kind: str, value: object, start_after: int | None, param: str) -> StructuredOutputParams:
+    """One vLLM structured-output key (json, regex, choice, grammar, json_object, structural_tag)."""
+    if kind in ("json", "json_schema", "structural_tag"):
+        text = value if isinstance(value, str) else json.dumps(value)
+        try:
+            parsed = json.loads(text)
+        except ValueError as err:
+            raise bad_request(f"{param} must be a JSON object or its JSON text ({err})", param) from None
+        if not isinstance(parsed, dict):
+            raise bad_request(f"{param} must be a JSON object, got {type(parsed).__name__}", param)
+        key = "structural_tag" if kind == "structural_tag" else "json_schema"
+        return StructuredOutputParams(**{key: text}, start_after_token_id=start_after)
+    if kind == "json_object":
+        return StructuredOutputParams(json_object=True, start_after_token_id=start_after)
+    if kind == "grammar":
+        return StructuredOutputParams(ebnf=value, start_after_token_id=start_after)  # type: ignore[arg-type]
+    return StructuredOutputParams(**{kind: value}, start_after_token_id=start_after)  # type: ignore[arg-type]
 
 
 def json_constraint(

@@ -1,4 +1,5 @@
-"""Service endpoints: /health, /v1/models, /metrics, /load, /version, /reset_prefix_cache."""
+"""Service endpoints: /health (and SageMaker's /ping), /v1/models, /metrics, /load, /version,
+/reset_prefix_cache."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ router = APIRouter()
 
 
 @router.get("/health")
+@router.get("/ping")  # SageMaker's name (vLLM serves both)
+@router.post("/ping")
 async def health(request: Request) -> Response:
     """200 while the engine runs and the server takes work; 503 once the engine died or a shutdown began."""
     state = get_state(request)
@@ -27,20 +30,22 @@ async def health(request: Request) -> Response:
     return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
 
 
-def _card(request: Request) -> ModelCard:
+def _cards(request: Request) -> list[ModelCard]:
+    """One card per served name (--served-model-name A B: both), the reported one first."""
     state = get_state(request)
-    return ModelCard(id=state.model_name, root=state.client.info.model_dir, max_model_len=state.max_model_len)
+    root = state.client.info.model_dir
+    return [ModelCard(id=name, root=root, max_model_len=state.max_model_len) for name in state.model_names]
 
 
 @router.get("/v1/models", response_model=ModelList)
 async def list_models(request: Request) -> ModelList:
-    return ModelList(data=[_card(request)])
+    return ModelList(data=_cards(request))
 
 
 @router.get("/v1/models/{model_id:path}", response_model=ModelCard)
 async def retrieve_model(model_id: str, request: Request) -> ModelCard:
-    card = _card(request)
-    if model_id != card.id:
+    card = next((c for c in _cards(request) if c.id == model_id), None)
+    if card is None:
         raise APIError(
             404,
             f"the model {model_id!r} does not exist",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 
@@ -25,7 +25,7 @@ class ServerState:
     config: ServerConfig
     client: AsyncEngineClient
     tokenizer: Tokenizer
-    model_name: str
+    model_name: str  # the id responses report
     metrics: ServerMetrics
     responses: ResponseStore
     token_texts: TokenTexts
@@ -34,6 +34,13 @@ class ServerState:
     dead_reason: str | None = None
     inflight: int = 0  # requests between validation and their terminal
     grammars: GrammarBackend | None = None  # built on the first structured-output request
+    model_aliases: tuple[str, ...] = ()  # further ids clients may send (--served-model-name A B ...)
+    # generation_config.json sampling defaults, for the fields a request omits (--generation-config)
+    sampling_defaults: dict[str, float | int] = field(default_factory=dict)
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return (self.model_name, *self.model_aliases)
 
     @property
     def max_model_len(self) -> int:
@@ -47,7 +54,7 @@ class ServerState:
     def healthy(self) -> bool:
         return self.dead_reason is None and not self.client.dead and not self.draining
 
-    def check_structured_output(self, params: SamplingParams, param: str = "response_format") -> None:
+    def check_structured_output(self, params: SamplingParams, param: str | None = "response_format") -> None:
         """A JSON schema the engine could not compile is a 400 (naming `param`) here, before the engine
         sees it."""
         spec = params.structured_output
@@ -63,10 +70,11 @@ class ServerState:
 
     def check_model(self, name: str | None) -> None:
         """404 for a model id this server does not serve; a missing id means the served model."""
-        if name is not None and name != self.model_name:
+        if name is not None and name not in self.model_names:
+            served = self.model_name if not self.model_aliases else list(self.model_names)
             raise APIError(
                 404,
-                f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                f"the model {name!r} does not exist; this server serves {served!r}",
                 type=NOT_FOUND,
                 param="model",
                 code="model_not_found",

@@ -29,15 +29,23 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         kwargs = {**state.config.default_chat_template_kwargs, **(body.chat_template_kwargs or {})}
         messages = [m.model_dump(exclude_none=True) for m in body.messages or ()]
+        add_generation_prompt = (
+            body.add_generation_prompt
+            if "add_generation_prompt" in body.model_fields_set
+            else not body.continue_final_message
+        )
         prompt = render_chat_prompt(
             state.tokenizer,
             messages,
             tools=tools,
             tool_choice=ToolChoice("auto" if tools else "none"),
             template_kwargs=kwargs,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=body.continue_final_message,
         )
         ids = prompt.token_ids
-    return TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids)
+    strs = [state.tokenizer.id_to_token(i) or "" for i in ids] if body.return_token_strs else None
+    return TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids, token_strs=strs)
 
 
 @router.post("/detokenize", response_model=DetokenizeResponse)

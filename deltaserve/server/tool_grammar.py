@@ -1,4 +1,5 @@
-"""The grammar of a forced tool call (tool_choice "required" or a named function), in xgrammar's EBNF.
+"""The grammar of a forced tool call (tool_choice "required" or a named function): an xgrammar
+structural tag whose call arguments follow each function's JSON schema.
 
 The prompt already ends with the start of the call (`<tool_call>\\n<function=`, or with the function's
 name for a named choice, chat_prompt.py); the grammar is the rest, in the Qwen3-Coder XML format the
@@ -11,12 +12,13 @@ template teaches (parsers.py):
     </function>
     </tool_call>
 
-Function names come from `tools`, parameter names from each function's `parameters.properties`
-(a function without properties takes none). A value is any text without `</parameter>` (where the
-parser ends it); it may not end inside an unfinished `<...` that could still become that tag, which
-costs nothing in practice: values end with the newline before `</parameter>`. "required" allows further
-calls after the first; a named choice is exactly one call. After the last call only a stop token can
-follow.
+The parameters of a call are xgrammar's `qwen_xml` rendering of the function's `parameters` schema:
+the required ones present, in the declared order, no undeclared ones (xgrammar's strict mode); a
+string value is any text without `</parameter>`, any other value is JSON of its schema (types, enums,
+bounds, nested objects and arrays). At most one whitespace character in a row outside string values,
+so a random or confused model cannot fill its budget with blank lines. A function without
+`parameters` takes none. "required" allows further calls after the first unless parallel_tool_calls
+is false; a named choice is exactly one call. After the last call only a stop token can follow.
 """
 
 from __future__ import annotations
@@ -30,59 +32,56 @@ from deltaserve.sampling_params import StructuredOutputParams
 if TYPE_CHECKING:
     from deltaserve.server.chat_prompt import ChatPrompt
 
-_CLOSE = "/parameter>"  # what may not follow a `<` inside a value
+CALL_START = "<tool_call>\n<function="
+CALL_END = "</function>\n</tool_call>"
+_NO_PARAMETERS = {"type": "object", "properties": {}}
+MAX_WHITESPACE = 1
 
 
-def _literal(text: str) -> str:
-    return json.dumps(text, ensure_ascii=False)
+def _const(text: str) -> dict[str, Any]:
+    return {"type": "const_string", "value": text}
 
 
-def _class_char(ch: str) -> str:
-    return {"\\": "\\\\", "]": "\\]", "^": "\\^", "-": "\\-", "\n": "\\n"}.get(ch, ch)
+def _sequence(*elements: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "sequence", "elements": list(elements)}
 
 
-def _value_rules() -> list[str]:
-    """value: text without `</parameter>`. After each `<` the rules l0..l10 follow the characters of
-    `/parameter>` one by one; a chunk ends only on a character that breaks the match (a new `<` restarts
-    it), so the closing tag can never be completed inside a value."""
-    rules = ['value ::= ([^<] | "<" l0)*']
-    for k, ch in enumerate(_CLOSE):
-        options = ['"<" l0']
-        if k + 1 < len(_CLOSE):
-            options.insert(0, f"{_literal(ch)} l{k + 1}")
-        options.append(f"[^{_class_char(ch)}<]")
-        rules.append(f"l{k} ::= " + " | ".join(options))
-    return rules
+def _arguments(function: dict[str, Any]) -> dict[str, Any]:
+    """The call's parameters, as the function's schema says, then the end of the call."""
+    schema = function.get("parameters") or _NO_PARAMETERS
+    parameters = {
+        "type": "json_schema",
+        "json_schema": schema,
+        "style": "qwen_xml",
+        "max_whitespace_cnt": MAX_WHITESPACE,
+    }
+    return _sequence(parameters, _const(CALL_END))
 
 
-def _function_rules(index: int, function: dict[str, Any]) -> list[str]:
-    props = (function.get("parameters") or {}).get("properties") or {}
-    params = f"p{index}*" if props else ""
-    body = f"{params} " if params else ""
-    rules = [f'f{index} ::= {body}"</function>\\n</tool_call>"']
-    if props:
-        names = " | ".join(_literal(name) for name in props)
-        rules.append(f'p{index} ::= "<parameter=" ({names}) ">\\n" value "</parameter>\\n"')
-    return rules
+def _functions(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [t["function"] for t in tools if t.get("type", "function") == "function"]
 
 
-def tool_call_grammar(tools: list[dict[str, Any]], named: str | None) -> str:
-    """EBNF for the rest of a forced call to one of `tools` (chat-shaped), or to the function `named`."""
-    functions = [t["function"] for t in tools if t.get("type", "function") == "function"]
-    rules: list[str] = []
+def tool_call_format(tools: list[dict[str, Any]], named: str | None, parallel: bool = True) -> dict[str, Any]:
+    """The structural-tag format of the rest of a forced call to one of `tools` (chat-shaped), or to
+    the function `named`; with `parallel` a "required" choice may make further calls."""
+    functions = _functions(tools)
     if named is not None:
-        index = next(i for i, f in enumerate(functions) if f["name"] == named)
-        rules.append(f"root ::= f{index}")
-        rules += _function_rules(index, functions[index])
-    else:
-        rules.append('root ::= call ("\\n<tool_call>\\n<function=" call)*')
-        rules.append(
-            "call ::= "
-            + " | ".join(f'{_literal(f["name"] + ">")} "\\n" f{i}' for i, f in enumerate(functions))
-        )
-        for i, function in enumerate(functions):
-            rules += _function_rules(i, function)
-    return "\n".join(rules + _value_rules())
+        return _arguments(next(f for f in functions if f["name"] == named))
+    call = {
+        "type": "or",
+        "elements": [_sequence(_const(f"{f['name']}>\n"), _arguments(f)) for f in functions],
+    }
+    if not parallel:
+        return call
+    more = {"type": "star", "content": _sequence(_const("\n" + CALL_START), call)}
+    return _sequence(call, more)
+
+
+def tool_call_grammar(tools: list[dict[str, Any]], named: str | None, parallel: bool = True) -> str:
+    """The structural tag (JSON text) of `tool_call_format`."""
+    tag = {"type": "structural_tag", "format": tool_call_format(tools, named, parallel)}
+    return json.dumps(tag, ensure_ascii=False)
 
 
 def forced_call_output(prompt: ChatPrompt) -> StructuredOutputParams | None:
@@ -91,6 +90,6 @@ def forced_call_output(prompt: ChatPrompt) -> StructuredOutputParams | None:
     choice = prompt.tool_choice
     if choice.mode not in ("required", "named") or not prompt.tools or not grammars_available():
         return None
-    return StructuredOutputParams(
-        ebnf=tool_call_grammar(prompt.tools, choice.name if choice.mode == "named" else None)
-    )
+    named = choice.name if choice.mode == "named" else None
+    tag = tool_call_grammar(prompt.tools, named, prompt.parallel_tool_calls)
+    return StructuredOutputParams(structural_tag=tag)

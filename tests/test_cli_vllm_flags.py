@@ -1,0 +1,90 @@
+"""A `vllm serve` command line: the flags deltaserve refuses fail with one line naming the flag and what
+is supported, before anything loads; argument errors show `deltaserve serve`'s usage."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from server_fixture import SMALL_ENGINE
+
+from deltaserve import __version__
+from deltaserve.cli import main
+from deltaserve.config import EngineConfig
+
+# (flags, what the one error line says)
+REFUSED = [
+    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype must be 'auto'"),
+    (["--quantization", "fp8"], "--quantization is not supported"),
+    (["--speculative-config", '{"method": "mtp"}'], "--speculative-config is not supported"),
+    (["--tool-call-parser", "hermes"], "--tool-call-parser must be one of ['qwen3_coder', 'qwen3_xml']"),
+    (["--reasoning-parser", "gpt_oss"], "--reasoning-parser must be one of ['qwen3', 'deepseek_r1']"),
+    (["--no-enable-chunked-prefill"], "prefill is always chunked"),
+    (["--limit-mm-per-prompt", '{"image": 4, "video": 0}'], "--limit-mm-per-prompt must allow no media"),
+    (["--max-logprobs", "50"], "--max-logprobs must be in [0, 20]"),
+    (["--dtype", "int8"], "--dtype must be one of ['auto', 'bfloat16', 'float16', 'float32'"),
+    (["--generation-config", "/nonexistent"], "--generation-config must be auto, vllm or a folder"),
+    (["--chat-template", "/nonexistent.jinja"], "--chat-template must be a jinja template file"),
+    (["--ssl-keyfile", "/nonexistent.pem"], "--ssl-keyfile and --ssl-certfile must be given together"),
+    (["--root-path", "api/"], "--root-path must start with '/'"),
+    (["--allowed-origins", "*"], "--allowed-origins must be a JSON list of strings"),
+    (["/some/dir", "--model", "/other/dir"], "the model is given twice"),
+]
+
+
+@pytest.mark.parametrize(("flags", "message"), REFUSED)
+def test_refused_flag_fails_with_one_line_naming_it(capsys, flags: list[str], message: str) -> None:
+    assert main(["serve", *SMALL_ENGINE, *flags]) == 2
+    err = capsys.readouterr().err
+    (line,) = [line for line in err.splitlines() if line.startswith("error:")]
+    assert message in line and "Traceback" not in err
+
+
+def test_an_unknown_flag_shows_the_serve_usage(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--no-such-flag"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: deltaserve serve [MODEL_DIR]")
+    assert "deltaserve serve: error: unrecognized arguments: --no-such-flag" in err
+
+
+def test_version(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.strip() == f"deltaserve {__version__}"
+
+
+@pytest.mark.parametrize(
+    ("spelling", "dtype"), [("half", "float16"), ("float", "float32"), ("bfloat16", "bfloat16")]
+)
+def test_vllm_dtype_spellings(spelling: str, dtype: str) -> None:
+    config = EngineConfig(dtype=spelling)
+    config.validate()
+    assert config.dtype == dtype
+
+
+def test_an_engine_start_up_error_is_one_line_without_a_traceback() -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deltaserve.cli",
+            "serve",
+            "--device",
+            "cpu",
+            "--max-model-len",
+            "999999",
+            "--port",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert result.stderr.splitlines()[-1] == (
+        "error: --max-model-len 999999 exceeds the model's max_position_embeddings (32768)"
+    )

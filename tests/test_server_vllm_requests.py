@@ -1,0 +1,337 @@
+"""Request fields vLLM clients send, through the official openai client against the real server: each one
+constrains or changes the output, or gets a 400 naming it. On the random tiny model, whose text is noise,
+so every constraint seen in the output is the grammar's doing."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from server_fixture import MODEL, ServerProcess, running_server
+
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+BOOKING = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 8},
+        "nights": {"type": "integer", "minimum": 1, "maximum": 9},
+        "room": {"type": "string", "enum": ["single", "double"]},
+        "breakfast": {"type": "boolean"},
+    },
+    "required": ["city", "room", "breakfast"],
+}
+BOOK_TOOLS: list[Any] = [{"type": "function", "function": {"name": "book", "parameters": BOOKING}}]
+PING_TOOLS: list[Any] = [
+    {"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": {}}}}
+    for name in ("ping", "pong")
+]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    with running_server() as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0)
+
+
+def _chat(client: openai.OpenAI, **kwargs: Any) -> Any:
+    base: dict[str, Any] = dict(model=MODEL, messages=USER, temperature=1.0, max_tokens=40)
+    return client.chat.completions.create(**{**base, **kwargs})
+
+
+def _contents(out: Any) -> list[str]:
+    return [c.message.content or "" for c in out.choices]
+
+
+# ---- tool calls ---------------------------------------------------------------------------------
+
+
+def test_forced_tool_calls_satisfy_their_schema_over_many_seeds(client: openai.OpenAI) -> None:
+    out = _chat(
+        client,
+        tools=BOOK_TOOLS,
+        tool_choice={"type": "function", "function": {"name": "book"}},
+        max_tokens=90,
+        seed=100,
+        n=10,
+    )
+    complete = [c for c in out.choices if c.finish_reason == "tool_calls"]
+    assert len(complete) >= 6  # the rest ran out of tokens, and then are not calls (below)
+    for choice in complete:
+        (call,) = choice.message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), BOOKING)
+    for choice in out.choices:
+        if choice.finish_reason == "length":
+            assert not choice.message.tool_calls
+
+
+def test_a_call_cut_off_by_max_tokens_is_not_reported_as_a_call(client: openai.OpenAI) -> None:
+    out = _chat(client, tools=BOOK_TOOLS, tool_choice="required", max_tokens=6, seed=1)
+    assert out.choices[0].finish_reason == "length" and not out.choices[0].message.tool_calls
+
+
+def test_parallel_tool_calls_false_makes_one_call(client: openai.OpenAI) -> None:
+    out = _chat(
+        client,
+        tools=PING_TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=60,
+        seed=5,
+        n=4,
+    )
+    for choice in out.choices:
+        assert len(choice.message.tool_calls or []) <= 1
+    assert any(c.finish_reason == "tool_calls" for c in out.choices)
+
+
+# ---- structured output --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"response_format": {"type": "json_object"}}, {"structured_outputs": {"json_object": True}}],
+)
+def test_json_object_is_an_object(client: openai.OpenAI, fields: dict) -> None:
+    out = _chat(client, extra_body={**NO_THINKING, **fields}, seed=7, n=6)
+    done = [c for c in out.choices if c.finish_reason == "stop"]
+    assert done
+    for choice in done:
+        assert isinstance(json.loads(choice.message.content or ""), dict)
+
+
+CONSTRAINTS: list[tuple[dict[str, Any], Any]] = [
+    ({"structured_outputs": {"choice": ["red", "green"]}}, lambda t: t in ("red", "green")),
+    ({"guided_choice": ["red", "green"]}, lambda t: t in ("red", "green")),
+    ({"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}}, lambda t: re.fullmatch("[0-9]{3}-[a-z]{2}", t)),
+    ({"guided_regex": "[0-9]{3}-[a-z]{2}"}, lambda t: re.fullmatch("[0-9]{3}-[a-z]{2}", t)),
+    ({"structured_outputs": {"grammar": 'root ::= "yes" | "no"'}}, lambda t: t in ("yes", "no")),
+    ({"guided_grammar": 'root ::= "yes" | "no"'}, lambda t: t in ("yes", "no")),
+    ({"structured_outputs": {"json": {"enum": [1, 2]}}}, lambda t: json.loads(t) in (1, 2)),
+    ({"guided_json": {"type": "boolean"}}, lambda t: isinstance(json.loads(t), bool)),
+]
+
+
+@pytest.mark.parametrize(("fields", "holds"), CONSTRAINTS)
+def test_structured_output_fields_constrain_chat(client: openai.OpenAI, fields: dict, holds: Any) -> None:
+    out = _chat(client, seed=3, n=3, extra_body={**NO_THINKING, **fields})
+    done = [c for c in out.choices if c.finish_reason == "stop"]  # a long JSON object may run out
+    assert done and all(holds(c.message.content or "") for c in done)
+
+
+def test_structured_output_fields_constrain_completions(client: openai.OpenAI) -> None:
+    out = client.completions.create(
+        model=MODEL,
+        prompt="Colour:",
+        max_tokens=10,
+        n=3,
+        seed=2,
+        extra_body={"guided_choice": ["red", "green"]},
+    )
+    assert all(c.text in ("red", "green") for c in out.choices)
+
+
+def test_with_thinking_on_the_constraint_starts_after_the_reasoning(client: openai.OpenAI) -> None:
+    out = _chat(client, seed=4, max_tokens=80, extra_body={"guided_choice": ["red", "green"]})
+    message = out.choices[0].message
+    if out.choices[0].finish_reason == "stop":
+        assert message.reasoning_content and message.content in ("red", "green")  # type: ignore[attr-defined]
+
+
+BAD_STRUCTURED: list[tuple[dict[str, Any], str]] = [
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+    (
+        {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+        "structured_outputs",
+    ),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
+    ({"guided_json": "[1, 2]"}, "guided_json"),
+    ({"guided_choice": []}, "guided_choice"),
+]
+
+
+@pytest.mark.parametrize(("fields", "param"), BAD_STRUCTURED)
+def test_bad_structured_output_is_a_400_naming_the_field(
+    server: ServerProcess, fields: dict, param: str
+) -> None:
+    response = httpx.post(
+        f"{server.base_url}/chat/completions", json={"messages": USER, **fields}, timeout=60
+    )
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+# ---- chat fields --------------------------------------------------------------------------------
+
+
+def test_continue_final_message_with_echo_continues_the_assistant_turn(
+    server: ServerProcess, client: openai.OpenAI
+) -> None:
+    start = "The weather in Paris is"
+    messages = [*USER, {"role": "assistant", "content": start}]
+    fields = {"continue_final_message": True, "add_generation_prompt": False}
+    ids = httpx.post(f"{server.url}/tokenize", json={"messages": messages, **fields}).json()["tokens"]
+    prompt = httpx.post(f"{server.url}/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert prompt.endswith(f"{USER[0]['content']}\nassistant\n<think>\n\n</think>\n\n{start}")
+    out = _chat(client, messages=messages, max_tokens=4, extra_body={**fields, "echo": True})
+    assert (out.choices[0].message.content or "").startswith(start)
+    assert getattr(out.choices[0].message, "reasoning_content", None) is None
+    streamed = _chat(
+        client, messages=messages, max_tokens=4, stream=True, extra_body={**fields, "echo": True}
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert text.startswith(start)
+
+
+def test_add_generation_prompt_false_ends_the_prompt_after_the_last_turn(server: ServerProcess) -> None:
+    body = {"messages": USER, "add_generation_prompt": False, "return_token_strs": True}
+    tokens = httpx.post(f"{server.url}/tokenize", json=body).json()
+    assert tokens["token_strs"][-2:] == ["<|im_end|>", "Ċ"] and len(tokens["token_strs"]) == tokens["count"]
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client: openai.OpenAI) -> None:
+    chunks = list(
+        _chat(
+            client,
+            max_tokens=5,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == 5
+    completions = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="Hi",
+            max_tokens=3,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
+        )
+    )
+    assert all(c.usage is not None for c in completions)
+
+
+def test_reasoning_effort_none_turns_thinking_off(client: openai.OpenAI) -> None:
+    out = _chat(client, max_tokens=5, reasoning_effort="none")
+    assert (
+        out.choices[0].message.content and getattr(out.choices[0].message, "reasoning_content", None) is None
+    )
+    on = _chat(client, max_tokens=5, reasoning_effort="high")
+    assert on.choices[0].message.reasoning_content  # type: ignore[attr-defined]
+
+
+REFUSED: list[tuple[str, dict[str, Any], str]] = [
+    ("/v1/chat/completions", {"messages": USER, "use_beam_search": True}, "use_beam_search"),
+    ("/v1/chat/completions", {"messages": USER, "bad_words": ["x"]}, "bad_words"),
+    ("/v1/chat/completions", {"messages": USER, "functions": [{"name": "f"}]}, "functions"),
+    ("/v1/chat/completions", {"messages": USER, "modalities": ["text", "audio"]}, "modalities"),
+    (
+        "/v1/chat/completions",
+        {"messages": USER, "guided_whitespace_pattern": " "},
+        "guided_whitespace_pattern",
+    ),
+    ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 5}, "truncate_prompt_tokens"),
+    ("/v1/completions", {"prompt": "x", "allowed_token_ids": [1, 2]}, "allowed_token_ids"),
+    ("/v1/responses", {"input": "x", "background": True}, "background"),
+    ("/v1/responses", {"input": "x", "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/responses", {"input": "x", "reasoning": {"effort": "extreme"}}, "reasoning"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), REFUSED)
+def test_a_field_that_would_change_the_request_is_refused_by_name(
+    server: ServerProcess, path: str, body: dict, param: str
+) -> None:
+    response = httpx.post(f"{server.url}{path}", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_fields_that_change_nothing_are_still_accepted(client: openai.OpenAI) -> None:
+    out = _chat(
+        client,
+        max_tokens=2,
+        modalities=["text"],
+        extra_body={"priority": 0, "guided_decoding_backend": "xgrammar", "use_beam_search": False},
+    )
+    assert out.choices
+
+
+# ---- Responses ----------------------------------------------------------------------------------
+
+
+def test_responses_echo_text_format_and_tool_choice_and_take_effort_none(client: openai.OpenAI) -> None:
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    fmt = {"type": "json_schema", "name": "answer", "schema": schema}
+    tools: list[Any] = [
+        {"type": "function", "name": "ping", "parameters": {"type": "object", "properties": {}}}
+    ]
+    out = client.responses.create(
+        model=MODEL,
+        input="Is it sunny?",
+        max_output_tokens=30,
+        text={"format": fmt},  # type: ignore[typeddict-item]
+        tools=tools,
+        tool_choice="auto",
+        reasoning={"effort": "none"},
+    )
+    assert out.text.format.type == "json_schema" and out.text.format.schema_ == schema  # type: ignore[union-attr]
+    assert out.tool_choice == "auto"
+    assert not [item for item in out.output if item.type == "reasoning"]
+    named = client.responses.create(
+        model=MODEL,
+        input="Ping",
+        max_output_tokens=40,
+        tools=tools,
+        tool_choice={"type": "function", "name": "ping"},
+        temperature=0,
+    )
+    assert named.tool_choice.type == "function" and named.tool_choice.name == "ping"  # type: ignore[union-attr]
+
+
+# ---- other routes -------------------------------------------------------------------------------
+
+
+def test_sagemaker_ping_and_invocations(server: ServerProcess) -> None:
+    assert httpx.get(f"{server.url}/ping").status_code == 200
+    assert httpx.post(f"{server.url}/ping").status_code == 200
+    chat = httpx.post(f"{server.url}/invocations", json={"messages": USER, "max_tokens": 2}, timeout=60)
+    assert chat.status_code == 200 and chat.json()["object"] == "chat.completion"
+    completion = httpx.post(f"{server.url}/invocations", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+    assert completion.status_code == 200 and completion.json()["object"] == "text_completion"
+    bad = httpx.post(f"{server.url}/invocations", json={"prompt": "Hi", "temperature": -1}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "temperature"
+    neither = httpx.post(f"{server.url}/invocations", json={"input": "Hi"}, timeout=60)
+    assert neither.status_code == 400 and "messages" in neither.json()["error"]["message"]
+
+
+def test_tokenize_returns_token_strings(server: ServerProcess) -> None:
+    tokens = httpx.post(
+        f"{server.url}/tokenize", json={"prompt": "Hello world", "return_token_strs": True}
+    ).json()
+    assert tokens["token_strs"] == ["Hello", "Ġworld"]
+
+
+def test_the_readme_client_snippet_runs_as_written(server: ServerProcess, capsys) -> None:
+    """The README's OpenAI snippet, against a server started as `make serve` starts one (port aside)."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    (snippet,) = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "OpenAI(" in b]
+    assert "http://127.0.0.1:8000/v1" in snippet
+    exec(snippet.replace("http://127.0.0.1:8000", server.url), {})
+    assert "ChatCompletionMessage(" in capsys.readouterr().out
