@@ -136,3 +136,12 @@ def wait_until_idle(server: ServerProcess, timeout_s: float = 5.0) -> dict[str, 
             return load
         time.sleep(0.02)
     raise AssertionError(f"engine not idle within {timeout_s} s: {json.dumps(load)}")
+
+
+def token_counts(usage: Any) -> dict[str, Any]:
+    """A response's usage without its cached share: the second of two identical requests is partly
+    served from the prefix cache, so only its cached_tokens differ from the first's."""
+    counts = usage.model_dump()
+    counts.pop("prompt_tokens_details", None)
+    counts.get("input_tokens_details", {}).pop("cached_tokens", None)
+    return counts

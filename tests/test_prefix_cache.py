@@ -65,12 +65,12 @@ def test_a_snapshot_being_read_is_never_evicted_and_the_least_recently_used_one_
     assert table.allocate() == index  # the free place first
 
 
-def test_cache_points_are_the_named_positions_and_the_prompt_end_less_one():
-    assert cache_points(100, []) == [99]
-    assert cache_points(100, [20, 0, 100, 150, 20]) == [20, 99]  # inside the prompt, once each
+def test_cache_points_are_the_named_positions_and_the_prompt_end():
+    assert cache_points(100, []) == [100]
+    assert cache_points(100, [20, 0, 100, 150, 20]) == [20, 100]  # inside the prompt, once each
     # a named point just before the end makes the prompt-end point redundant
     assert cache_points(100, [20, 100 - PROMPT_END_MIN_GAP + 1]) == [20, 100 - PROMPT_END_MIN_GAP + 1]
-    assert cache_points(1, []) == []
+    assert cache_points(1, []) == [1]
 
 
 # ---- the scheduler on a model ------------------------------------------------------------------
@@ -102,8 +102,9 @@ def _followers(warm_out: dict[str, list[int]]) -> dict[str, tuple[list[int], int
     return {
         "same_system": (SYSTEM + _prompt(9, 5), 26),  # shares only the system message (unaligned)
         "aligned": (w1[:16] + _prompt(7, 6), 16),  # diverges right after the page-aligned point
-        "same_prompt": (list(w2), len(w2) - 1),  # the same prompt: its last token is recomputed
-        "extends": (w1 + _prompt(5, 7), len(w1) - 1),  # prompt + a suffix: hit at the prompt's end
+        # the same prompt again: its snapshots lie at or past its end, and one token must be computed
+        "same_prompt": (list(w2), 0),
+        "extends": (w1 + _prompt(5, 7), len(w1)),  # prompt + a suffix: hit at the prompt's end
         # a continuation: prompt + output (as far as computed) + a new turn
         "continues": (w2 + warm_out["w2"] + _prompt(6, 8), len(w2) + len(warm_out["w2"]) - 1),
         "cold": (_prompt(19, 9), 0),
@@ -214,11 +215,12 @@ def test_an_evicted_snapshot_is_never_served_from_its_reused_place(model):
         run.add(f"p{i}", p, params)
         run.run_until_idle()
     run.add("again0", prompts[0], params)  # its snapshots' places now hold another prompt's state
-    run.add("again4", prompts[4], params)
+    run.add("again4", prompts[4] + [7, 7], params)
     run.run_until_idle()
     assert run.terminal("again0").num_cached_tokens == 0
-    assert run.terminal("again4").num_cached_tokens == len(prompts[4]) - 1
-    assert run.tokens("again0") == run.tokens("p0") and run.tokens("again4") == run.tokens("p4")
+    assert run.terminal("again4").num_cached_tokens == len(prompts[4])
+    assert run.tokens("again0") == run.tokens("p0")
+    assert run.tokens("again4") == _alone(model, "a", prompts[4] + [7, 7], params).tokens("a")
 
 
 def test_a_request_aborted_before_its_cache_point_leaves_no_snapshot(model):
@@ -265,12 +267,12 @@ def test_resetting_the_cache_with_requests_running_changes_no_output(model):
     run.run_until_idle()
     run.add("f", follow, greedy(20))
     run.tick(3)  # f resumed from the warm prompt's snapshot and is decoding over shared pages
-    assert run.sched.by_id["f"].num_cached_tokens == len(warm) - 1
+    assert run.sched.by_id["f"].num_cached_tokens == len(warm)
     run.sched.submit(ResetPrefixCache())
     run.run_until_idle()
     _assert_same(run, "f", (expected.tokens("f"), expected.logprobs("f")))
     assert run.sched.load.kv_pages_used == 0
-    run.add("again", warm, greedy())
+    run.add("again", warm + [5], greedy())
     run.run_until_idle()
     assert run.terminal("again").num_cached_tokens == 0  # the warm prompt's cache was forgotten
 
@@ -280,7 +282,7 @@ def test_a_request_that_scores_its_prompt_is_never_resumed_from_the_cache(model)
     scored = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, prompt_logprobs=2)
     expected = _alone(model, "s", prompt, scored)
     run = Run(model, num_snapshots=8)
-    run.add("warm", prompt, greedy())
+    run.add("warm", prompt, greedy(), cache_points=[20])  # a snapshot at 20 could serve the prompt below
     run.run_until_idle()
     run.add("s", prompt, scored)
     run.run_until_idle()

@@ -114,12 +114,13 @@ def test_metrics_and_load_count_prefix_cache_tokens_and_reset_forgets_them(serve
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0.0, "ignore_eos": True}
     queries = server.metric("vllm:prefix_cache_queries_total", model_name=MODEL)
     hits = server.metric("vllm:prefix_cache_hits_total", model_name=MODEL)
+    longer = {**body, "prompt": prompt + [5, 6]}
     httpx.post(f"{server.base_url}/completions", json=body, timeout=60).raise_for_status()
-    httpx.post(f"{server.base_url}/completions", json=body, timeout=60).raise_for_status()
-    assert server.metric("vllm:prefix_cache_queries_total", model_name=MODEL) == queries + 2 * len(prompt)
-    assert server.metric("vllm:prefix_cache_hits_total", model_name=MODEL) == hits + len(prompt) - 1
+    httpx.post(f"{server.base_url}/completions", json=longer, timeout=60).raise_for_status()
+    assert server.metric("vllm:prefix_cache_queries_total", model_name=MODEL) == queries + 2 * len(prompt) + 2
+    assert server.metric("vllm:prefix_cache_hits_total", model_name=MODEL) == hits + len(prompt)
     load = server.get_json("/load")
     assert load["state_snapshots_used"] > 0 and load["prefix_cache_cached_tokens"] >= 3 * PAGE
     assert httpx.post(f"{server.url}/reset_prefix_cache", timeout=30).status_code == 200
-    after = httpx.post(f"{server.base_url}/completions", json=body, timeout=60).json()
+    after = httpx.post(f"{server.base_url}/completions", json=longer, timeout=60).json()
     assert after["usage"]["prompt_tokens_details"]["cached_tokens"] == 0

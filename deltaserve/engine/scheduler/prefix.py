@@ -2,9 +2,9 @@
 
 - A request's cache points are where a later request is likely to diverge from it: the positions the
   server names (end of the system message, end of the last user/tool message before the generation
-  prompt, where the chat template drops the reasoning of earlier turns) and its prompt's end (one token
-  short of it, so that the same prompt again still computes its last token). A prefill chunk ends at a
-  cache point and the step saves the state there.
+  prompt, where the chat template drops the reasoning of earlier turns) and its prompt's end (which
+  a prefill chunk reaches anyway: no extra step; a prompt extending this one resumes there). A prefill
+  chunk ends at a cache point and the step saves the state there.
 - A request's end (prompt + output, as far as computed) gets a snapshot when it finishes, for
   continuations; its partial last page becomes the snapshot's.
 - A request that needs every prompt position scored (prompt logprobs) is never resumed from the cache.
@@ -17,17 +17,16 @@ from deltaserve.cache.prefix import extend_page_keys
 from deltaserve.engine.scheduler.request import Request, ScheduledChunk
 from deltaserve.engine.scheduler.state import SchedulerState
 
-# The prompt-end cache point is left out when a server-named point lies this close before it: a
-# repeated prompt then recomputes those few tokens, and the prefill needs no extra step for them.
+# The prompt-end cache point is left out when a server-named point lies this close before it (a chat
+# prompt's generation prompt): a snapshot there would serve nothing the named one does not.
 PROMPT_END_MIN_GAP = 16
 
 
 def cache_points(prompt_len: int, named: list[int]) -> list[int]:
-    """The sorted cache points of a prompt: the named positions inside it, and its end (less one)."""
+    """The sorted cache points of a prompt: the named positions inside it, and its end."""
     points = sorted({p for p in named if 0 < p < prompt_len})
-    end = prompt_len - 1
-    if end > 0 and not any(end - PROMPT_END_MIN_GAP < p for p in points):
-        points.append(end)
+    if not any(prompt_len - PROMPT_END_MIN_GAP < p for p in points):
+        points.append(prompt_len)
     return points
 
 

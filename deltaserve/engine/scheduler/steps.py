@@ -212,9 +212,12 @@ def apply_step(sched: SchedulerState, step: LaunchedStep, result: StepResult) ->
     requeued."""
     dispatch_decode_tokens(sched, step.decode, result)
     promote_or_requeue(sched, step.chunks, result, offset=len(step.decode))
-    if sched.cache.prefix_caching:
+    cache = sched.cache
+    if cache.prefix_caching:
+        size = cache.page_size
         for req in step.requests:
-            if req.phase is not Phase.DONE:
+            seq = req.seq
+            if seq is not None and seq.num_computed // size > seq.registered and req.phase is not Phase.DONE:
                 prefix.register_computed_pages(sched, req)
 
 
