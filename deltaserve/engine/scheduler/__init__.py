@@ -56,17 +56,6 @@ class Scheduler(SchedulerState):
     """Owns every request and every cache handle. `submit` may be called from any thread; everything
     else runs on the scheduler thread (`run`, or `tick` in tests)."""
 
-    def __init__(
-        self,
-        config: SchedulerConfig,
-        backend: Backend,
-        publish: Callable[[StepOutputs], None],
-        grammars: GrammarBackend | None = None,
-        cache: CacheManager | None = None,
-    ) -> None:
-        super().__init__(config, backend, publish, grammars, cache)
-        self._wake = threading.Event()
-
     # ---- entry ---------------------------------------------------------------------------------
 
     def submit(self, msg: ClientMessage) -> None:

@@ -7,6 +7,7 @@ step drivers (steps.py), the lifecycle (lifecycle.py) and the submission checks 
 from __future__ import annotations
 
 import queue
+import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,6 +57,7 @@ class SchedulerState:
         self.cache = cache if cache is not None else CacheManager.for_device(backend.caches)
         self.publish = publish
         self.inbox: queue.SimpleQueue[ClientMessage] = queue.SimpleQueue()
+        self._wake = threading.Event()  # set by every submission: the idle loop sleeps on it
         self.waiting: deque[Request] = deque()
         self.prefilling: deque[Request] = deque()
         self.running: list[Request] = []
