@@ -4,8 +4,9 @@ the chunk vocabulary itself is in request.py).
 
 Every step is ONE backend forward over a flattened batch: decode rows first, then prefill chunks. A
 chunk that reaches the end of its request's tokens samples the request's next token there ("promote");
-a partial chunk goes back to the front of the prefilling FIFO ("requeue"). Only the last chunk of a
-step may be partial.
+a partial chunk goes back to the front of the prefilling FIFO ("requeue"). A chunk is partial only
+where its request's next cache point lies (the prefix cache saves the state there) or where the token
+budget or the free pages cut it, and then it is the step's last.
 
 Decode-ahead: a pure-decode step is launched without waiting for its tokens (a `LaunchedStep`). At the
 next tick, while nothing else needs planning, the following decode step is launched first, fed the
