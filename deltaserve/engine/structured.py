@@ -14,15 +14,17 @@ optional dependency (`pip install deltaserve[structured]`); without it such requ
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
+import re
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-import torch
-
+from deltaserve.engine.schema_rules import SchemaRuleError, check_schema
 from deltaserve.sampling_params import StructuredOutputParams
 
 if TYPE_CHECKING:
+    import torch
     import xgrammar
 
     from deltaserve.tokenizer import Tokenizer
@@ -41,7 +43,17 @@ def grammar_vocabulary(tokenizer: Tokenizer) -> list[str]:
 
 
 class StructuredOutputError(ValueError):
-    """The request's structured output cannot be served (no xgrammar, or a schema it cannot compile)."""
+    """The request's structured output cannot be served (no xgrammar, a schema it cannot compile or
+    would not enforce: schema_rules.py)."""
+
+
+# xgrammar prefixes its messages with a log time and its C++ source position: "[12:00:00] /x/y.cc:42: ".
+_XGRAMMAR_PREFIX = re.compile(r"\[[0-9:]+\] \S+:[0-9]+: ")
+
+
+def compiler_message(err: Exception) -> str:
+    """xgrammar's message for a client: its text without the log prefix and source paths."""
+    return _XGRAMMAR_PREFIX.sub("", str(err)).strip()
 
 
 class GrammarBackend:
@@ -75,6 +87,11 @@ class GrammarBackend:
         key = (spec.json_schema, spec.json_object, spec.ebnf)
         compiled = self._compiled.get(key)
         if compiled is None:
+            if spec.json_schema is not None:
+                try:
+                    check_schema(json.loads(spec.json_schema))
+                except (SchemaRuleError, RecursionError, ValueError) as err:
+                    raise StructuredOutputError(f"the JSON schema cannot be served: {err}") from err
             try:
                 if spec.json_object:
                     compiled = self._compiler.compile_builtin_json_grammar()
@@ -84,9 +101,15 @@ class GrammarBackend:
                     compiled = self._compiler.compile_json_schema(spec.json_schema, any_whitespace=False)
             except Exception as err:  # xgrammar raises RuntimeError/ValueError with its parser's message
                 what = "grammar" if spec.ebnf is not None else "JSON schema"
-                raise StructuredOutputError(f"the {what} cannot be compiled: {err}") from err
+                raise StructuredOutputError(
+                    f"the {what} cannot be compiled: {compiler_message(err)}"
+                ) from err
             self._compiled[key] = compiled
         return RequestGrammar(xgr.GrammarMatcher(compiled), spec.start_after_token_id, self.vocab_size)
+
+    def forget(self) -> None:
+        """Drops the compiled grammars kept for reuse (the compiler itself stays)."""
+        self._compiled.clear()
 
 
 class RequestGrammar:
