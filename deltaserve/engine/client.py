@@ -212,7 +212,7 @@ class AsyncEngineClient:
     async def _hang(self) -> str | None:
         """Why the engine counts as hung, or None. Messages still unread (this loop was busy) are news."""
         silent = time.monotonic() - self._last_heard
-        reason = hang_reason(silent, self._last_heartbeat, self._limits)
+        reason = hang_reason(silent, self._last_heartbeat, bool(self._queues), self._limits)
         if (
             reason is not None
             and silent > self._limits.heartbeat_timeout_s

@@ -122,5 +122,4 @@ def _send_heartbeats(
         load, now = scheduler.load, time.monotonic()
         if load is not last_load:
             last_load, last_tick = load, now
-        pending = bool(load.running or load.waiting) or not scheduler.inbox.empty()
-        publish(Heartbeat(stalled_s=now - last_tick, pending=pending, load=load))
+        publish(Heartbeat(stalled_s=now - last_tick, load=load))

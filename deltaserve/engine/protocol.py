@@ -91,11 +91,10 @@ class StepOutputs:
 @dataclass(slots=True)
 class Heartbeat:
     """Sent by the engine process every HEARTBEAT_INTERVAL_S, whatever its scheduler loop is doing: its
-    absence means the process is frozen; `stalled_s` with `pending` means the loop is stuck (or in a
-    long step) while requests wait."""
+    absence means the process is frozen; a growing `stalled_s` while the client has requests in flight
+    means the loop is stuck (or in a long step)."""
 
     stalled_s: float  # since the scheduler loop last completed a tick (it replaces its load each tick)
-    pending: bool  # requests are queued, running or not yet drained from the inbox
     load: LoadSnapshot
 
 

@@ -57,8 +57,13 @@ def compiler_message(err: Exception) -> str:
 
 
 class GrammarBackend:
-    """Compiles grammars for one tokenizer (built on first use: reading the vocabulary takes ~0.2 s) and
-    caches them by specification."""
+    """Compiles grammars for one tokenizer and caches them by specification.
+
+    The compiler (xgrammar, the vocabulary, the built-in JSON grammar: about 2 s on CPU) is built with
+    the backend, so before the engine reports ready: built on the first structured-output request it
+    would stall that request's caller, the scheduler thread, and every stream with it. (Built on a
+    background thread instead, it stalls them all the same: it holds the GIL for seconds at a time.)
+    """
 
     def __init__(self, vocabulary: Callable[[], list[str]], stop_token_ids: Sequence[int]) -> None:
         self._vocabulary = vocabulary
@@ -66,6 +71,26 @@ class GrammarBackend:
         self._compiler: xgrammar.GrammarCompiler | None = None
         self.vocab_size = 0
         self._compiled: dict[tuple[str | None, bool, str | None], xgrammar.CompiledGrammar] = {}
+        if grammars_available():
+            try:
+                self._compiler_for_vocabulary().compile_builtin_json_grammar()
+            except Exception:  # the first structured-output request reports it
+                logger.exception("building the grammar compiler failed")
+
+    def _compiler_for_vocabulary(self) -> xgrammar.GrammarCompiler:
+        import xgrammar as xgr
+
+        if self._compiler is None:
+            vocab = self._vocabulary()
+            info = xgr.TokenizerInfo(
+                vocab,
+                vocab_type=xgr.VocabType.BYTE_LEVEL,
+                vocab_size=len(vocab),
+                stop_token_ids=self._stop_token_ids,
+            )
+            self._compiler = xgr.GrammarCompiler(info)
+            self.vocab_size = len(vocab)
+        return self._compiler
 
     def grammar(self, spec: StructuredOutputParams) -> RequestGrammar:
         try:
@@ -74,16 +99,7 @@ class GrammarBackend:
             raise StructuredOutputError(
                 "structured output needs the xgrammar package on the server (pip install deltaserve[structured])"
             ) from err
-        if self._compiler is None:
-            vocab = self._vocabulary()
-            self.vocab_size = len(vocab)
-            info = xgr.TokenizerInfo(
-                vocab,
-                vocab_type=xgr.VocabType.BYTE_LEVEL,
-                vocab_size=self.vocab_size,
-                stop_token_ids=self._stop_token_ids,
-            )
-            self._compiler = xgr.GrammarCompiler(info)
+        compiler = self._compiler_for_vocabulary()
         key = (spec.json_schema, spec.json_object, spec.ebnf)
         compiled = self._compiled.get(key)
         if compiled is None:
@@ -94,11 +110,11 @@ class GrammarBackend:
                     raise StructuredOutputError(f"the JSON schema cannot be served: {err}") from err
             try:
                 if spec.json_object:
-                    compiled = self._compiler.compile_builtin_json_grammar()
+                    compiled = compiler.compile_builtin_json_grammar()
                 elif spec.ebnf is not None:
-                    compiled = self._compiler.compile_grammar(spec.ebnf)
+                    compiled = compiler.compile_grammar(spec.ebnf)
                 else:
-                    compiled = self._compiler.compile_json_schema(spec.json_schema, any_whitespace=False)
+                    compiled = compiler.compile_json_schema(spec.json_schema, any_whitespace=False)
             except Exception as err:  # xgrammar raises RuntimeError/ValueError with its parser's message
                 what = "grammar" if spec.ebnf is not None else "JSON schema"
                 raise StructuredOutputError(
