@@ -26,6 +26,7 @@ from deltaserve.server.disconnect import unless_disconnected
 from deltaserve.server.errors import APIError, bad_request, unsupported
 from deltaserve.server.generation import EngineRequest, generate, merge, terminal_error
 from deltaserve.server.logprobs import chat_logprobs, prompt_logprobs
+from deltaserve.server.offload import body_size
 from deltaserve.server.parsers import ParsedDelta
 from deltaserve.server.protocol import (
     ChatChoice,
@@ -61,21 +62,34 @@ async def create_chat_completion(
     state.check_model(body.model)
     state.check_available()
     state.warn_unknown_fields("/v1/chat/completions", body.unknown_fields())
+    state.admission.check_fanout(1, body.n)
+    prompt, params = await state.workers.run(await body_size(request), _prepare, state, body)
+    await state.check_structured_output(params)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    place = state.admission.reserve(body.n)
+    reqs = [
+        EngineRequest(
+            rid if body.n == 1 else f"{rid}-{j}", prompt.text, prompt.token_ids, choice_params, place
+        )
+        for j, choice_params in enumerate(params.per_choice(body.n))
+    ]
+    if body.stream:
+        return SSEResponse(_stream(state, body, prompt, rid, reqs, arrival), on_close=place.release_all)
+    try:
+        return await unless_disconnected(request, _complete(state, body, prompt, rid, reqs, arrival))
+    finally:
+        place.release_all()
+
+
+def _prepare(state: ServerState, body: ChatCompletionRequest) -> tuple[ChatPrompt, SamplingParams]:
+    """The rendered, tokenized prompt and checked parameters (runs on a worker thread)."""
     prompt = _render(state, body)
     params = _params(state, body, prompt)
-    state.check_structured_output(params)
     max_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     check_context_window(
         len(prompt.token_ids), params.max_tokens, state.max_model_len, max_tokens_field=max_field
     )
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
-    reqs = [
-        EngineRequest(rid if body.n == 1 else f"{rid}-{j}", prompt.text, prompt.token_ids, choice_params)
-        for j, choice_params in enumerate(params.per_choice(body.n))
-    ]
-    if body.stream:
-        return SSEResponse(_stream(state, body, prompt, rid, reqs, arrival))
-    return await unless_disconnected(request, _complete(state, body, prompt, rid, reqs, arrival))
+    return prompt, params
 
 
 def _render(state: ServerState, body: ChatCompletionRequest) -> ChatPrompt:
@@ -92,7 +106,12 @@ def _render(state: ServerState, body: ChatCompletionRequest) -> ChatPrompt:
     kwargs = {**state.config.default_chat_template_kwargs, **(body.chat_template_kwargs or {})}
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     return render_chat_prompt(
-        state.tokenizer, messages, tools=tools, tool_choice=tool_choice, template_kwargs=kwargs
+        state.tokenizer,
+        messages,
+        tools=tools,
+        tool_choice=tool_choice,
+        template_kwargs=kwargs,
+        max_model_len=state.max_model_len,
     )
 
 

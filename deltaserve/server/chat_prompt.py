@@ -18,6 +18,7 @@ from typing import Any
 
 from deltaserve.errors import RequestValidationError
 from deltaserve.server.errors import bad_request, from_validation
+from deltaserve.server.sampling import check_prompt_text
 from deltaserve.tokenizer import Tokenizer
 
 _RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt"})
@@ -76,8 +77,12 @@ def render_chat_prompt(
     tools: list[dict[str, Any]] | None,
     tool_choice: ToolChoice,
     template_kwargs: dict[str, Any],
+    max_model_len: int | None = None,
+    messages_field: str = "messages",
 ) -> ChatPrompt:
-    """Raises APIError (400) for messages the template refuses or a tool_choice that cannot be met."""
+    """Raises APIError (400, naming `messages_field`) for messages the template refuses, a tool_choice
+    that cannot be met, or, with `max_model_len`, a rendered text too long to fit it (refused before
+    it is tokenized)."""
     tools = tools or None
     check_tool_choice(tool_choice, tools)
     reserved = sorted(_RESERVED_TEMPLATE_KWARGS & template_kwargs.keys())
@@ -97,9 +102,11 @@ def render_chat_prompt(
             normalise_messages(messages), tools=template_tools, add_generation_prompt=True, **kwargs
         )
     except RequestValidationError as err:
-        raise from_validation(err) from err
+        raise from_validation(err, {"messages": messages_field}) from err
     thinking = text.rstrip().endswith("<think>")
     text += forced
+    if max_model_len is not None:
+        check_prompt_text(text, max_model_len, tokenizer.max_token_chars, param=messages_field)
     return ChatPrompt(
         text=text,
         token_ids=tokenizer.encode(text),

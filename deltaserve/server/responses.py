@@ -25,6 +25,7 @@ from deltaserve.server.chat_prompt import ChatPrompt, ToolChoice, answer_start_t
 from deltaserve.server.disconnect import unless_disconnected
 from deltaserve.server.errors import NOT_FOUND, APIError, unsupported
 from deltaserve.server.generation import EngineRequest, generate, terminal_error
+from deltaserve.server.offload import body_size
 from deltaserve.server.response_store import StoredResponse
 from deltaserve.server.responses_items import chat_tools, input_messages
 from deltaserve.server.responses_protocol import (
@@ -64,10 +65,17 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response 
     state.check_model(body.model)
     state.check_available()
     state.warn_unknown_fields("/v1/responses", body.unknown_fields())
-    run = _prepare(state, body, arrival)
+    history = _history(state, body.previous_response_id)  # the store is the event loop's
+    run = await state.workers.run(await body_size(request), _prepare, state, body, history, arrival)
+    await state.check_structured_output(run.req.params, "text.format")
+    place = state.admission.reserve(1)
+    run.req.queue_place = place
     if body.stream:
-        return SSEResponse(_stream(run))
-    return await unless_disconnected(request, _complete(run))
+        return SSEResponse(_stream(run), on_close=place.release_all)
+    try:
+        return await unless_disconnected(request, _complete(run))
+    finally:
+        place.release_all()
 
 
 def _text_format(
@@ -83,9 +91,12 @@ def _text_format(
     return json_constraint(fmt.type, schema, start, param="text.format", where="schema")
 
 
-def _prepare(state: ServerState, body: ResponsesRequest, arrival: float) -> _Run:
-    """Renders and validates everything; raises APIError before anything reaches the engine."""
-    conversation = _history(state, body.previous_response_id) + input_messages(body.input)
+def _prepare(
+    state: ServerState, body: ResponsesRequest, history: list[dict[str, Any]], arrival: float
+) -> _Run:
+    """Renders and validates everything (on a worker thread); raises APIError before anything reaches
+    the engine. Errors in the rendered conversation name `input`, the field that carries it."""
+    conversation = history + input_messages(body.input)
     instructions = [{"role": "system", "content": body.instructions}] if body.instructions else []
     tools = chat_tools(body.tools)
     prompt = render_chat_prompt(
@@ -94,6 +105,8 @@ def _prepare(state: ServerState, body: ResponsesRequest, arrival: float) -> _Run
         tools=tools,
         tool_choice=_tool_choice(body, tools),
         template_kwargs={**state.config.default_chat_template_kwargs, **(body.chat_template_kwargs or {})},
+        max_model_len=state.max_model_len,
+        messages_field="input",
     )
     if body.prompt_logprobs is not None:
         raise unsupported(
@@ -108,12 +121,12 @@ def _prepare(state: ServerState, body: ResponsesRequest, arrival: float) -> _Run
         rename={"max_tokens": "max_output_tokens", "structured_output": "text.format"},
         structured=_text_format(state, body, prompt) or forced_call_output(prompt),
     )
-    state.check_structured_output(params, "text.format")
     check_context_window(
         len(prompt.token_ids),
         body.max_output_tokens,
         state.max_model_len,
         max_tokens_field="max_output_tokens",
+        prompt_field="input",
     )
     rid = f"resp_{uuid.uuid4().hex}"
     response = ResponseObject(

@@ -58,10 +58,16 @@ async def metrics(request: Request) -> Response:
 
 @router.get("/load")
 async def load(request: Request) -> dict[str, Any]:
-    """The scheduler's latest load snapshot (published every tick) plus the server's in-flight count."""
+    """The scheduler's latest load snapshot (at most a heartbeat old) plus the server's counts: engine
+    requests in flight, and those of them queued (sent, not started: what --max-queued-requests bounds)."""
     state = get_state(request)
     snapshot = state.client.load
-    return {**asdict(snapshot), "kv_cache_usage": snapshot.kv_usage, "server_inflight": state.inflight}
+    return {
+        **asdict(snapshot),
+        "kv_cache_usage": snapshot.kv_usage,
+        "server_inflight": state.inflight,
+        "server_queued": state.admission.queued,
+    }
 
 
 @router.get("/version")
