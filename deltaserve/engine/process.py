@@ -122,4 +122,7 @@ def _send_heartbeats(
         load, now = scheduler.load, time.monotonic()
         if load is not last_load:
             last_load, last_tick = load, now
-        publish(Heartbeat(stalled_s=now - last_tick, load=load))
+        try:
+            publish(Heartbeat(stalled_s=now - last_tick, load=load))
+        except zmq.ZMQError:  # the socket closed: the process is exiting
+            return
