@@ -20,6 +20,7 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
 MAX_N = 128  # choices per prompt; each is its own engine request, so the prompt is computed n times
 SEED_LIMIT = 2**63  # seeds are int64 values: [-2**63, 2**63), as OpenAI-style clients send any integer
+INT64_MAX = 2**63 - 1  # every integer field travels to the engine as msgpack int64
 
 _BOOL_FIELDS = (
     "ignore_eos",
@@ -158,8 +159,8 @@ class SamplingParams:
             value = getattr(self, field)
             if not (_is_real(value) and in_range(value)):
                 raise _invalid(field, expected, value)
-        if not (_is_int(self.top_k) and self.top_k >= -1):
-            raise _invalid("top_k", "an integer: -1 or 0 (disabled) or >= 1", self.top_k)
+        if not (_is_int(self.top_k) and -1 <= self.top_k <= INT64_MAX):
+            raise _invalid("top_k", "an integer: -1 or 0 (disabled) or in [1, 2**63)", self.top_k)
         if self.seed is not None and not (_is_int(self.seed) and -SEED_LIMIT <= self.seed < SEED_LIMIT):
             raise _invalid("seed", "None or an integer in [-2**63, 2**63)", self.seed)
         self._validate_lengths()
@@ -219,10 +220,12 @@ class SamplingParams:
             )
 
     def _validate_lengths(self) -> None:
-        if self.max_tokens is not None and not (_is_int(self.max_tokens) and self.max_tokens >= 1):
-            raise _invalid("max_tokens", "None or an integer >= 1", self.max_tokens)
-        if not (_is_int(self.min_tokens) and self.min_tokens >= 0):
-            raise _invalid("min_tokens", "an integer >= 0", self.min_tokens)
+        if self.max_tokens is not None and not (
+            _is_int(self.max_tokens) and 1 <= self.max_tokens <= INT64_MAX
+        ):
+            raise _invalid("max_tokens", "None or an integer in [1, 2**63)", self.max_tokens)
+        if not (_is_int(self.min_tokens) and 0 <= self.min_tokens <= INT64_MAX):
+            raise _invalid("min_tokens", "an integer in [0, 2**63)", self.min_tokens)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise RequestValidationError(
                 "min_tokens",

@@ -110,6 +110,11 @@ def _parse_tool_call_arguments(messages: Sequence[Mapping[str, Any]]) -> list[Ma
                         f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON ({exc}); "
                         "send a JSON object as a string",
                     ) from exc
+                except RecursionError as exc:
+                    raise RequestValidationError(
+                        "messages",
+                        f"messages[{i}].tool_calls[{j}].function.arguments nests too deeply to parse",
+                    ) from exc
                 call = {**call, "function": {**function, "arguments": arguments}}
             new_calls.append(call)
         parsed.append({**message, "tool_calls": new_calls})
@@ -159,6 +164,7 @@ class Tokenizer:
             i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special
         )
         self._chat_template = chat_template
+        self._max_token_chars: int | None = None
         self._template: jinja2.Template | None = None
         if chat_template is not None:
             try:
@@ -209,8 +215,23 @@ class Tokenizer:
         return self._vocab_size
 
     def encode(self, text: str) -> list[int]:
-        """Ids of `text`. No BOS/EOS is added; added-token strings in the text match as single tokens."""
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
+        """Ids of `text`. No BOS/EOS is added; added-token strings in the text match as single tokens.
+        Releases the GIL while it runs (the batch entry point does; `encode` would hold it) and tracks
+        no offsets, so tokenizing a long prompt on a worker thread never stalls other threads."""
+        return self._tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids
+
+    def count(self, text: str) -> int:
+        """len(encode(text)), without building the id list."""
+        return len(self._tokenizer.encode_batch_fast([text], add_special_tokens=False)[0])
+
+    @property
+    def max_token_chars(self) -> int:
+        """No token covers more characters than this (the longest token's bytes, or an added token's
+        text): a text of n characters has at least n / max_token_chars tokens."""
+        if self._max_token_chars is None:
+            vocab = self._tokenizer.get_vocab(with_added_tokens=True)  # byte-level: one char per byte
+            self._max_token_chars = max(len(token) for token in vocab)
+        return self._max_token_chars
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`. Ids >= vocab_size (padding of the logit width) decode as empty text."""
@@ -251,6 +272,10 @@ class Tokenizer:
             )
         except _TemplateRaised as exc:
             raise RequestValidationError("messages", str(exc)) from exc
+        except RecursionError as exc:
+            raise RequestValidationError(
+                "messages", "the chat template cannot render these messages: a value nests too deeply"
+            ) from exc
         except (TemplateError, TypeError, ValueError) as exc:
             raise RequestValidationError(
                 "messages", f"the chat template cannot render these messages: {exc}"

@@ -20,6 +20,8 @@ from typing import Any
 
 import httpx
 
+from deltaserve.engine.process import ENGINE_PROCESS_NAME
+
 SMALL_ENGINE = ["--device", "cpu", "--max-num-seqs", "16", "--max-model-len", "2048"]
 MODEL = "deltaserve-tiny-random"  # the default served name of the embedded checkpoint
 START_TIMEOUT_S = 180.0
@@ -75,13 +77,17 @@ class ServerProcess:
         raise TimeoutError(f"server not ready within {START_TIMEOUT_S} s:\n{self.log()}")
 
     def engine_pid(self) -> int:
-        """The EngineCore child process (multiprocessing spawn)."""
+        """The EngineCore child process (it names itself; the grammar compiler is a child too)."""
         children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
         for pid in children:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            if b"spawn_main" in cmdline:
+            if Path(f"/proc/{pid}/comm").read_text().strip() == ENGINE_PROCESS_NAME:
                 return int(pid)
         raise RuntimeError(f"no engine child among {children}")
+
+    def rss_bytes(self) -> int:
+        """Resident memory of the server process itself (not its children)."""
+        pages = int(Path(f"/proc/{self.proc.pid}/statm").read_text().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE")
 
     def terminate(self, timeout_s: float = 60.0) -> int:
         if self.proc.poll() is None:

@@ -7,6 +7,9 @@ count of finished engine requests (vllm:e2e_request_latency_seconds_count) does 
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -138,6 +141,110 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None, str | None]] = [
         "context_length_exceeded",
     ),
     ("/v1/responses", {"model": "nope", "input": "x"}, 404, "model", "model_not_found"),
+    # Lone UTF-16 surrogates are not text, wherever they are.
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud800"}]}, 400, "messages", None),
+    ("/v1/completions", {"prompt": "\udc00"}, 400, "prompt", None),
+    ("/v1/completions", {"prompt": ["ok", "\ud800"]}, 400, "prompt", None),
+    ("/v1/completions", {"prompt": "x", "stop": ["\ud800"]}, 400, "stop", None),
+    (
+        "/v1/chat/completions",
+        {"messages": USER, "tools": [{"type": "function", "function": {"name": "f\ud800"}}]},
+        400,
+        "tools",
+        None,
+    ),
+    ("/v1/responses", {"input": "\ud800"}, 400, "input", None),
+    ("/v1/responses", {"input": [{"role": "user", "content": "\ud800"}]}, 400, "input", None),
+    ("/tokenize", {"prompt": "\ud800"}, 400, "prompt", None),
+    # Integers the engine message cannot carry (int64).
+    ("/v1/completions", {"prompt": "x", "top_k": 2**64}, 400, "top_k", None),
+    ("/v1/completions", {"prompt": "x", "min_tokens": 2**64}, 400, "min_tokens", None),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [2**64]}, 400, "stop_token_ids", None),
+    ("/v1/completions", {"prompt": "x", "seed": 2**64}, 400, "seed", None),
+    # Values nested too deeply to parse.
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [
+                *USER,
+                {
+                    "role": "assistant",
+                    "tool_calls": [
+                        {"id": "c", "function": {"name": "f", "arguments": "[" * 10000 + "]" * 10000}}
+                    ],
+                },
+            ]
+        },
+        400,
+        "messages",
+        None,
+    ),
+    # Strict types: no coercion.
+    ("/v1/completions", {"prompt": "x", "max_tokens": "10"}, 400, "max_tokens", None),
+    ("/v1/completions", {"prompt": "x", "max_tokens": True}, 400, "max_tokens", None),
+    ("/v1/completions", {"prompt": "x", "n": "2"}, 400, "n", None),
+    ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream", None),
+    ("/v1/completions", {"prompt": "x", "logprobs": "yes"}, 400, "logprobs", None),
+    ("/v1/chat/completions", {"messages": USER, "logprobs": "yes"}, 400, "logprobs", None),
+    ("/v1/completions", {"prompt": [True]}, 400, "prompt", None),
+    ("/v1/completions", {"prompt": "x", "temperature": True}, 400, "temperature", None),
+    ("/detokenize", {"tokens": [True]}, 400, "tokens", None),
+    (
+        "/v1/chat/completions",
+        {"messages": [*USER, {"role": "assistant", "tool_calls": [{"id": "c", "function": "x"}]}]},
+        400,
+        "messages",
+        None,
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [*USER, {"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f"}}]}]},
+        400,
+        "messages",
+        None,
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+        400,
+        "messages",
+        None,
+    ),
+    # One request may not fan out past --max-choices-per-request.
+    (
+        "/v1/completions",
+        {"prompt": ["hi"] * 129, "n": 128, "max_tokens": 1},
+        400,
+        "prompt",
+        "too_many_choices",
+    ),
+    # Fail-closed structured output: schemas the grammar would not enforce are refused by keyword.
+    *[
+        (
+            "/v1/chat/completions",
+            {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {"schema": schema}}},
+            400,
+            "response_format",
+            None,
+        )
+        for schema in (
+            {"not": {}},
+            {"type": []},
+            {"allOf": [{"type": "string"}, {"type": "integer"}]},
+            {"$ref": "https://example.com/schema.json"},
+            {"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}},
+        )
+    ],
+    (
+        "/v1/responses",
+        {"input": "x", "text": {"format": {"type": "json_schema", "schema": {"not": {}}}}},
+        400,
+        "text.format",
+        None,
+    ),
+    # Errors of the Responses API name its field, input.
+    ("/v1/responses", {"input": LONG_PROMPT}, 400, "input", "context_length_exceeded"),
+    ("/v1/responses", {"input": [{"role": "assistant", "content": "no user turn"}]}, 400, "input", None),
 ]
 
 
@@ -154,7 +261,13 @@ def _post(server: ServerProcess, path: str, body: Any, headers: dict[str, str] =
             content=b'{"prompt": "x",',
             headers={**headers, "content-type": "application/json"},
         )
-    return httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=60)
+    # json.dumps escapes non-ASCII, so a lone surrogate travels as the escape "\ud800", as clients send it.
+    return httpx.post(
+        f"{server.url}{path}",
+        content=json.dumps(body).encode(),
+        headers={**headers, "content-type": "application/json"},
+        timeout=60,
+    )
 
 
 def _assert_error_shape(response: httpx.Response, status: int) -> dict[str, Any]:
@@ -182,9 +295,71 @@ def test_bad_request_gets_status_param_and_code(
 def test_context_window_errors_state_the_numbers(server: ServerProcess) -> None:
     error = _assert_error_shape(_post(server, "/v1/completions", {"prompt": "x", "max_tokens": 5000}), 400)
     assert "5000" in error["message"] and "2048" in error["message"]
-    count = httpx.post(f"{server.url}/tokenize", json={"prompt": LONG_PROMPT}).json()["count"]
+    count = _post(server, "/tokenize", {"prompt": LONG_PROMPT}).json()["count"]
     error = _assert_error_shape(_post(server, "/v1/completions", {"prompt": LONG_PROMPT}), 400)
     assert f"({count} tokens)" in error["message"] and "2048" in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("schema", "says"),
+    [
+        ({"not": {}}, "schema: the keyword 'not' is not supported"),
+        ({"type": []}, "schema: 'type' must be a type name or a non-empty list of them"),
+        ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "'allOf' with more than one subschema is not"),
+        (
+            {"$ref": "https://example.com/s.json"},
+            "schema: '$ref' 'https://example.com/s.json' is not supported",
+        ),
+        ({"properties": {"a": {"not": {"type": "string"}}}}, "schema.properties.a: the keyword 'not' is not"),
+    ],
+)
+def test_unenforceable_schema_is_refused_naming_the_keyword(
+    server: ServerProcess, schema: Any, says: str
+) -> None:
+    body = {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {"schema": schema}}}
+    error = _assert_error_shape(_post(server, "/v1/chat/completions", body), 400)
+    assert says in error["message"]
+
+
+def test_schema_compiler_errors_show_no_source_paths(server: ServerProcess) -> None:
+    body = {
+        "prompt": "x",
+        "response_format": {"type": "json_schema", "json_schema": {"schema": {"enum": []}}},
+    }
+    error = _assert_error_shape(_post(server, "/v1/completions", body), 400)
+    assert "enum" in error["message"]
+    assert ".cc:" not in error["message"] and "/" not in error["message"].replace("/tokenize", "")
+
+
+def test_deep_schema_is_refused_with_its_depth(server: ServerProcess) -> None:
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(100):
+        schema = {"type": "array", "items": schema}
+    body = {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"schema": schema}}}
+    error = _assert_error_shape(_post(server, "/v1/completions", body), 400)
+    assert (
+        error["param"] == "response_format" and "101 levels" in error["message"] and "64" in error["message"]
+    )
+
+
+def test_strict_type_errors_name_the_field_expected_and_found(server: ServerProcess) -> None:
+    error = _assert_error_shape(_post(server, "/v1/completions", {"prompt": "x", "max_tokens": "10"}), 400)
+    assert error["message"] == "max_tokens: Input should be a valid integer (got '10')"
+    body = {"messages": [{"role": "user", "content": [{"type": "text"}]}]}
+    error = _assert_error_shape(_post(server, "/v1/chat/completions", body), 400)
+    assert error["message"].startswith("messages[0].content[0]: a content part of type 'text' needs")
+
+
+def test_lone_surrogate_error_names_where_it_is(server: ServerProcess) -> None:
+    body = {"messages": [{"role": "user", "content": "ok"}, {"role": "user", "content": "bad \ud800"}]}
+    error = _assert_error_shape(_post(server, "/v1/chat/completions", body), 400)
+    assert error["message"].startswith("messages[1].content holds a lone UTF-16 surrogate")
+
+
+def test_fanout_error_names_the_limit_and_its_flag(server: ServerProcess) -> None:
+    body = {"prompt": ["hi"] * 129, "n": 128, "max_tokens": 1}
+    error = _assert_error_shape(_post(server, "/v1/completions", body), 400)
+    assert "16512 choices" in error["message"] and "--max-choices-per-request" in error["message"]
 
 
 def test_malformed_json_names_the_problem(server: ServerProcess) -> None:
@@ -196,6 +371,12 @@ def test_missing_or_wrong_api_key_is_401_and_health_needs_none(server: ServerPro
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
         error = _assert_error_shape(_post(server, "/v1/completions", {"prompt": "x"}, headers), 401)
         assert error["type"] == "authentication_error"
+    for path in ("/tokenize", "/detokenize"):
+        _assert_error_shape(_post(server, path, {"prompt": "x"}, {}), 401)
+    for path in ("/load", "/v1/models", "/openapi.json", "/docs"):
+        _assert_error_shape(httpx.get(f"{server.url}{path}"), 401)
+    for path in ("/health", "/version", "/metrics"):
+        assert httpx.get(f"{server.url}{path}").status_code == 200, path
     assert httpx.get(f"{server.url}/health").status_code == 200
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.base_url, api_key="wrong", max_retries=0).models.list()
@@ -220,6 +401,40 @@ def test_oversized_body_is_413_with_or_without_content_length(server: ServerProc
         headers={**AUTH, "content-type": "application/json"},
     )
     _assert_error_shape(response, 413)
+
+
+def test_body_shorter_than_its_content_length_times_out_with_408() -> None:
+    with running_server("--body-read-timeout-s", "1") as server:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as conn:
+            started = time.monotonic()
+            conn.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 100\r\n\r\n" + b'{"prompt": "x"'
+            )
+            reply = conn.recv(65536).decode()
+            waited = time.monotonic() - started
+            head, _, body = reply.partition("\r\n\r\n")
+            length = int(head.lower().split("content-length: ")[1].split("\r\n")[0])
+            while len(body.encode()) < length:
+                body += conn.recv(65536).decode()
+        assert reply.startswith("HTTP/1.1 408"), reply
+        assert "--body-read-timeout-s" in json.loads(body)["error"]["message"] and 0.9 < waited < 5
+
+
+def test_openapi_documents_400_and_the_error_schema_never_422(server: ServerProcess) -> None:
+    doc = httpx.get(f"{server.url}/openapi.json", headers=AUTH).json()
+    assert "422" not in json.dumps(doc["paths"]) and "HTTPValidationError" not in json.dumps(doc)
+    completions = doc["paths"]["/v1/completions"]["post"]["responses"]
+    assert {"200", "400", "401", "404", "413", "503"} <= set(completions)
+    schema = completions["400"]["content"]["application/json"]["schema"]
+    assert schema == {"$ref": "#/components/schemas/ErrorResponse"}
+    assert set(doc["components"]["schemas"]["ErrorBody"]["properties"]) == {
+        "message",
+        "type",
+        "param",
+        "code",
+    }
+    assert "401" not in doc["paths"]["/health"]["get"]["responses"]
 
 
 def test_unknown_route_is_404_in_the_error_shape(server: ServerProcess) -> None:

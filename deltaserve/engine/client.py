@@ -3,8 +3,12 @@
 `AsyncEngineClient.start(config)` spawns the engine process and returns once the engine is ready (model
 loaded, caches sized). `generate()` submits one request and yields its RequestUpdates until the terminal
 one; leaving the iterator early (client disconnect, cancellation) aborts the engine request. If the
-engine process dies, every in-flight request gets an "error" terminal, `dead` turns true and
-`on_dead` is called (the server turns /health 503 and exits non-zero): never a zombie that accepts work.
+engine process dies, or hangs, every in-flight request's iterator raises EngineDeadError, `dead` turns
+true and `on_dead` is called (the server turns /health 503 and exits non-zero): never a zombie that
+accepts work.
+
+A hung engine (engine/liveness.py: told from a slow one by its heartbeats) is killed, then treated as
+dead.
 """
 
 from __future__ import annotations
@@ -17,22 +21,25 @@ import os
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
 
 from deltaserve.config import EngineConfig
 from deltaserve.engine.core import EngineInfo
+from deltaserve.engine.liveness import HangLimits, hang_reason
 from deltaserve.engine.process import run_engine_process
 from deltaserve.engine.protocol import (
     AbortRequest,
     AddRequest,
     ClientMessage,
+    Heartbeat,
     LoadSnapshot,
     RequestUpdate,
     ResetPrefixCache,
     Shutdown,
-    decode_outputs,
+    decode_engine_message,
     encode_client_message,
 )
 from deltaserve.errors import ConfigError
@@ -47,6 +54,13 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+@dataclass(frozen=True, slots=True)
+class _EngineGone:
+    """Put on every in-flight request's queue when the engine dies or the client shuts down."""
+
+    reason: str
+
+
 class AsyncEngineClient:
     def __init__(
         self,
@@ -56,6 +70,7 @@ class AsyncEngineClient:
         push: zmq.asyncio.Socket,
         pull: zmq.asyncio.Socket,
         sock_dir: str,
+        limits: HangLimits,
     ) -> None:
         self.info = info
         self.load = LoadSnapshot(
@@ -72,12 +87,17 @@ class AsyncEngineClient:
         self._push = push
         self._pull = pull
         self._sock_dir = sock_dir
-        self._queues: dict[str, asyncio.Queue[RequestUpdate]] = {}
+        self._limits = limits
+        self._queues: dict[str, asyncio.Queue[RequestUpdate | _EngineGone]] = {}
         self._tasks: list[asyncio.Task] = []
         self._closing = False
+        self._last_heard = time.monotonic()  # any message from the engine
+        self._last_heartbeat: Heartbeat | None = None
 
     @classmethod
-    async def start(cls, config: EngineConfig, *, startup_timeout_s: float = 1800.0) -> AsyncEngineClient:
+    async def start(
+        cls, config: EngineConfig, *, startup_timeout_s: float = 1800.0, limits: HangLimits | None = None
+    ) -> AsyncEngineClient:
         sock_dir = tempfile.mkdtemp(prefix="deltaserve-")
         input_addr = f"ipc://{os.path.join(sock_dir, 'input')}"
         output_addr = f"ipc://{os.path.join(sock_dir, 'output')}"
@@ -119,7 +139,7 @@ class AsyncEngineClient:
             pull.close(0)
             ctx.term()
             raise ConfigError(str(payload))
-        client = cls(EngineInfo(**payload), process, ctx, push, pull, sock_dir)
+        client = cls(EngineInfo(**payload), process, ctx, push, pull, sock_dir, limits or HangLimits())
         client._tasks = [asyncio.create_task(client._receive()), asyncio.create_task(client._watchdog())]
         return client
 
@@ -136,7 +156,7 @@ class AsyncEngineClient:
             raise EngineDeadError(self.dead_reason or "the engine is not running (shutting down)")
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        q: asyncio.Queue[RequestUpdate] = asyncio.Queue()
+        q: asyncio.Queue[RequestUpdate | _EngineGone] = asyncio.Queue()
         self._queues[request_id] = q
         finished = False
         try:
@@ -151,6 +171,9 @@ class AsyncEngineClient:
             )
             while True:
                 update = await q.get()
+                if isinstance(update, _EngineGone):
+                    finished = True
+                    raise EngineDeadError(update.reason)
                 finished = update.finished
                 yield update
                 if finished:
@@ -177,8 +200,12 @@ class AsyncEngineClient:
     async def _receive(self) -> None:
         while True:
             data = await self._pull.recv()
-            outputs = decode_outputs(data)
+            self._last_heard = time.monotonic()
+            outputs = decode_engine_message(data)
             self.load = outputs.load
+            if isinstance(outputs, Heartbeat):
+                self._last_heartbeat = outputs
+                continue
             if self.on_outputs is not None:
                 self.on_outputs(outputs.updates)
             for update in outputs.updates:
@@ -189,9 +216,26 @@ class AsyncEngineClient:
     async def _watchdog(self) -> None:
         while self._process.is_alive():
             await asyncio.sleep(WATCHDOG_INTERVAL_S)
+            hang = None if self._closing else await self._hang()
+            if hang is not None:
+                self._process.kill()
+                self._mark_dead(hang)
+                return
         await asyncio.sleep(WATCHDOG_INTERVAL_S)  # let the engine's last outputs arrive
         if not self._closing:
             self._mark_dead(f"the engine process exited (exit code {self._process.exitcode})")
+
+    async def _hang(self) -> str | None:
+        """Why the engine counts as hung, or None. Messages still unread (this loop was busy) are news."""
+        silent = time.monotonic() - self._last_heard
+        reason = hang_reason(silent, self._last_heartbeat, bool(self._queues), self._limits)
+        if (
+            reason is not None
+            and silent > self._limits.heartbeat_timeout_s
+            and await self._pull.poll(timeout=0)
+        ):
+            return None
+        return reason
 
     def _mark_dead(self, reason: str) -> None:
         if self.dead:
@@ -199,15 +243,15 @@ class AsyncEngineClient:
         self.dead = True
         self.dead_reason = reason
         logger.error("%s; failing %d in-flight requests", reason, len(self._queues))
-        for rid, q in list(self._queues.items()):
-            q.put_nowait(RequestUpdate(rid, finish_reason="error", error=reason))
+        for q in list(self._queues.values()):
+            q.put_nowait(_EngineGone(reason))
         if self.on_dead is not None:
             self.on_dead(reason)
 
     async def shutdown(self, reason: str = "server shutting down", timeout_s: float = 30.0) -> None:
         """Asks the engine to give every in-flight request its terminal, then stops it."""
         self._closing = True
-        if self._process.is_alive():
+        if self._process.is_alive() and not self.dead:
             await self._send(Shutdown(reason))
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(None, self._process.join, timeout_s)
@@ -218,8 +262,8 @@ class AsyncEngineClient:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        for rid, q in list(self._queues.items()):
-            q.put_nowait(RequestUpdate(rid, finish_reason="error", error=reason))
+        for q in list(self._queues.values()):
+            q.put_nowait(_EngineGone(reason))
         self._push.close(0)
         self._pull.close(0)
         self._ctx.term()

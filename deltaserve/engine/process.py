@@ -4,6 +4,10 @@ Sockets: the client binds a PUSH socket for requests and a PULL socket for outpu
 private temp dir); the engine connects. Start-up reports over a pipe: ("ready", EngineInfo fields) or
 ("error", message). The engine exits when the scheduler stops (Shutdown message or fatal error: the
 scheduler has then already sent every owned request its terminal), or when its parent dies.
+
+A heartbeat thread sends a Heartbeat every HEARTBEAT_INTERVAL_S (engine/protocol.py) with how long the
+scheduler loop has gone without completing a tick: the loop replaces `scheduler.load` on every tick,
+idle ones included, so a snapshot that is still the same object means no tick ended since.
 """
 
 from __future__ import annotations
@@ -13,17 +17,38 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 import zmq
 
 from deltaserve.config import EngineConfig
-from deltaserve.engine.protocol import StepOutputs, decode_client_message, encode_outputs
+from deltaserve.engine.protocol import (
+    HEARTBEAT_INTERVAL_S,
+    EngineMessage,
+    Heartbeat,
+    decode_client_message,
+    encode_engine_message,
+)
 from deltaserve.errors import ConfigError
+
+if TYPE_CHECKING:
+    from deltaserve.engine.core import EngineCore
 
 logger = logging.getLogger(__name__)
 
 PARENT_POLL_S = 0.1
+ENGINE_PROCESS_NAME = "dserve-engine"  # what ps and top show (Linux keeps 15 characters)
+
+
+def set_process_name(name: str) -> None:
+    """Names this process for ps/top on Linux; a no-op elsewhere."""
+    try:
+        with open("/proc/self/comm", "w") as comm:
+            comm.write(name[:15])
+    except OSError:
+        pass
 
 
 def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str, ready: Connection) -> None:
@@ -31,6 +56,7 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str, 
         level=os.environ.get("DELTASERVE_LOG_LEVEL", "INFO"),
         format="%(asctime)s engine %(levelname)s %(message)s",
     )
+    set_process_name(ENGINE_PROCESS_NAME)
     parent = os.getppid()
     try:
         from deltaserve.engine.core import EngineCore
@@ -51,8 +77,8 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str, 
     outbox.connect(output_addr)
     send_lock = threading.Lock()
 
-    def publish(outputs: StepOutputs) -> None:
-        data = encode_outputs(outputs)
+    def publish(msg: EngineMessage) -> None:
+        data = encode_engine_message(msg)
         with send_lock:
             outbox.send(data)
 
@@ -61,6 +87,10 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str, 
     ready.close()
     thread = core.thread
     assert thread is not None
+    beating = threading.Event()
+    threading.Thread(
+        target=_send_heartbeats, args=(core, publish, beating), name="deltaserve-heartbeat", daemon=True
+    ).start()
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
     while thread.is_alive():
@@ -76,6 +106,7 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str, 
             core.shutdown("the API server process is gone")
             break
     thread.join(timeout=30)
+    beating.set()
     core.close()
     failed = core.scheduler is not None and not core.scheduler.stopped
     time.sleep(0.1)  # let the last outputs leave the socket
@@ -83,3 +114,19 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str, 
     inbox.close(linger=0)
     ctx.term()
     raise SystemExit(1 if failed else 0)
+
+
+def _send_heartbeats(
+    core: EngineCore, publish: Callable[[EngineMessage], None], stop: threading.Event
+) -> None:
+    scheduler = core.scheduler
+    assert scheduler is not None
+    last_load, last_tick = scheduler.load, time.monotonic()
+    while not stop.wait(HEARTBEAT_INTERVAL_S):
+        load, now = scheduler.load, time.monotonic()
+        if load is not last_load:
+            last_load, last_tick = load, now
+        try:
+            publish(Heartbeat(stalled_s=now - last_tick, load=load))
+        except zmq.ZMQError:  # the socket closed: the process is exiting
+            return

@@ -102,14 +102,27 @@ class StepOutputs:
     load: LoadSnapshot
 
 
+@dataclass(slots=True)
+class Heartbeat:
+    """Sent by the engine process every HEARTBEAT_INTERVAL_S, whatever its scheduler loop is doing: its
+    absence means the process is frozen; a growing `stalled_s` while the client has requests in flight
+    means the loop is stuck (or in a long step)."""
+
+    stalled_s: float  # since the scheduler loop last completed a tick (it replaces its load each tick)
+    load: LoadSnapshot
+
+
+HEARTBEAT_INTERVAL_S = 0.5
+
 ClientMessage = AddRequest | AbortRequest | Shutdown | ResetPrefixCache
+EngineMessage = StepOutputs | Heartbeat
 
 _encoder = msgspec.msgpack.Encoder()
 _envelope = msgspec.msgpack.Decoder(tuple[str, msgspec.Raw])
 _client_decoders = {
     t.__name__: msgspec.msgpack.Decoder(t) for t in (AddRequest, AbortRequest, Shutdown, ResetPrefixCache)
 }
-_output_decoder = msgspec.msgpack.Decoder(StepOutputs)
+_engine_decoders = {t.__name__: msgspec.msgpack.Decoder(t) for t in (StepOutputs, Heartbeat)}
 
 
 def encode_client_message(msg: ClientMessage) -> bytes:
@@ -121,9 +134,10 @@ def decode_client_message(data: bytes) -> ClientMessage:
     return _client_decoders[name].decode(payload)
 
 
-def encode_outputs(outputs: StepOutputs) -> bytes:
-    return _encoder.encode(outputs)
+def encode_engine_message(msg: EngineMessage) -> bytes:
+    return _encoder.encode((type(msg).__name__, msg))
 
 
-def decode_outputs(data: bytes) -> StepOutputs:
-    return _output_decoder.decode(data)
+def decode_engine_message(data: bytes) -> EngineMessage:
+    name, payload = _envelope.decode(data)
+    return _engine_decoders[name].decode(payload)

@@ -17,14 +17,15 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import re
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-import torch
-
+from deltaserve.engine.schema_rules import SchemaRuleError, check_schema
 from deltaserve.sampling_params import StructuredOutputParams
 
 if TYPE_CHECKING:
+    import torch
     import xgrammar
 
     from deltaserve.tokenizer import Tokenizer
@@ -43,12 +44,27 @@ def grammar_vocabulary(tokenizer: Tokenizer) -> list[str]:
 
 
 class StructuredOutputError(ValueError):
-    """The request's structured output cannot be served (no xgrammar, or a schema it cannot compile)."""
+    """The request's structured output cannot be served (no xgrammar, a schema it cannot compile or
+    would not enforce: schema_rules.py)."""
+
+
+# xgrammar prefixes its messages with a log time and its C++ source position: "[12:00:00] /x/y.cc:42: ".
+_XGRAMMAR_PREFIX = re.compile(r"\[[0-9:]+\] \S+:[0-9]+: ")
+
+
+def compiler_message(err: Exception) -> str:
+    """xgrammar's message for a client: its text without the log prefix and source paths."""
+    return _XGRAMMAR_PREFIX.sub("", str(err)).strip()
 
 
 class GrammarBackend:
-    """Compiles grammars for one tokenizer (built on first use: reading the vocabulary takes ~0.2 s) and
-    caches them by specification."""
+    """Compiles grammars for one tokenizer and caches them by specification.
+
+    The compiler (xgrammar, the vocabulary, the built-in JSON grammar: about 2 s on CPU) is built with
+    the backend, so before the engine reports ready: built on the first structured-output request it
+    would stall that request's caller, the scheduler thread, and every stream with it. (Built on a
+    background thread instead, it stalls them all the same: it holds the GIL for seconds at a time.)
+    """
 
     def __init__(self, vocabulary: Callable[[], list[str]], stop_token_ids: Sequence[int]) -> None:
         self._vocabulary = vocabulary
@@ -56,6 +72,26 @@ class GrammarBackend:
         self._compiler: xgrammar.GrammarCompiler | None = None
         self.vocab_size = 0
         self._compiled: dict[tuple[object, ...], xgrammar.CompiledGrammar] = {}
+        if grammars_available():
+            try:
+                self._compiler_for_vocabulary().compile_builtin_json_grammar()
+            except Exception:  # the first structured-output request reports it
+                logger.exception("building the grammar compiler failed")
+
+    def _compiler_for_vocabulary(self) -> xgrammar.GrammarCompiler:
+        import xgrammar as xgr
+
+        if self._compiler is None:
+            vocab = self._vocabulary()
+            info = xgr.TokenizerInfo(
+                vocab,
+                vocab_type=xgr.VocabType.BYTE_LEVEL,
+                vocab_size=len(vocab),
+                stop_token_ids=self._stop_token_ids,
+            )
+            self._compiler = xgr.GrammarCompiler(info)
+            self.vocab_size = len(vocab)
+        return self._compiler
 
     def grammar(self, spec: StructuredOutputParams) -> RequestGrammar:
         try:
@@ -64,16 +100,7 @@ class GrammarBackend:
             raise StructuredOutputError(
                 "structured output needs the xgrammar package on the server (pip install deltaserve[structured])"
             ) from err
-        if self._compiler is None:
-            vocab = self._vocabulary()
-            self.vocab_size = len(vocab)
-            info = xgr.TokenizerInfo(
-                vocab,
-                vocab_type=xgr.VocabType.BYTE_LEVEL,
-                vocab_size=self.vocab_size,
-                stop_token_ids=self._stop_token_ids,
-            )
-            self._compiler = xgr.GrammarCompiler(info)
+        compiler = self._compiler_for_vocabulary()
         key = (
             spec.json_object,
             spec.json_schema,
@@ -84,9 +111,18 @@ class GrammarBackend:
         )
         compiled = self._compiled.get(key)
         if compiled is None:
-            compiled = _compile(self._compiler, spec)
+            if spec.json_schema is not None:
+                try:
+                    check_schema(json.loads(spec.json_schema))
+                except (SchemaRuleError, RecursionError, ValueError) as err:
+                    raise StructuredOutputError(f"the JSON schema cannot be served: {err}") from err
+            compiled = _compile(compiler, spec)
             self._compiled[key] = compiled
         return RequestGrammar(xgr.GrammarMatcher(compiled), spec.start_after_token_id, self.vocab_size)
+
+    def forget(self) -> None:
+        """Drops the compiled grammars kept for reuse (the compiler itself stays)."""
+        self._compiled.clear()
 
 
 def _choice_key(spec: StructuredOutputParams) -> tuple[str, ...] | None:
@@ -124,7 +160,7 @@ def _compile(compiler: xgrammar.GrammarCompiler, spec: StructuredOutputParams) -
         what = {"json_schema": "JSON schema", "ebnf": "grammar", "json_object": "JSON grammar"}.get(
             kind, kind
         )
-        raise StructuredOutputError(f"the {what} cannot be compiled: {err}") from err
+        raise StructuredOutputError(f"the {what} cannot be compiled: {compiler_message(err)}") from err
 
 
 def _compile_ebnf_or_lark(compiler: xgrammar.GrammarCompiler, grammar: str) -> xgrammar.CompiledGrammar:
@@ -136,7 +172,7 @@ def _compile_ebnf_or_lark(compiler: xgrammar.GrammarCompiler, grammar: str) -> x
             return compiler.compile_lark(grammar)
         except Exception:
             raise StructuredOutputError(
-                f"the grammar cannot be compiled as EBNF (nor as Lark): {ebnf_error}"
+                f"the grammar cannot be compiled as EBNF (nor as Lark): {compiler_message(ebnf_error)}"
             ) from ebnf_error
 
 

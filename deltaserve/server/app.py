@@ -1,8 +1,10 @@
-"""The FastAPI app (routes, error shapes, auth, body limit) and `run_server`, what `deltaserve serve` runs.
+"""The FastAPI app (routes, error shapes, auth, body limits) and `run_server`, what `deltaserve serve` runs.
 
 Every error leaves as `{"error": {"message", "type", "param", "code"}}`: APIError from handlers,
 FastAPI's request validation (400, `param` = the top-level field), unknown routes (404), oversized
-bodies (413), missing or wrong API key (401), anything unexpected (500, logged).
+bodies (413), bodies that do not arrive in time (408), missing or wrong API key (401), an unavailable
+engine or a full queue (503), anything unexpected (500, logged). The OpenAPI document says so
+(openapi.py).
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ from deltaserve.server import chat, completions, invocations, responses, service
 from deltaserve.server.args import ServerConfig
 from deltaserve.server.disconnect import ClientDisconnected
 from deltaserve.server.errors import AUTHENTICATION, INVALID_REQUEST, NOT_FOUND, SERVER_ERROR, APIError
-from deltaserve.server.middleware import APIKeyAuth, BodySizeLimit
+from deltaserve.server.middleware import APIKeyAuth, BodyReadTimeout, BodySizeLimit
+from deltaserve.server.openapi import openapi_document
 from deltaserve.server.state import ServerState
+from deltaserve.server.text_checks import LONE_SURROGATE, format_path
 
 logger = logging.getLogger("deltaserve.server")
 
@@ -41,14 +45,18 @@ def build_app(state: ServerState) -> FastAPI:
     app.state.server = state
     for module in (completions, chat, responses, tokenize, service, invocations):
         app.include_router(module.router)
+    app.openapi = lambda: openapi_document(app)  # type: ignore[method-assign]
     app.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
     app.add_exception_handler(ClientDisconnected, _client_gone)
     app.add_exception_handler(Exception, _unexpected)
     app.add_middleware(BodySizeLimit, max_bytes=state.config.max_request_body_bytes)
-    if state.config.api_key:
-        app.add_middleware(APIKeyAuth, api_key=state.config.api_key)
+    app.add_middleware(BodyReadTimeout, timeout_s=state.config.body_read_timeout_s)
+    if state.config.api_key:  # checked before any body is read
+        app.add_middleware(
+            APIKeyAuth, api_key=state.config.api_key, protect_metrics=state.config.protect_metrics
+        )
     cors = state.config.cors
     if cors is not None:  # outermost: preflights and error responses get the CORS headers too
         app.add_middleware(
@@ -69,27 +77,47 @@ async def _api_error(request: Request, exc: APIError) -> JSONResponse:
     return exc.response_json()
 
 
+_SHOWN_CHARS = 80  # of a found value quoted in an error message
+_UNION_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+
+
+def _is_union_tag(part: object) -> bool:
+    """pydantic names the member of a union in `loc` ('str', 'list[int]', 'function-after[...]')."""
+    return isinstance(part, str) and (part in _UNION_TAGS or "[" in part or part[:1].isupper())
+
+
 def _describe(error: dict[str, Any]) -> tuple[str | None, str]:
     """(param, message) of one pydantic error: param is the top-level body field."""
-    loc = [str(part) for part in error.get("loc", ())]
+    loc = list(error.get("loc", ()))
+    if error.get("type") == LONE_SURROGATE:
+        return (error.get("ctx") or {}).get("field"), error.get("msg", "invalid text")
     if error.get("type") == "json_invalid":
         reason = (error.get("ctx") or {}).get("error", "invalid JSON")
         position = loc[1] if len(loc) > 1 else "?"
         return None, f"the request body is not valid JSON: {reason} at position {position}"
     fields = loc[1:] if loc and loc[0] == "body" else loc
+    fields = [part for part in fields if not _is_union_tag(part)]
     if not fields:
         return None, f"the request body must be a JSON object ({error.get('msg', 'invalid')})"
-    path = ".".join(fields)
+    path = format_path(fields)
     if error.get("type") == "missing":
-        return fields[0], f"{path} is required"
+        return str(fields[0]), f"{path} is required"
     found = error.get("input")
     shown = repr(found) if isinstance(found, str | int | float | bool | type(None)) else type(found).__name__
-    return fields[0], f"{path}: {error.get('msg', 'invalid value')} (got {shown})"
+    if len(shown) > _SHOWN_CHARS:
+        shown = f"{shown[:_SHOWN_CHARS]}... ({len(shown)} characters)"
+    message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
+    return str(fields[0]), f"{path}: {message} (got {shown})"
+
+
+def _most_specific(errors: list[dict[str, Any]]) -> dict[str, Any]:
+    """Of the errors of one body (a union reports one per member), the one deepest in the body."""
+    return max(errors, key=lambda e: len([p for p in e.get("loc", ()) if not _is_union_tag(p)]))
 
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     errors = list(exc.errors())
-    param, message = _describe(errors[0]) if errors else (None, "invalid request")
+    param, message = _describe(_most_specific(errors)) if errors else (None, "invalid request")
     return _error(400, message, INVALID_REQUEST, param)
 
 
@@ -97,7 +125,7 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     kind = {401: AUTHENTICATION, 404: NOT_FOUND}.get(exc.status_code, INVALID_REQUEST)
     if exc.status_code >= 500:
         kind = SERVER_ERROR
-    code = "request_too_large" if exc.status_code == 413 else None
+    code = {413: "request_too_large", 408: "request_timeout"}.get(exc.status_code)
     message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
     if exc.status_code == 404 and message == "Not Found":
         message = f"no route for {request.method} {request.url.path}"

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from deltaserve.engine.liveness import DEFAULT_HEARTBEAT_TIMEOUT_S, DEFAULT_STEP_TIMEOUT_S, HangLimits
 from deltaserve.errors import ConfigError
 from deltaserve.sampling_params import MAX_LOGPROBS
 
@@ -49,10 +50,21 @@ class ServerConfig:
     root_path: str = ""
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
+    protect_metrics: bool = False  # with api_key: /metrics needs it too
+    body_read_timeout_s: float = 30.0
+    max_choices_per_request: int = 256  # prompts x n of one request
+    max_queued_requests: int = 1024  # engine requests sent and not yet started
+    structured_output_compile_timeout_s: float = 2.0
+    engine_heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
+    engine_step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S
 
     @property
     def served_model_name(self) -> str | None:
         return self.served_model_names[0] if self.served_model_names else None
+
+    @property
+    def hang_limits(self) -> HangLimits:
+        return HangLimits(self.engine_heartbeat_timeout_s, self.engine_step_timeout_s)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServerConfig:
@@ -79,6 +91,13 @@ class ServerConfig:
             root_path=args.root_path,
             ssl_keyfile=args.ssl_keyfile,
             ssl_certfile=args.ssl_certfile,
+            protect_metrics=args.protect_metrics,
+            body_read_timeout_s=args.body_read_timeout_s,
+            max_choices_per_request=args.max_choices_per_request,
+            max_queued_requests=args.max_queued_requests,
+            structured_output_compile_timeout_s=args.structured_output_compile_timeout_s,
+            engine_heartbeat_timeout_s=args.engine_heartbeat_timeout_s,
+            engine_step_timeout_s=args.engine_step_timeout_s,
         )
         config.validate()
         return config
@@ -109,6 +128,21 @@ class ServerConfig:
         for flag, path in (("--ssl-keyfile", self.ssl_keyfile), ("--ssl-certfile", self.ssl_certfile)):
             if path is not None and not os.path.isfile(path):
                 raise ConfigError(f"{flag} must be a readable file, got {path!r} (no such file)")
+        for flag, value in (
+            ("--body-read-timeout-s", self.body_read_timeout_s),
+            ("--structured-output-compile-timeout-s", self.structured_output_compile_timeout_s),
+            ("--engine-heartbeat-timeout-s", self.engine_heartbeat_timeout_s),
+            ("--engine-step-timeout-s", self.engine_step_timeout_s),
+        ):
+            if not value > 0:
+                raise ConfigError(f"{flag} must be > 0, got {value}")
+        if self.max_choices_per_request < 1:
+            raise ConfigError(f"--max-choices-per-request must be >= 1, got {self.max_choices_per_request}")
+        if self.max_queued_requests < self.max_choices_per_request:
+            raise ConfigError(
+                f"--max-queued-requests ({self.max_queued_requests}) must be >= --max-choices-per-request "
+                f"({self.max_choices_per_request}): a request of the largest fan-out must fit the queue"
+            )
 
 
 def _chat_template(value: str | None) -> tuple[str | None, str | None]:
@@ -178,7 +212,11 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV),
-        help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}; unset: no auth)",
+        help=f"require 'Authorization: Bearer KEY' on every route but /health, /ping, /version and /metrics "
+        f"(default: ${API_KEY_ENV}; unset: no auth)",
+    )
+    g.add_argument(
+        "--protect-metrics", action="store_true", help="with --api-key, /metrics needs the key too"
     )
     g.add_argument(
         "--max-request-body-bytes",
@@ -208,6 +246,44 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         "--default-chat-template-kwargs",
         default=None,
         help="JSON object merged under each request's chat_template_kwargs, e.g. '{\"enable_thinking\": false}'",
+    )
+    g.add_argument(
+        "--body-read-timeout-s",
+        type=float,
+        default=d.body_read_timeout_s,
+        help="a request body not received in full within this many seconds gets HTTP 408",
+    )
+    g.add_argument(
+        "--max-choices-per-request",
+        type=int,
+        default=d.max_choices_per_request,
+        help="the most choices (prompts x n) one request may ask for; more is HTTP 400",
+    )
+    g.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=d.max_queued_requests,
+        help="engine requests that may wait to start; a request past it gets HTTP 503 with Retry-After",
+    )
+    g.add_argument(
+        "--structured-output-compile-timeout-s",
+        type=float,
+        default=d.structured_output_compile_timeout_s,
+        help="a JSON schema or grammar that takes longer to compile gets HTTP 400",
+    )
+    g.add_argument(
+        "--engine-heartbeat-timeout-s",
+        type=float,
+        default=d.engine_heartbeat_timeout_s,
+        help="an engine process silent this long (it sends a heartbeat every 0.5 s) is hung: /health "
+        "turns 503, in-flight requests fail, the server exits 1",
+    )
+    g.add_argument(
+        "--engine-step-timeout-s",
+        type=float,
+        default=d.engine_step_timeout_s,
+        help="an engine loop that completes no step for this long while requests are pending is hung "
+        "(keep it above the longest legitimate step: a full prefill chunk of the model on this device)",
     )
     g.add_argument(
         "--uvicorn-log-level",

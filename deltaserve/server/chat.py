@@ -32,6 +32,7 @@ from deltaserve.server.disconnect import unless_disconnected
 from deltaserve.server.errors import APIError, bad_request, unsupported
 from deltaserve.server.generation import EngineRequest, generate, merge, terminal_error
 from deltaserve.server.logprobs import chat_logprobs, prompt_logprobs
+from deltaserve.server.offload import body_size
 from deltaserve.server.parsers import ParsedDelta
 from deltaserve.server.protocol import (
     ChatChoice,
@@ -69,27 +70,39 @@ async def create_chat_completion(
     state.check_available()
     refuse_meaningful_fields("/v1/chat/completions", body.model_extra)
     state.warn_unknown_fields("/v1/chat/completions", body.unknown_fields())
-    prompt = _render(state, body)
-    params = _params(state, body, prompt)
-    state.check_structured_output(params, "tools" if prompt.forced_prefix else structured_field(body))
-    max_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    check_context_window(
-        len(prompt.token_ids), params.max_tokens, state.max_model_len, max_tokens_field=max_field
-    )
+    state.admission.check_fanout(1, body.n)
+    prompt, params = await state.workers.run(await body_size(request), _prepare, state, body)
+    await state.check_structured_output(params, "tools" if prompt.forced_prefix else structured_field(body))
     rid = f"chatcmpl-{uuid.uuid4().hex}"
+    place = state.admission.reserve(body.n)
     reqs = [
         EngineRequest(
             rid if body.n == 1 else f"{rid}-{j}",
             prompt.text,
             prompt.token_ids,
             choice_params,
-            prompt.cache_points,
+            place,
+            cache_points=prompt.cache_points,
         )
         for j, choice_params in enumerate(params.per_choice(body.n))
     ]
     if body.stream:
-        return SSEResponse(_stream(state, body, prompt, rid, reqs, arrival))
-    return await unless_disconnected(request, _complete(state, body, prompt, rid, reqs, arrival))
+        return SSEResponse(_stream(state, body, prompt, rid, reqs, arrival), on_close=place.release_all)
+    try:
+        return await unless_disconnected(request, _complete(state, body, prompt, rid, reqs, arrival))
+    finally:
+        place.release_all()
+
+
+def _prepare(state: ServerState, body: ChatCompletionRequest) -> tuple[ChatPrompt, SamplingParams]:
+    """The rendered, tokenized prompt and checked parameters (runs on a worker thread)."""
+    prompt = _render(state, body)
+    params = _params(state, body, prompt)
+    max_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    check_context_window(
+        len(prompt.token_ids), params.max_tokens, state.max_model_len, max_tokens_field=max_field
+    )
+    return prompt, params
 
 
 def _render(state: ServerState, body: ChatCompletionRequest) -> ChatPrompt:
@@ -116,6 +129,7 @@ def _render(state: ServerState, body: ChatCompletionRequest) -> ChatPrompt:
         add_generation_prompt=_adds_generation_prompt(body),
         continue_final_message=body.continue_final_message,
         parallel_tool_calls=body.parallel_tool_calls is not False,
+        max_model_len=state.max_model_len,
     )
 
 

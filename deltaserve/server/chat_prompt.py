@@ -20,6 +20,7 @@ from typing import Any
 
 from deltaserve.errors import RequestValidationError
 from deltaserve.server.errors import bad_request, from_validation
+from deltaserve.server.sampling import check_prompt_text
 from deltaserve.tokenizer import Tokenizer
 
 _RESERVED_TEMPLATE_KWARGS = frozenset(
@@ -94,9 +95,13 @@ def render_chat_prompt(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     parallel_tool_calls: bool = True,
+    max_model_len: int | None = None,
+    messages_field: str = "messages",
 ) -> ChatPrompt:
-    """Raises APIError (400) for messages the template refuses or a tool_choice that cannot be met.
-    With `continue_final_message` the output continues the last message (no generation prompt)."""
+    """Raises APIError (400, naming `messages_field`) for messages the template refuses, a tool_choice
+    that cannot be met, or, with `max_model_len`, a rendered text too long to fit it (refused before
+    it is tokenized). With `continue_final_message` the output continues the last message (no
+    generation prompt)."""
     tools = tools or None
     check_tool_choice(tool_choice, tools)
     reserved = sorted(_RESERVED_TEMPLATE_KWARGS & template_kwargs.keys())
@@ -132,9 +137,11 @@ def render_chat_prompt(
             **kwargs,
         )
     except RequestValidationError as err:
-        raise from_validation(err) from err
+        raise from_validation(err, {"messages": messages_field}) from err
     thinking = text.rstrip().endswith("<think>")
     text += forced
+    if max_model_len is not None:
+        check_prompt_text(text, max_model_len, tokenizer.max_token_chars, param=messages_field)
     token_ids = tokenizer.encode(text)
     return ChatPrompt(
         text=text,

@@ -22,10 +22,12 @@ from fastapi.responses import Response
 
 from deltaserve.engine.output import OutputDelta
 from deltaserve.engine.protocol import TokenLogprobs
+from deltaserve.sampling_params import SamplingParams
 from deltaserve.server.disconnect import unless_disconnected
 from deltaserve.server.errors import APIError, bad_request, unsupported
 from deltaserve.server.generation import EngineRequest, generate, merge, terminal_error
 from deltaserve.server.logprobs import completion_logprobs, echoed_prompt_logprobs, prompt_logprobs
+from deltaserve.server.offload import body_size
 from deltaserve.server.protocol import (
     CompletionChoice,
     CompletionChunk,
@@ -37,7 +39,7 @@ from deltaserve.server.protocol import (
     now,
 )
 from deltaserve.server.refused_fields import refuse_meaningful_fields
-from deltaserve.server.sampling import build_params, check_context_window, structured_field
+from deltaserve.server.sampling import build_params, check_context_window, check_prompt_text, structured_field
 from deltaserve.server.sse import DONE, SSEResponse, data_event
 from deltaserve.server.state import ServerState, get_state
 
@@ -54,6 +56,29 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     refuse_meaningful_fields("/v1/completions", body.model_extra)
     state.warn_unknown_fields("/v1/completions", body.unknown_fields())
     _refuse_unsupported(body)
+    state.admission.check_fanout(_num_prompts(body), body.n)
+    prompts, params = await state.workers.run(await body_size(request), _prepare, state, body)
+    await state.check_structured_output(params, structured_field(body))
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    place = state.admission.reserve(len(prompts) * body.n)
+    per_choice = params.per_choice(body.n)
+    reqs = [
+        EngineRequest(f"{rid}-{i * body.n + j}", text, ids, choice_params, place)
+        for i, (text, ids) in enumerate(prompts)
+        for j, choice_params in enumerate(per_choice)
+    ]
+    if body.stream:
+        return SSEResponse(_stream(state, body, rid, reqs, arrival), on_close=place.release_all)
+    try:
+        return await unless_disconnected(request, _complete(state, body, rid, reqs, arrival))
+    finally:
+        place.release_all()
+
+
+def _prepare(
+    state: ServerState, body: CompletionRequest
+) -> tuple[list[tuple[str | None, list[int]]], SamplingParams]:
+    """Tokenized prompts and checked parameters (runs on a worker thread: it scales with the input)."""
     prompts = _prompts(state, body)
     echo_scores = body.logprobs if body.echo else None
     params = build_params(
@@ -68,17 +93,12 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     )
     for _, ids in prompts:
         check_context_window(len(ids), body.max_tokens, state.max_model_len)
-    state.check_structured_output(params, structured_field(body))
-    rid = f"cmpl-{uuid.uuid4().hex}"
-    per_choice = params.per_choice(body.n)
-    reqs = [
-        EngineRequest(f"{rid}-{i * body.n + j}", text, ids, choice_params)
-        for i, (text, ids) in enumerate(prompts)
-        for j, choice_params in enumerate(per_choice)
-    ]
-    if body.stream:
-        return SSEResponse(_stream(state, body, rid, reqs, arrival))
-    return await unless_disconnected(request, _complete(state, body, rid, reqs, arrival))
+    return prompts, params
+
+
+def _num_prompts(body: CompletionRequest) -> int:
+    prompt = body.prompt
+    return 1 if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else len(prompt)
 
 
 def _scores_only(body: CompletionRequest) -> bool:
@@ -124,17 +144,23 @@ def _refuse_unsupported(body: CompletionRequest) -> None:
 def _prompts(state: ServerState, body: CompletionRequest) -> list[tuple[str | None, list[int]]]:
     prompt = body.prompt
     if isinstance(prompt, str):
-        return [(prompt, state.tokenizer.encode(prompt))]
+        return [(prompt, _encode(state, prompt))]
     if not prompt:
         raise bad_request("prompt must not be an empty list", "prompt")
     if isinstance(prompt[0], int):
         return [(None, _checked_ids(state, prompt))]  # type: ignore[arg-type]
     if isinstance(prompt[0], str):
-        return [(p, state.tokenizer.encode(p)) for p in prompt]  # type: ignore[misc]
+        return [(p, _encode(state, p)) for p in prompt]  # type: ignore[misc]
     return [(None, _checked_ids(state, ids)) for ids in prompt]  # type: ignore[arg-type]
 
 
+def _encode(state: ServerState, text: str) -> list[int]:
+    check_prompt_text(text, state.max_model_len, state.tokenizer.max_token_chars)
+    return state.tokenizer.encode(text)
+
+
 def _checked_ids(state: ServerState, ids: list[int]) -> list[int]:
+    check_context_window(len(ids), None, state.max_model_len)
     vocab = state.vocab_size
     bad = next((t for t in ids if not 0 <= t < vocab), None)
     if bad is not None:

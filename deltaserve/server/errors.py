@@ -27,6 +27,7 @@ class APIError(Exception):
         type: str = INVALID_REQUEST,
         param: str | None = None,
         code: str | int | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -34,6 +35,7 @@ class APIError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers
 
     def response(self) -> ErrorResponse:
         return ErrorResponse(
@@ -41,7 +43,7 @@ class APIError(Exception):
         )
 
     def response_json(self) -> JSONResponse:
-        return JSONResponse(self.response().model_dump(), status_code=self.status)
+        return JSONResponse(self.response().model_dump(), status_code=self.status, headers=self.headers)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

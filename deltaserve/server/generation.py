@@ -18,6 +18,7 @@ from typing import TypeVar
 from deltaserve.engine.client import EngineDeadError
 from deltaserve.engine.output import OutputDelta, OutputState
 from deltaserve.sampling_params import SamplingParams
+from deltaserve.server.admission import Reservation
 from deltaserve.server.errors import SERVER_ERROR, APIError, engine_unavailable
 from deltaserve.server.state import ServerState
 
@@ -31,6 +32,7 @@ class EngineRequest:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
+    queue_place: Reservation | None = None  # held (shared with its siblings) until the request starts
     cache_points: list[int] = field(default_factory=list)  # chat message boundaries (prefix cache)
 
 
@@ -41,11 +43,15 @@ async def generate(state: ServerState, req: EngineRequest, arrival: float) -> As
     log = state.config.log_requests
     if log:
         logger.info("request %s: %d prompt tokens, %s", req.request_id, len(req.prompt_token_ids), req.params)
+    queued = req.queue_place is not None
     state.inflight += 1
     try:
         updates = state.client.generate(req.request_id, req.prompt_token_ids, req.params, req.cache_points)
         async with contextlib.aclosing(updates):
             async for update in updates:
+                if queued and req.queue_place is not None:
+                    queued = False
+                    req.queue_place.release()
                 delta = output.apply(update)
                 tracker.on_tokens(len(delta.token_ids), delta.num_prompt_tokens, update.queued_time)
                 if delta.finished:
@@ -58,6 +64,8 @@ async def generate(state: ServerState, req: EngineRequest, arrival: float) -> As
         ended_by = "error"
         raise engine_unavailable(str(exc)) from exc
     finally:
+        if queued and req.queue_place is not None:
+            req.queue_place.release()
         tracker.finish(ended_by)  # a no-op after the terminal
         state.inflight -= 1
         if log:

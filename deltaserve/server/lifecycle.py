@@ -4,10 +4,11 @@
   once the engine is ready, so nothing connects to a server that cannot serve yet.
 - SIGTERM / SIGINT: stop accepting (/health 503), let in-flight requests run for up to
   --shutdown-timeout-s, then shut the engine down, which gives every request still running its terminal
-  (an error event or response); exit 0.
-- Engine death: /health turns 503 at once, every in-flight request gets an error (the engine client
-  fans it out), new requests get 503, and the server exits 1 after DEAD_EXIT_DELAY_S: never a server
-  that accepts work it cannot do.
+  (an error event or response); exit 0. A second signal forces the exit at once: the engine is shut
+  down now, connections are not waited for; exit 1.
+- Engine death, or an engine found hung (engine/liveness.py): /health turns 503 at once, every
+  in-flight request gets a 503 error (the engine client fans it out), new requests get 503, and the
+  server exits 1 after DEAD_EXIT_DELAY_S: never a server that accepts work it cannot do.
 """
 
 from __future__ import annotations
@@ -31,9 +32,12 @@ from deltaserve.config import EngineConfig, read_sampling_defaults
 from deltaserve.engine.client import AsyncEngineClient
 from deltaserve.engine.core import resolve_model_dir
 from deltaserve.errors import ConfigError
+from deltaserve.server.admission import Admission
 from deltaserve.server.args import ServerConfig
+from deltaserve.server.grammar_check import GrammarChecker
 from deltaserve.server.logprobs import TokenTexts
 from deltaserve.server.metrics import ServerMetrics
+from deltaserve.server.offload import TextWorkers
 from deltaserve.server.response_store import ResponseStore
 from deltaserve.server.state import ServerState
 from deltaserve.server.stats_log import log_stats_periodically
@@ -45,6 +49,17 @@ DEAD_EXIT_DELAY_S = 1.0  # /health answers 503 this long before the port closes
 DEAD_ERROR_GRACE_S = 5.0  # then at most this long for in-flight responses to finish writing their error
 DEFAULT_MODEL_NAME = "deltaserve-tiny-random"
 SHUTDOWN_REASON = "the server is shutting down"
+FORCED_REASON = "the server was stopped (a second signal)"
+FORCED_ENGINE_SHUTDOWN_S = 5.0
+
+
+class _DropWritesToGoneClients(logging.Filter):
+    """asyncio logs 'socket.send() raised exception.' for every write to a connection that is already
+    gone; each client that leaves mid-stream would add lines that say nothing (the request is aborted
+    and counted in the metrics)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "socket.send() raised exception."
 
 
 def warn_random_weights() -> None:
@@ -109,17 +124,26 @@ class _Lifecycle:
     def __init__(self, state: ServerState) -> None:
         self.state = state
         self.server: _Server | None = None
-        self._engine_closed = False
+        self._engine_closing: asyncio.Future[None] | None = None
         self._drain_task: asyncio.Task[None] | None = None  # held so the task is not collected
         self._dead_task: asyncio.Future[None] | None = None
         self._loop = asyncio.get_running_loop()
+        self.forced = False
 
     def on_signal(self) -> None:
         """Runs in the signal handler: only flags and scheduling here."""
         if self.state.draining:
+            self.forced = True
+            if self.server is not None:
+                self.server.force_exit = True
+            self._loop.call_soon_threadsafe(self._start_forced_close)
             return
         self.state.draining = True
         self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_forced_close(self) -> None:
+        logger.warning("second signal: ending %d in-flight requests and exiting now", self.state.inflight)
+        asyncio.ensure_future(self.close_engine(FORCED_REASON, FORCED_ENGINE_SHUTDOWN_S))
 
     def _start_drain(self) -> None:
         self._drain_task = asyncio.create_task(self._drain(self.state.config.shutdown_timeout_s))
@@ -155,15 +179,73 @@ class _Lifecycle:
         if self.server is not None:
             self.server.should_exit = True
 
-    async def close_engine(self, reason: str) -> None:
-        if self._engine_closed:
-            return
-        self._engine_closed = True
-        await self.state.client.shutdown(reason)
+    async def close_engine(self, reason: str, timeout_s: float = 30.0) -> None:
+        """Shuts the engine down once; later calls wait for that shutdown to finish."""
+        if self._engine_closing is None:
+            self._engine_closing = asyncio.ensure_future(self.state.client.shutdown(reason, timeout_s))
+        await asyncio.shield(self._engine_closing)
 
 
 def _ignore_signal(sig: int, frame: FrameType | None) -> None:
     pass
+
+
+async def open_state(
+    config: ServerConfig, engine_config: EngineConfig, sampling_defaults: dict[str, float | int] | None = None
+) -> ServerState:
+    """Starts the engine process, the grammar compiler worker and loads the tokenizer (about a second
+    for Qwen's vocabulary) concurrently."""
+    model_dir = resolve_model_dir(engine_config.model)
+    tokenizer_load = asyncio.get_running_loop().run_in_executor(
+        None,
+        functools.partial(
+            Tokenizer.from_dir,
+            model_dir,
+            chat_template=config.chat_template,
+            chat_template_source=config.chat_template_source,
+        ),
+    )
+    grammars = GrammarChecker(str(model_dir), config.structured_output_compile_timeout_s)
+    grammars.start()
+    try:
+        client = await AsyncEngineClient.start(engine_config, limits=config.hang_limits)
+    except BaseException:
+        grammars.close()
+        with contextlib.suppress(Exception):
+            await tokenizer_load
+        raise
+    try:
+        tokenizer = await tokenizer_load
+    except BaseException:
+        grammars.close()
+        await client.shutdown("the tokenizer failed to load")
+        raise
+    names = config.served_model_names or (engine_config.model or DEFAULT_MODEL_NAME,)
+    name = names[0]
+    metrics = ServerMetrics(name, lambda: client.load)
+    return ServerState(
+        config=config,
+        client=client,
+        tokenizer=tokenizer,
+        model_name=name,
+        model_aliases=names[1:],
+        sampling_defaults=sampling_defaults or {},
+        metrics=metrics,
+        responses=ResponseStore(config.response_store_size),
+        token_texts=TokenTexts(tokenizer),
+        workers=TextWorkers(),
+        grammars=grammars,
+        admission=Admission(config.max_choices_per_request, config.max_queued_requests, metrics.shed.inc),
+    )
+
+
+def close_workers(state: ServerState) -> None:
+    state.workers.close()
+    state.grammars.close()
+
+
+def quiet_writes_to_gone_clients() -> None:
+    logging.getLogger("asyncio").addFilter(_DropWritesToGoneClients())
 
 
 async def serve(
@@ -174,42 +256,13 @@ async def serve(
     model_dir = resolve_model_dir(engine_config.model)
     sampling_defaults = generation_defaults(config.generation_config, model_dir)
     sock = bind_socket(config.host, config.port)
-    # The tokenizer loads (about a second for Qwen's vocabulary) while the engine process starts.
-    tokenizer_load = asyncio.get_running_loop().run_in_executor(
-        None,
-        functools.partial(
-            Tokenizer.from_dir,
-            model_dir,
-            chat_template=config.chat_template,
-            chat_template_source=config.chat_template_source,
-        ),
-    )
+    quiet_writes_to_gone_clients()
     try:
-        client = await AsyncEngineClient.start(engine_config)
+        state = await open_state(config, engine_config, sampling_defaults)
     except BaseException:
         sock.close()
-        with contextlib.suppress(Exception):
-            await tokenizer_load
         raise
-    try:
-        tokenizer = await tokenizer_load
-    except BaseException:
-        sock.close()
-        await client.shutdown("the tokenizer failed to load")
-        raise
-    names = config.served_model_names or (engine_config.model or DEFAULT_MODEL_NAME,)
-    name = names[0]
-    state = ServerState(
-        config=config,
-        client=client,
-        tokenizer=tokenizer,
-        model_name=name,
-        model_aliases=names[1:],
-        sampling_defaults=sampling_defaults,
-        metrics=ServerMetrics(name, lambda: client.load),
-        responses=ResponseStore(config.response_store_size),
-        token_texts=TokenTexts(tokenizer),
-    )
+    name, client = state.model_name, state.client
     life = _Lifecycle(state)
     client.on_dead = life.on_engine_dead
     uv_config = uvicorn.Config(
@@ -245,7 +298,11 @@ async def serve(
                 await stats
         await life.close_engine(SHUTDOWN_REASON)
         sock.close()
+        close_workers(state)
     if state.dead_reason is not None:
         logger.error("exiting because the engine died: %s", state.dead_reason)
+        return 1
+    if life.forced:
+        logger.error("exiting before in-flight requests finished (a second signal)")
         return 1
     return 0

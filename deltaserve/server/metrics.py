@@ -101,6 +101,10 @@ class ServerMetrics:
             ["model_name", "finished_reason"],
             registry=r,
         )
+        self.shed = counter(
+            "deltaserve:requests_shed",
+            "Requests refused with 503 because the queue was full (--max-queued-requests).",
+        )
         self._model_name = model_name
         r.register(_LoadCollector(model_name, load))
 

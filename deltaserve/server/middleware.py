@@ -1,4 +1,5 @@
-"""ASGI middlewares that answer before any handler runs: API-key auth and the request body limit.
+"""ASGI middlewares that answer before any handler runs: API-key auth, the request body limit and the
+body read timeout.
 
 Both are plain ASGI (not BaseHTTPMiddleware) so the handler's `receive` channel stays the server's own:
 disconnect detection (disconnect.py, sse.py) listens on it.
@@ -6,7 +7,9 @@ disconnect detection (disconnect.py, sse.py) listens on it.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import time
 
 from fastapi import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -14,7 +17,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from deltaserve.server.errors import AUTHENTICATION, INVALID_REQUEST
 from deltaserve.server.protocol import ErrorBody, ErrorResponse
 
-PROTECTED_PREFIX = "/v1"  # as vLLM: the OpenAI API needs the key; health, metrics, load, docs do not
+# Every route that does work needs the key; these answer from memory and stay open (for probes).
+OPEN_PATHS = frozenset({"/health", "/ping", "/version"})
+METRICS_PATH = "/metrics"
 
 
 async def send_error(send: Send, status: int, message: str, type: str, code: str | None = None) -> None:
@@ -40,16 +45,18 @@ def _route_path(scope: Scope) -> str:
 
 
 class APIKeyAuth:
-    """401 for /v1/* without `Authorization: Bearer <key>` (compared in constant time)."""
+    """401 without `Authorization: Bearer <key>` (compared in constant time) on every route but
+    OPEN_PATHS, and /metrics unless `protect_metrics`. Checked before the body is read."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, protect_metrics: bool = False) -> None:
         self.app = app
         self._expected = f"Bearer {api_key}".encode()
+        self._open = OPEN_PATHS if protect_metrics else OPEN_PATHS | {METRICS_PATH}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
             scope["type"] == "http"
-            and _route_path(scope).startswith(PROTECTED_PREFIX)
+            and _route_path(scope) not in self._open
             and scope.get("method") != "OPTIONS"
         ):
             given = _header(scope, b"authorization") or b""
@@ -99,3 +106,37 @@ class BodySizeLimit:
             return message
 
         await self.app(scope, limited, send)
+
+
+class BodyReadTimeout:
+    """408 for a request whose body is not in after `timeout_s` (a Content-Length larger than what is
+    sent would otherwise hold the request open forever). Once the body is in, `receive` is the
+    server's own again: disconnect listeners wait on it without a limit."""
+
+    def __init__(self, app: ASGIApp, timeout_s: float) -> None:
+        self.app = app
+        self.timeout_s = timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        deadline = time.monotonic() + self.timeout_s
+        body_done = False
+
+        async def bounded() -> Message:
+            nonlocal body_done
+            if body_done:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0.0))
+            except TimeoutError:
+                raise HTTPException(
+                    408,
+                    f"the request body did not arrive within {self.timeout_s:g} s (--body-read-timeout-s)",
+                ) from None
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                body_done = True
+            return message
+
+        await self.app(scope, bounded, send)

@@ -1,9 +1,10 @@
 """Pydantic models of the OpenAI wire format: completions, chat, models, tokenize, errors.
 
 Requests accept unknown fields (clients send many; they are logged and ignored) but every field the
-server reads is typed, so a wrong type is a 400 naming the field. Features the engine does not have
-(echo, best_of, suffix, n > 1, response_format json) are typed too, so they can be refused by name.
-The Responses API models live in responses_protocol.py.
+server reads is typed strictly, as the OpenAI API has it (no coercion: "10" is not an integer, 1 is not
+a boolean), so a wrong type is a 400 naming the field. No string anywhere in a request body may hold a
+lone UTF-16 surrogate (text_checks.py). Features the engine does not have (best_of, suffix) are typed
+too, so they can be refused by name. The Responses API models live in responses_protocol.py.
 """
 
 from __future__ import annotations
@@ -11,15 +12,31 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+
+from deltaserve.server.text_checks import refuse_lone_surrogates
 
 
 def now() -> int:
     return int(time.time())
 
 
-class OpenAIRequest(BaseModel):
+class StrictModel(BaseModel):
+    """A request part whose fields are not coerced: their JSON types must match."""
+
+    model_config = ConfigDict(strict=True)
+
+
+class OpenAIRequest(StrictModel):
+    """A request body. Checked whole for lone surrogates before its fields are validated."""
+
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        refuse_lone_surrogates(data)
+        return data
 
     def unknown_fields(self) -> list[str]:
         return sorted(self.model_extra or ())
@@ -50,12 +67,12 @@ class ErrorResponse(BaseModel):
 # ---- shared request pieces ---------------------------------------------------------------------
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(StrictModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(StrictModel):
     model_config = ConfigDict(extra="allow")
     type: Literal["text", "json_object", "json_schema"]
 
@@ -201,19 +218,47 @@ class CompletionChunk(BaseModel):
 # ---- /v1/chat/completions ----------------------------------------------------------------------
 
 
-class ChatMessage(BaseModel):
-    """One input message. Content parts other than text are refused by the chat template."""
+class ContentPart(StrictModel):
+    """One part of a message's content. Parts other than text are refused by the chat template."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _text_part_has_text(self) -> ContentPart:
+        if self.type == "text" and self.text is None:
+            raise ValueError("a content part of type 'text' needs a string 'text'")
+        return self
+
+
+class FunctionCallArguments(StrictModel):
+    """An assistant turn's call: `arguments` is the JSON text of the arguments, as OpenAI sends it."""
+
+    name: str
+    arguments: str
+
+
+class InputToolCall(StrictModel):
+    model_config = ConfigDict(extra="allow")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallArguments
+
+
+class ChatMessage(StrictModel):
+    """One input message."""
 
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[InputToolCall] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
 
 
-class FunctionDefinition(BaseModel):
+class FunctionDefinition(StrictModel):
     model_config = ConfigDict(extra="allow")
     name: str
     description: str | None = None
@@ -221,16 +266,16 @@ class FunctionDefinition(BaseModel):
     strict: bool | None = None
 
 
-class ChatTool(BaseModel):
+class ChatTool(StrictModel):
     type: Literal["function"] = "function"
     function: FunctionDefinition
 
 
-class NamedFunction(BaseModel):
+class NamedFunction(StrictModel):
     name: str
 
 
-class NamedToolChoice(BaseModel):
+class NamedToolChoice(StrictModel):
     type: Literal["function"] = "function"
     function: NamedFunction
 

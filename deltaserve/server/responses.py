@@ -31,6 +31,7 @@ from deltaserve.server.chat_prompt import (
 from deltaserve.server.disconnect import unless_disconnected
 from deltaserve.server.errors import NOT_FOUND, APIError, bad_request, unsupported
 from deltaserve.server.generation import EngineRequest, generate, terminal_error
+from deltaserve.server.offload import body_size
 from deltaserve.server.refused_fields import refuse_meaningful_fields
 from deltaserve.server.response_store import StoredResponse
 from deltaserve.server.responses_items import chat_tools, input_messages
@@ -65,6 +66,7 @@ class _Run:
     builder: ResponseBuilder
     conversation: list[dict[str, Any]]  # history + this input, instructions excluded
     arrival: float
+    structured_field: str | None  # the field a structured-output error names
 
 
 @router.post("/v1/responses", response_model=ResponseObject)
@@ -75,10 +77,17 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response 
     state.check_available()
     refuse_meaningful_fields("/v1/responses", body.model_extra)
     state.warn_unknown_fields("/v1/responses", body.unknown_fields())
-    run = _prepare(state, body, arrival)
+    history = _history(state, body.previous_response_id)  # the store is the event loop's
+    run = await state.workers.run(await body_size(request), _prepare, state, body, history, arrival)
+    await state.check_structured_output(run.req.params, run.structured_field)
+    place = state.admission.reserve(1)
+    run.req.queue_place = place
     if body.stream:
-        return SSEResponse(_stream(run))
-    return await unless_disconnected(request, _complete(run))
+        return SSEResponse(_stream(run), on_close=place.release_all)
+    try:
+        return await unless_disconnected(request, _complete(run))
+    finally:
+        place.release_all()
 
 
 def _text_format(
@@ -94,9 +103,12 @@ def _text_format(
     return json_constraint(fmt.type, schema, start, param="text.format", where="schema")
 
 
-def _prepare(state: ServerState, body: ResponsesRequest, arrival: float) -> _Run:
-    """Renders and validates everything; raises APIError before anything reaches the engine."""
-    conversation = _history(state, body.previous_response_id) + input_messages(body.input)
+def _prepare(
+    state: ServerState, body: ResponsesRequest, history: list[dict[str, Any]], arrival: float
+) -> _Run:
+    """Renders and validates everything (on a worker thread); raises APIError before anything reaches
+    the engine. Errors in the rendered conversation name `input`, the field that carries it."""
+    conversation = history + input_messages(body.input)
     instructions = [{"role": "system", "content": body.instructions}] if body.instructions else []
     tools = chat_tools(body.tools)
     prompt = render_chat_prompt(
@@ -108,6 +120,8 @@ def _prepare(state: ServerState, body: ResponsesRequest, arrival: float) -> _Run
             state.config.default_chat_template_kwargs, body.chat_template_kwargs, _effort(body)
         ),
         parallel_tool_calls=body.parallel_tool_calls is not False,
+        max_model_len=state.max_model_len,
+        messages_field="input",
     )
     if body.prompt_logprobs is not None:
         raise unsupported(
@@ -139,12 +153,12 @@ def _prepare(state: ServerState, body: ResponsesRequest, arrival: float) -> _Run
         defaults=state.sampling_defaults,
         max_logprobs=state.config.max_logprobs,
     )
-    state.check_structured_output(params, "tools" if forced_call is not None else constrained)
     check_context_window(
         len(prompt.token_ids),
         body.max_output_tokens,
         state.max_model_len,
         max_tokens_field="max_output_tokens",
+        prompt_field="input",
     )
     rid = f"resp_{uuid.uuid4().hex}"
     response = ResponseObject(
@@ -163,8 +177,9 @@ def _prepare(state: ServerState, body: ResponsesRequest, arrival: float) -> _Run
         text=body.text if body.text is not None else TextConfig(),
         reasoning=body.reasoning,
     )
-    req = EngineRequest(rid, prompt.text, prompt.token_ids, params, prompt.cache_points)
-    return _Run(state, body.store, prompt, req, ResponseBuilder(response), conversation, arrival)
+    req = EngineRequest(rid, prompt.text, prompt.token_ids, params, cache_points=prompt.cache_points)
+    structured = "tools" if forced_call is not None else constrained
+    return _Run(state, body.store, prompt, req, ResponseBuilder(response), conversation, arrival, structured)
 
 
 @router.get("/v1/responses/{response_id}", response_model=ResponseObject)

@@ -7,28 +7,28 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from deltaserve.server.protocol import DropNone, SamplingFields, now
+from deltaserve.server.protocol import DropNone, SamplingFields, StrictModel, now
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
-class TextFormat(BaseModel):
+class TextFormat(StrictModel):
     model_config = ConfigDict(extra="allow")
     type: Literal["text", "json_object", "json_schema"] = "text"
 
 
-class TextConfig(BaseModel):
+class TextConfig(StrictModel):
     model_config = ConfigDict(extra="allow")
     format: TextFormat = Field(default_factory=TextFormat)
 
 
-class NamedFunctionChoice(BaseModel):
+class NamedFunctionChoice(StrictModel):
     type: Literal["function"] = "function"
     name: str
 
 
-class InputItem(BaseModel):
+class InputItem(StrictModel):
     """One `input` item: a message (type omitted or "message"), function_call, function_call_output or
     reasoning. Loose on purpose: responses_items.py checks each kind and names the item at fault."""
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
+from deltaserve.engine.schema_rules import SchemaRuleError, check_depth
 from deltaserve.errors import RequestValidationError
 from deltaserve.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputParams, check_choices
 from deltaserve.server.errors import APIError, bad_request, from_validation, unsupported
@@ -175,6 +176,10 @@ def json_constraint(
         return StructuredOutputParams(json_object=True, start_after_token_id=start_after)
     if not isinstance(schema, dict):
         raise bad_request(f"{param} type 'json_schema' needs {where}, a JSON schema object", param)
+    try:
+        check_depth(schema)  # before json.dumps, which recurses
+    except SchemaRuleError as err:
+        raise bad_request(f"{param}: {err}", param) from err
     return StructuredOutputParams(json_schema=json.dumps(schema), start_after_token_id=start_after)
 
 
@@ -191,18 +196,37 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     return out
 
 
+def check_prompt_text(text: str, max_model_len: int, max_token_chars: int, *, param: str = "prompt") -> None:
+    """Refuses, before it is tokenized, a prompt text too long for the context window: no token covers
+    more than `max_token_chars` characters, so it has at least len(text) / max_token_chars tokens."""
+    at_least = -(-len(text) // max_token_chars)
+    if at_least >= max_model_len:
+        raise APIError(
+            400,
+            f"the prompt ({len(text)} characters, so at least {at_least} tokens) leaves no room in the "
+            f"context window of {max_model_len} tokens for any output; shorten the prompt",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
 def check_context_window(
-    prompt_len: int, max_tokens: int | None, max_model_len: int, *, max_tokens_field: str = "max_tokens"
+    prompt_len: int,
+    max_tokens: int | None,
+    max_model_len: int,
+    *,
+    max_tokens_field: str = "max_tokens",
+    prompt_field: str = "prompt",
 ) -> None:
     """The prompt, plus max_tokens when given (else at least one output token), fits the context window."""
     if prompt_len == 0:
-        raise bad_request("the prompt is empty; send at least one token", "prompt")
+        raise bad_request("the prompt is empty; send at least one token", prompt_field)
     if prompt_len >= max_model_len:
         raise APIError(
             400,
             f"the prompt ({prompt_len} tokens) leaves no room in the context window of {max_model_len} "
             "tokens for any output; shorten the prompt",
-            param="prompt",
+            param=prompt_field,
             code="context_length_exceeded",
         )
     if max_tokens is not None and prompt_len + max_tokens > max_model_len:

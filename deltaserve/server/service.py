@@ -63,7 +63,8 @@ async def metrics(request: Request) -> Response:
 
 @router.get("/load")
 async def load(request: Request) -> dict[str, Any]:
-    """The scheduler's latest load snapshot (published every tick) plus the server's in-flight count."""
+    """The scheduler's latest load snapshot (at most a heartbeat old) plus the server's counts: engine
+    requests in flight, and those of them queued (sent, not started: what --max-queued-requests bounds)."""
     state = get_state(request)
     snapshot = state.client.load
     return {
@@ -71,6 +72,7 @@ async def load(request: Request) -> dict[str, Any]:
         "kv_cache_usage": snapshot.kv_usage,
         "prefix_cache_cached_tokens": snapshot.kv_pages_cached * state.client.info.page_size,
         "server_inflight": state.inflight,
+        "server_queued": state.admission.queued,
     }
 
 

@@ -8,6 +8,7 @@ event `{"error": {...}}` (then [DONE] where the format has it).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -37,12 +38,16 @@ class SSEResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: Any, status_code: int = 200) -> None:
+    def __init__(
+        self, content: Any, status_code: int = 200, on_close: Callable[[], None] | None = None
+    ) -> None:
+        """`on_close` runs once the response is over, however it ended (the body may never have started)."""
         super().__init__(
             content,
             status_code=status_code,
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
+        self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -60,3 +65,5 @@ class SSEResponse(StreamingResponse):
             aclose = getattr(self.body_iterator, "aclose", None)
             if aclose is not None:
                 await aclose()
+            if self._on_close is not None:
+                self._on_close()

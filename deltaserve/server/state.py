@@ -8,12 +8,14 @@ from dataclasses import dataclass, field
 from fastapi import Request
 
 from deltaserve.engine.client import AsyncEngineClient
-from deltaserve.engine.structured import GrammarBackend, StructuredOutputError, grammar_vocabulary
 from deltaserve.sampling_params import SamplingParams
+from deltaserve.server.admission import Admission
 from deltaserve.server.args import ServerConfig
 from deltaserve.server.errors import NOT_FOUND, APIError, bad_request, engine_unavailable
+from deltaserve.server.grammar_check import GrammarChecker
 from deltaserve.server.logprobs import TokenTexts
 from deltaserve.server.metrics import ServerMetrics
+from deltaserve.server.offload import TextWorkers
 from deltaserve.server.response_store import ResponseStore
 from deltaserve.tokenizer import Tokenizer
 
@@ -29,11 +31,13 @@ class ServerState:
     metrics: ServerMetrics
     responses: ResponseStore
     token_texts: TokenTexts
+    workers: TextWorkers
+    grammars: GrammarChecker
+    admission: Admission
     # Set once, never cleared: a draining (SIGTERM) or dead-engine server takes no new work.
     draining: bool = False
     dead_reason: str | None = None
-    inflight: int = 0  # requests between validation and their terminal
-    grammars: GrammarBackend | None = None  # built on the first structured-output request
+    inflight: int = 0  # engine requests between submission and their terminal
     model_aliases: tuple[str, ...] = ()  # further ids clients may send (--served-model-name A B ...)
     # generation_config.json sampling defaults, for the fields a request omits (--generation-config)
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)
@@ -54,19 +58,17 @@ class ServerState:
     def healthy(self) -> bool:
         return self.dead_reason is None and not self.client.dead and not self.draining
 
-    def check_structured_output(self, params: SamplingParams, param: str | None = "response_format") -> None:
-        """A JSON schema the engine could not compile is a 400 (naming `param`) here, before the engine
-        sees it."""
+    async def check_structured_output(
+        self, params: SamplingParams, param: str | None = "response_format"
+    ) -> None:
+        """A specification the engine could not compile, or not within the time limit, is a 400 (naming
+        `param`) here, before the engine sees it."""
         spec = params.structured_output
         if spec is None:
             return
-        if self.grammars is None:
-            tokenizer = self.tokenizer
-            self.grammars = GrammarBackend(lambda: grammar_vocabulary(tokenizer), [])
-        try:
-            self.grammars.grammar(spec)
-        except StructuredOutputError as err:
-            raise bad_request(str(err), param) from err
+        error = await self.grammars.check(spec)
+        if error is not None:
+            raise bad_request(error, param)
 
     def check_model(self, name: str | None) -> None:
         """404 for a model id this server does not serve; a missing id means the served model."""
