@@ -185,6 +185,19 @@ def test_response_format_with_a_forced_tool_call_is_refused(server: ServerProces
     assert response.status_code == 400 and response.json()["error"]["param"] == "response_format"
 
 
+def test_strict_functions_in_auto_mode_are_served_and_refused_with_a_response_format(
+    server: ServerProcess,
+) -> None:
+    strict = [{**PINGS[0], "function": {**PINGS[0]["function"], "strict": True}}]
+    body = {"model": MODEL, "messages": USER, "tools": strict, "max_tokens": 8}
+    response = httpx.post(f"{server.base_url}/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200
+    both = {**body, "response_format": {"type": "json_object"}}
+    response = httpx.post(f"{server.base_url}/chat/completions", json=both, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "response_format"
+    assert "strict functions" in response.json()["error"]["message"]
+
+
 def test_max_completion_tokens_is_exact_with_ignore_eos(client: openai.OpenAI) -> None:
     out = client.chat.completions.create(
         model=MODEL,

@@ -153,8 +153,9 @@ def test_max_logprobs_caps_requests(client: openai.OpenAI) -> None:
 
 
 def test_chat_template_file_replaces_the_model_template(server: ServerProcess) -> None:
-    ids = httpx.post(f"{server.url}/tokenize", json={"messages": USER}).json()["tokens"]
-    text = httpx.post(f"{server.url}/detokenize", json={"tokens": ids}).json()["prompt"]
+    auth = {"Authorization": f"Bearer {KEY}"}  # every route that does work needs the key
+    ids = httpx.post(f"{server.url}/tokenize", json={"messages": USER}, headers=auth).json()["tokens"]
+    text = httpx.post(f"{server.url}/detokenize", json={"tokens": ids}, headers=auth).json()["prompt"]
     assert text.startswith(TEMPLATE_MARK)
 
 
@@ -172,7 +173,8 @@ def test_root_path_keeps_the_api_key_required(server: ServerProcess) -> None:
     """Behind a proxy that strips /api, routes answer at their own paths and the docs link under /api."""
     assert httpx.get(f"{server.url}/v1/models").status_code == 401
     assert httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
-    assert f"{ROOT}/openapi.json" in httpx.get(f"{server.url}/docs").text
+    docs = httpx.get(f"{server.url}/docs", headers={"Authorization": f"Bearer {KEY}"}).text
+    assert f"{ROOT}/openapi.json" in docs
 
 
 def test_cors_for_the_allowed_origin_only(server: ServerProcess) -> None:

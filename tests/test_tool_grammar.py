@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 
 from deltaserve.engine.structured import GrammarBackend, grammar_vocabulary
 from deltaserve.sampling_params import StructuredOutputParams
-from deltaserve.server.tool_grammar import tool_call_grammar
+from deltaserve.server.chat_prompt import ChatPrompt, ToolChoice
+from deltaserve.server.tool_grammar import strict_calls_format, tool_call_grammar, tool_call_output
 from deltaserve.tiny import default_model_dir
 from deltaserve.tokenizer import Tokenizer
 
@@ -110,3 +114,35 @@ def test_parallel_tool_calls_false_allows_one_call(backend) -> None:
     one = "ping>\n</function>\n</tool_call>"
     assert accepts(backend, None, one, parallel=False)
     assert not accepts(backend, None, one + "\n<tool_call>\n<function=" + one, parallel=False)
+
+
+def _strict_accepts(backend: GrammarBackend, text: str, tools: list, parallel: bool = True) -> bool:
+    tag = json.dumps({"type": "structural_tag", "format": strict_calls_format(tools, parallel)})
+    grammar = backend.grammar(StructuredOutputParams(structural_tag=tag))
+    return bool(grammar.matcher.accept_string(text))
+
+
+STRICT = [{**TYPED[0], "function": {**TYPED[0]["function"], "strict": True}}, TOOLS[1]]
+
+
+def test_with_a_strict_function_auto_is_free_text_until_a_call_which_then_follows_the_schema(backend) -> None:
+    call = "<tool_call>\n<function=book>\n" + _book(city="Rome", room="double")
+    assert _strict_accepts(backend, "Let me book that. ", STRICT)  # text alone is fine
+    assert _strict_accepts(backend, "Let me book that.\n\n" + call, STRICT)
+    assert not _strict_accepts(backend, "Sure.\n" + call.replace("double", "suite"), STRICT)  # enum
+    assert not _strict_accepts(backend, "<tool_call>\n<function=nope>\n", STRICT)  # undeclared function
+    # a function that is not strict takes any arguments up to the end of its call
+    ping = "<tool_call>\n<function=ping>\n<parameter=x>\nanything\n</parameter>\n</function>\n</tool_call>"
+    assert _strict_accepts(backend, ping, STRICT)
+    assert not _strict_accepts(backend, call + "\n" + call, STRICT, parallel=False)
+
+
+def test_auto_enforces_tool_calls_only_when_a_function_is_strict() -> None:
+    prompt = ChatPrompt(
+        text="", token_ids=[], thinking=False, tools=STRICT, parse_tools=True, forced_prefix="",
+        tool_choice=ToolChoice("auto"),
+    )  # fmt: skip
+    assert tool_call_output(prompt) is not None
+    loose = dataclasses.replace(prompt, tools=[TOOLS[0], TOOLS[1]])
+    assert tool_call_output(loose) is None
+    assert tool_call_output(dataclasses.replace(prompt, tool_choice=ToolChoice("none"))) is None

@@ -101,14 +101,7 @@ class GrammarBackend:
                 "structured output needs the xgrammar package on the server (pip install deltaserve[structured])"
             ) from err
         compiler = self._compiler_for_vocabulary()
-        key = (
-            spec.json_object,
-            spec.json_schema,
-            spec.ebnf,
-            spec.regex,
-            _choice_key(spec),
-            spec.structural_tag,
-        )
+        key = grammar_key(spec)
         compiled = self._compiled.get(key)
         if compiled is None:
             if spec.json_schema is not None:
@@ -125,8 +118,10 @@ class GrammarBackend:
         self._compiled.clear()
 
 
-def _choice_key(spec: StructuredOutputParams) -> tuple[str, ...] | None:
-    return None if spec.choice is None else tuple(spec.choice)
+def grammar_key(spec: StructuredOutputParams) -> tuple[object, ...]:
+    """What a compiled grammar depends on: every kind of specification (and nothing else)."""
+    choice = None if spec.choice is None else tuple(spec.choice)
+    return (spec.json_object, spec.json_schema, spec.ebnf, spec.regex, choice, spec.structural_tag)
 
 
 def choice_grammar(choices: Sequence[str]) -> str:

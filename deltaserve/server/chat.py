@@ -54,7 +54,7 @@ from deltaserve.server.refused_fields import refuse_meaningful_fields
 from deltaserve.server.sampling import build_params, check_context_window, structured_field
 from deltaserve.server.sse import DONE, SSEResponse, data_event
 from deltaserve.server.state import ServerState, get_state
-from deltaserve.server.tool_grammar import forced_call_output
+from deltaserve.server.tool_grammar import tool_call_output
 
 logger = logging.getLogger("deltaserve.server")
 router = APIRouter()
@@ -72,7 +72,8 @@ async def create_chat_completion(
     state.warn_unknown_fields("/v1/chat/completions", body.unknown_fields())
     state.admission.check_fanout(1, body.n)
     prompt, params = await state.workers.run(await body_size(request), _prepare, state, body)
-    await state.check_structured_output(params, "tools" if prompt.forced_prefix else structured_field(body))
+    # a grammar the request did not ask for in a structured-output field comes from its tools
+    await state.check_structured_output(params, structured_field(body) or "tools")
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     place = state.admission.reserve(body.n)
     reqs = [
@@ -164,12 +165,13 @@ def _params(state: ServerState, body: ChatCompletionRequest, prompt: ChatPrompt)
     if body.max_completion_tokens is not None:
         rename["max_tokens"] = "max_completion_tokens"
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    forced_call = forced_call_output(prompt)
+    calls = tool_call_output(prompt)
     constrained = structured_field(body)
-    if forced_call is not None and constrained is not None:
+    if calls is not None and constrained is not None:
+        what = "strict functions" if prompt.tool_choice.mode == "auto" else "a forced tool call"
         raise bad_request(
-            f"{constrained} cannot be combined with a forced tool call "
-            f"(tool_choice {prompt.tool_choice.mode!r}): the call is the output",
+            f"{constrained} cannot be combined with {what} (tool_choice {prompt.tool_choice.mode!r}): "
+            "the tool calls' grammar constrains the output",
             constrained,
         )
     return build_params(
@@ -180,7 +182,7 @@ def _params(state: ServerState, body: ChatCompletionRequest, prompt: ChatPrompt)
         rename=rename,
         allow_n=True,
         structured_start=answer_start_token(state.tokenizer, prompt),
-        structured=forced_call,
+        structured=calls,
         defaults=state.sampling_defaults,
         max_logprobs=state.config.max_logprobs,
     )

@@ -20,7 +20,7 @@ import os
 from collections import OrderedDict
 from multiprocessing.connection import Connection
 
-from deltaserve.engine.structured import grammars_available
+from deltaserve.engine.structured import grammar_key, grammars_available
 from deltaserve.sampling_params import StructuredOutputParams
 
 logger = logging.getLogger("deltaserve.server")
@@ -29,11 +29,7 @@ STARTUP_TIMEOUT_S = 120.0
 REMEMBERED_RESULTS = 1024
 TIMEOUT_FLAG = "--structured-output-compile-timeout-s"
 
-_Key = tuple[str | None, bool, str | None]
-
-
-def _key(spec: StructuredOutputParams) -> _Key:
-    return (spec.json_schema, spec.json_object, spec.ebnf)
+_Key = tuple[object, ...]
 
 
 def _worker_main(model_dir: str, conn: Connection) -> None:
@@ -87,7 +83,7 @@ class GrammarChecker:
         """None when `spec` compiles within the time limit, else what is wrong with it."""
         if spec.json_object:
             return None  # the built-in JSON grammar, compiled at start-up
-        key = _key(spec)
+        key = grammar_key(spec)
         if key in self._results:
             self._results.move_to_end(key)
             return self._results[key]
@@ -117,7 +113,9 @@ class GrammarChecker:
             return await self._receive(self.timeout_s)
         except TimeoutError:
             self._restart(f"ran past {self.timeout_s} s")
-            what = "grammar" if spec.ebnf is not None else "JSON schema"
+            what = {"json_schema": "JSON schema", "ebnf": "grammar"}.get(
+                spec.kinds[0] if spec.kinds else "", "grammar"
+            )
             return (
                 f"compiling the {what} takes longer than {self.timeout_s:g} s ({TIMEOUT_FLAG}); "
                 "simplify it (fewer properties or alternatives, less nesting)"

@@ -49,7 +49,7 @@ from deltaserve.server.responses_stream import ResponseBuilder
 from deltaserve.server.sampling import build_params, check_context_window, json_constraint, structured_field
 from deltaserve.server.sse import SSEResponse, typed_event
 from deltaserve.server.state import ServerState, get_state
-from deltaserve.server.tool_grammar import forced_call_output
+from deltaserve.server.tool_grammar import tool_call_output
 
 logger = logging.getLogger("deltaserve.server")
 router = APIRouter()
@@ -130,11 +130,11 @@ def _prepare(
         )
     text_format = _text_format(state, body, prompt)
     constrained = "text.format" if text_format is not None else structured_field(body)
-    forced_call = forced_call_output(prompt)
-    if forced_call is not None and constrained is not None:
+    tool_calls = tool_call_output(prompt)
+    if tool_calls is not None and constrained is not None:
         raise bad_request(
-            f"{constrained} cannot be combined with a forced tool call "
-            f"(tool_choice {prompt.tool_choice.mode!r}): the call is the output",
+            f"{constrained} cannot be combined with the tool calls' grammar "
+            f"(tool_choice {prompt.tool_choice.mode!r}): it constrains the output",
             constrained,
         )
     if text_format is not None and structured_field(body) is not None:
@@ -149,7 +149,7 @@ def _prepare(
         vocab_size=state.vocab_size,
         rename={"max_tokens": "max_output_tokens", "structured_output": constrained or "text.format"},
         structured_start=answer_start_token(state.tokenizer, prompt),
-        structured=text_format or forced_call,
+        structured=text_format or tool_calls,
         defaults=state.sampling_defaults,
         max_logprobs=state.config.max_logprobs,
     )
@@ -178,7 +178,7 @@ def _prepare(
         reasoning=body.reasoning,
     )
     req = EngineRequest(rid, prompt.text, prompt.token_ids, params, cache_points=prompt.cache_points)
-    structured = "tools" if forced_call is not None else constrained
+    structured = "tools" if tool_calls is not None else constrained
     return _Run(state, body.store, prompt, req, ResponseBuilder(response), conversation, arrival, structured)
 
 

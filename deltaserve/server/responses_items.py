@@ -79,7 +79,9 @@ def input_messages(items: str | list[InputItem]) -> list[dict[str, Any]]:
 
 
 def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    """Responses tools are flat ({"type": "function", "name", ...}); the template wants the chat shape."""
+    """Responses tools are flat ({"type": "function", "name", ...}); the template wants the chat shape.
+    A function is enforced as strict when it says `strict: true` (OpenAI's Responses API makes that
+    its default; here an omitted `strict` is not enforced, as in chat)."""
     if not tools:
         return None
     out = []
@@ -91,5 +93,7 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
         if not isinstance(tool.get("name"), str) or not tool["name"]:
             raise bad_request(f"tools[{i}]: a function tool needs a name", "tools")
         function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
+        if tool.get("strict") is True:
+            function["strict"] = True
         out.append({"type": "function", "function": function})
     return out
