@@ -18,12 +18,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from deltaserve.bench.turn_metrics import TurnStats
 
 METRIC_NAMES = ("ttft", "tpot", "itl", "e2el")
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")
@@ -34,6 +31,21 @@ _LABELS = {
     "itl": ("ITL", "Inter-token Latency"),
     "e2el": ("E2EL", "End-to-end Latency"),
 }
+
+
+@dataclass(frozen=True, slots=True)
+class TurnStats:
+    """Turn `turn` (1-based) over all conversations. Latency and token figures are over its successful
+    requests; `cached_token_share` is None when no successful request of the run reported cached_tokens."""
+
+    turn: int
+    completed: int
+    failed: int
+    mean_ttft_ms: float
+    median_ttft_ms: float
+    p99_ttft_ms: float
+    mean_prompt_tokens: float
+    cached_token_share: float | None
 
 
 @dataclass(slots=True)

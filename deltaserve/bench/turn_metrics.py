@@ -4,24 +4,8 @@ conversation's prompt grows. Definitions as in metrics.py (TTFT per request, num
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
 
-from deltaserve.bench.metrics import RequestRecord, format_share, latency_stats
-
-
-@dataclass(frozen=True, slots=True)
-class TurnStats:
-    """Turn `turn` (1-based) over all conversations. Latency and token figures are over its successful
-    requests; `cached_token_share` is None when no successful request of the run reported cached_tokens."""
-
-    turn: int
-    completed: int
-    failed: int
-    mean_ttft_ms: float
-    median_ttft_ms: float
-    p99_ttft_ms: float
-    mean_prompt_tokens: float
-    cached_token_share: float | None
+from deltaserve.bench.metrics import RequestRecord, TurnStats, format_share, latency_stats
 
 
 def per_turn_stats(turns: list[tuple[int, RequestRecord]]) -> list[TurnStats]:
