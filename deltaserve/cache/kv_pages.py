@@ -131,11 +131,6 @@ class PageAllocator:
     def lookup(self, key: bytes) -> int | None:
         return self._page_of.get(key)
 
-    def touch(self, page: int) -> None:
-        """A cached page was used: it becomes the most recently used."""
-        if page in self._cached:
-            self._cached.move_to_end(page)
-
     def forget_all(self) -> None:
         """Every key is dropped: cached pages become free, referenced ones are freed at their release."""
         for page in self._cached:

@@ -54,15 +54,10 @@ class SnapshotTable:
         self._free = list(range(num_snapshots - 1, -1, -1))
         self._by_prefix: dict[bytes, list[Snapshot]] = {}
         self._unreferenced: OrderedDict[int, Snapshot] = OrderedDict()  # indexed, refs 0, oldest first
-        self._evicted = 0
 
     @property
     def num_used(self) -> int:
         return self.capacity - len(self._free)
-
-    @property
-    def num_evicted(self) -> int:
-        return self._evicted
 
     def allocate(self) -> int | None:
         """A place for a new snapshot: a free one, else the least recently used unreferenced snapshot's
@@ -73,7 +68,6 @@ class SnapshotTable:
             return None
         _, snap = self._unreferenced.popitem(last=False)
         self._unindex(snap)
-        self._evicted += 1
         return snap.index
 
     def release(self, index: int) -> None:
