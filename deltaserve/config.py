@@ -436,6 +436,79 @@ def policy_error(policy: str, prefill_overlap: bool) -> str | None:
     return None
 
 
+SPECULATIVE_METHODS = ("mtp",)
+# Benchmark-only draft sources: the MTP head still runs (its cost is measured), but its proposals are
+# replaced by the next tokens of a recorded greedy run ("replay": every proposal right) or by a token
+# that differs from the recording ("wrong": every proposal rejected). Never for serving.
+BENCHMARK_DRAFTS = ("replay", "wrong")
+MAX_SPECULATIVE_TOKENS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """`--speculative-config` (vLLM's JSON): draft with the checkpoint's MTP head, verify
+    num_speculative_tokens + 1 positions per decode row in one target forward.
+
+    adaptive: the guard may lower the draft length (to 0) when the batch is large or the measured
+    acceptance is low; False pins it at num_speculative_tokens. max_batch: the most decode rows a step
+    speculates for (the verify scratch states are sized for it); larger batches decode plainly."""
+
+    method: str = "mtp"
+    num_speculative_tokens: int = 1
+    adaptive: bool = True
+    max_batch: int = 32
+    benchmark_draft: str | None = None
+    benchmark_draft_file: str | None = None
+
+    @classmethod
+    def from_json(cls, text: str | dict[str, Any]) -> SpeculativeConfig:
+        where = "--speculative-config"
+        if isinstance(text, dict):
+            data = text
+        else:
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{where} must be a JSON object, got {text!r} ({exc.msg})") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{where} must be a JSON object, got {text!r}")
+        known = {"method", "num_speculative_tokens", "adaptive", "max_batch"}
+        known |= {"benchmark_draft", "benchmark_draft_file", "model"}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"{where}: unknown keys {unknown}; known: {sorted(known)}")
+        method = data.get("method", "mtp")
+        if method not in SPECULATIVE_METHODS:
+            raise ConfigError(f"{where}: 'method' must be one of {list(SPECULATIVE_METHODS)}, got {method!r}")
+        if data.get("model") is not None:
+            raise ConfigError(
+                f"{where}: 'model' must be absent or null (method 'mtp' drafts with the checkpoint's own "
+                f"MTP head), got {data['model']!r}"
+            )
+        k = data.get("num_speculative_tokens", 1)
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(
+                f"{where}: 'num_speculative_tokens' must be an integer in 1..{MAX_SPECULATIVE_TOKENS}, got {k!r}"
+            )
+        adaptive = data.get("adaptive", True)
+        if not isinstance(adaptive, bool):
+            raise ConfigError(f"{where}: 'adaptive' must be true or false, got {adaptive!r}")
+        max_batch = data.get("max_batch", 32)
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise ConfigError(f"{where}: 'max_batch' must be an integer >= 1, got {max_batch!r}")
+        draft, draft_file = data.get("benchmark_draft"), data.get("benchmark_draft_file")
+        if draft is not None and draft not in BENCHMARK_DRAFTS:
+            raise ConfigError(
+                f"{where}: 'benchmark_draft' must be absent or one of {list(BENCHMARK_DRAFTS)}, got {draft!r}"
+            )
+        if (draft is None) != (draft_file is None):
+            raise ConfigError(
+                f"{where}: 'benchmark_draft' and 'benchmark_draft_file' go together (a recorded greedy "
+                f"run), got {draft!r} and {draft_file!r}"
+            )
+        return cls(method, k, adaptive, max_batch, draft, draft_file)
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """Engine flags, with vLLM's names. `validate()` runs before the model loads."""
@@ -465,6 +538,8 @@ class EngineConfig:
     # many GiB (None: 8% of the GPU's memory, 0.25 GiB on CPU).
     enable_prefix_caching: bool = True
     prefix_cache_state_memory_gb: float | None = None
+    # Speculative decoding with the checkpoint's MTP head (None: off).
+    speculative_config: SpeculativeConfig | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -515,6 +590,11 @@ class EngineConfig:
         if self.prefix_cache_state_memory_gb is not None and not self.prefix_cache_state_memory_gb > 0:
             raise fail(
                 "prefix_cache_state_memory_gb", "a number of GiB > 0", self.prefix_cache_state_memory_gb
+            )
+        if self.speculative_config is not None and self.tensor_parallel_size > 1:
+            raise ConfigError(
+                f"--speculative-config is not supported with --tensor-parallel-size {self.tensor_parallel_size} "
+                "yet; serve speculative decoding on one GPU"
             )
         if self.num_kv_pages is not None and self.num_kv_pages < 2:
             raise fail("num_kv_pages", "an integer >= 2 (one page is reserved)", self.num_kv_pages)
