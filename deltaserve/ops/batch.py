@@ -1,8 +1,12 @@
-"""The one input shape the model runs: a flattened varlen batch of decode rows and prefill chunks.
+"""The one input shape the model runs: a flattened varlen batch of decode rows, verify rows and prefill
+chunks.
 
-Row order is decode rows first (one token each, context > 0), then prefill chunks; a prefill chunk may
-start at any position (its context is already in the caches). Every tensor of a batch lives on the
-model's device; the `*_host` tuples mirror lengths so reference ops can loop without device syncs.
+Row order is decode rows first (one token each, context > 0), then verify rows (speculative decoding:
+a sequence's last sampled token and its draft tokens, context > 0, with the GDN state kept after every
+token), then prefill chunks; a prefill chunk may start at any position (its context is already in the
+caches). A one-token row with context after a verify row or a prefill chunk is run as a prefill chunk.
+Every tensor of a batch lives on the model's device; the `*_host` tuples mirror lengths so reference
+ops can loop without device syncs.
 """
 
 from __future__ import annotations
@@ -31,13 +35,23 @@ class ForwardBatch:
     block_tables: torch.Tensor  # [B, P] int32, KV page ids per sequence (padded with page 0)
     slot_mapping: torch.Tensor  # [T] int64, flat KV position (page * page_size + offset) per token
     state_slots: torch.Tensor  # [B] int64, GDN state slot per sequence
-    logits_indices: torch.Tensor  # [R] int64, token rows whose logits are computed
+    # [R] int64, token rows whose hidden states the model returns, in row order: each decode row's token,
+    # every token of each verify row, the last token of each other row that needs logits; then the
+    # scored tokens (BatchRow.scored), in row order.
+    logits_indices: torch.Tensor
     num_decodes: int  # the first num_decodes sequences are single-token decode rows
     query_lens_host: tuple[int, ...]
     context_lens_host: tuple[int, ...]
     # Per-batch index the GPU GDN prefill path builds on first use and every GDN layer then shares
     # (deltaserve.ops.triton.gdn.PrefillIndex): one host->device transfer per batch, not per layer.
     gdn_prefill_index: object | None = None
+    # Sequences num_decodes .. num_decodes + num_verify - 1 are verify rows. Their tokens are the rows
+    # num_decodes .. num_decodes + len(verify_state_slots) - 1 (decode rows hold one token each).
+    num_verify: int = 0
+    # [verify tokens] int64: for each token of the verify rows, in order, the state slot that receives
+    # the GDN state after it (BatchRow.state_after, then the row's own state slot for its last token).
+    # None when the batch has no verify rows.
+    verify_state_slots: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -56,10 +70,28 @@ class BatchRow:
     context_len: int
     pages: Sequence[int]  # the sequence's block table; covers context_len + len(token_ids) tokens
     state_slot: int
-    need_logits: bool = True  # logits of the last token of this row
+    need_logits: bool = True  # logits of the last token of this row (of every token of a verify row)
     # Prompt scoring: the hidden states of the first `scored` tokens are returned too, after every row's
-    # last-token rows (logits_indices lists the sampling rows first, then the scored tokens, row order).
+    # logits rows (logits_indices lists the sampling rows first, then the scored tokens, row order).
     scored: int = 0
+    # Non-empty: a verify row (speculative decoding). It has context_len > 0, len(token_ids) >= 2 and
+    # need_logits, and len(state_after) == len(token_ids) - 1: for t < len(token_ids) - 1, the GDN state
+    # after its token t (every GDN layer's conv window and SSM state) is written to slot state_after[t];
+    # the state after its last token goes to `state_slot`, which also holds the initial state. These
+    # slots must differ from each other and from every other slot the batch reads or writes.
+    state_after: Sequence[int] = ()
+
+    @property
+    def is_verify(self) -> bool:
+        return len(self.state_after) > 0
+
+
+def logits_rows(row: BatchRow) -> int:
+    """Rows of logits the forward computes for `row`: every token of a verify row, else the last
+    token's when the row needs logits."""
+    if row.is_verify:
+        return len(row.token_ids)
+    return 1 if row.need_logits else 0
 
 
 def to_device(data: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -67,6 +99,30 @@ def to_device(data: Sequence, dtype: torch.dtype, device: torch.device) -> torch
     the host nor the stream."""
     staged = torch.tensor(data, dtype=dtype, pin_memory=device.type == "cuda")
     return staged.to(device, non_blocking=True)
+
+
+# Row kinds, in the order a batch holds them.
+_DECODE, _VERIFY, _PREFILL = 0, 1, 2
+
+
+def _row_kind(index: int, row: BatchRow, previous: int) -> int:
+    """The kind of row `index` of a batch whose previous row was of kind `previous`. A decode-shaped row
+    after the decode rows is a prefill chunk; a verify row after a prefill chunk is an error."""
+    n = len(row.token_ids)
+    if not row.is_verify:
+        return _DECODE if n == 1 and row.context_len > 0 and previous == _DECODE else _PREFILL
+    if row.context_len < 1 or n < 2 or len(row.state_after) != n - 1 or not row.need_logits:
+        raise ValueError(
+            f"verify row {index} has context {row.context_len}, {n} tokens, {len(row.state_after)} "
+            f"state_after slots and need_logits={row.need_logits}; a verify row needs context > 0, at "
+            "least 2 tokens, len(token_ids) - 1 state_after slots and need_logits=True"
+        )
+    if previous == _PREFILL:
+        raise ValueError(
+            f"verify row {index} follows a prefill chunk; order a batch's rows as decode rows, then "
+            "verify rows, then prefill chunks"
+        )
+    return _VERIFY
 
 
 def build_forward_batch(rows: Sequence[BatchRow], page_size: int, device: torch.device) -> ForwardBatch:
@@ -78,28 +134,29 @@ def build_forward_batch(rows: Sequence[BatchRow], page_size: int, device: torch.
     query_start = [0]
     logits_indices: list[int] = []
     scored_indices: list[int] = []
+    verify_slots: list[int] = []
     max_pages = max(len(r.pages) for r in rows)
     block_tables: list[list[int]] = []
-    num_decodes = 0
-    decode_prefix = True
-    for row in rows:
+    counts = [0, 0, 0]  # rows of each kind
+    kind = _DECODE
+    for i, row in enumerate(rows):
         n = len(row.token_ids)
         end = row.context_len + n
         if n < 1:
             raise ValueError("a batch row needs at least one token")
         if len(row.pages) * page_size < end:
             raise ValueError(f"row covers {end} tokens but holds only {len(row.pages)} pages of {page_size}")
-        is_decode = n == 1 and row.context_len > 0
-        if is_decode and decode_prefix:
-            num_decodes += 1
-        else:
-            decode_prefix = False
+        kind = _row_kind(i, row, kind)
+        counts[kind] += 1
         input_ids.extend(row.token_ids)
         for pos in range(row.context_len, end):
             positions.append(pos)
             slot_mapping.append(row.pages[pos // page_size] * page_size + pos % page_size)
         query_start.append(query_start[-1] + n)
-        if row.need_logits:
+        if kind == _VERIFY:
+            logits_indices.extend(range(query_start[-2], query_start[-1]))
+            verify_slots.extend([*row.state_after, row.state_slot])
+        elif row.need_logits:
             logits_indices.append(query_start[-1] - 1)
         if not 0 <= row.scored <= n:
             raise ValueError(f"a row of {n} tokens cannot score {row.scored} of them")
@@ -121,7 +178,9 @@ def build_forward_batch(rows: Sequence[BatchRow], page_size: int, device: torch.
         slot_mapping=t(slot_mapping, torch.int64),
         state_slots=t([r.state_slot for r in rows], torch.int64),
         logits_indices=t(logits_indices + scored_indices, torch.int64),
-        num_decodes=num_decodes,
+        num_decodes=counts[_DECODE],
         query_lens_host=tuple(query),
         context_lens_host=tuple(context),
+        num_verify=counts[_VERIFY],
+        verify_state_slots=t(verify_slots, torch.int64) if verify_slots else None,
     )
