@@ -6,7 +6,9 @@ Per value head h (key head h // (HV / HK)), state S in R^{dk x dv}, all in fp32:
 with the gating g = -exp(A_log) * softplus(a + dt_bias) in fp32 and beta = sigmoid(b) in the
 activation dtype (as HF rounds it). A sequence with context 0 starts from S = 0 (its slot's old
 contents, possibly stale, are never read); otherwise from its slot. The final S is written back to the
-slot (cast to the pool's dtype).
+slot (cast to the pool's dtype). A verify row (ForwardBatch.num_verify) writes S after each of its
+tokens t to slot verify_state_slots[t] (the last one is the row's own slot); S stays fp32 between its
+tokens, as in a prefill chunk.
 """
 
 from __future__ import annotations
@@ -58,19 +60,25 @@ def gated_delta_rule(
         state = ssm_state[slots].float()
         state, out[:nd] = _step(state, qf[:nd], kf[:nd], vf[:nd], gf[:nd], bf[:nd])
         ssm_state[slots] = state.to(ssm_state.dtype)
+    # Verify rows and prefill chunks: token by token. Decode rows hold one token each, so the verify
+    # rows' tokens start at row nd: token t of the batch is token t - nd of verify_state_slots.
+    verify_end = nd + batch.num_verify
     start = nd
     for i in range(nd, batch.num_seqs):
         n, ctx = batch.query_lens_host[i], batch.context_lens_host[i]
         slot = batch.state_slots[i]
         if ctx > 0:
-            state = ssm_state[slot].float()[None]
+            state = ssm_state[slot].float()[None]  # read before any write: _step returns new tensors
         else:
             state = vf.new_zeros(1, num_v_heads, kf.shape[-1], vf.shape[-1])
         for t in range(start, start + n):
             state, out[t : t + 1] = _step(
                 state, qf[t : t + 1], kf[t : t + 1], vf[t : t + 1], gf[t : t + 1], bf[t : t + 1]
             )
-        ssm_state[slot] = state[0].to(ssm_state.dtype)
+            if i < verify_end:
+                ssm_state[batch.verify_state_slots[t - nd]] = state[0].to(ssm_state.dtype)
+        if i >= verify_end:
+            ssm_state[slot] = state[0].to(ssm_state.dtype)
         start += n
     return out.to(v.dtype)
 
