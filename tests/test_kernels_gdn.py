@@ -64,3 +64,26 @@ def test_prefill_index_lists_every_64_token_chunk_once_per_batch():
     assert index.cu_seqlens.device.type == DEVICE.type
     # Every GDN layer of the batch gets the same tensors (fla caches its derived indices by identity).
     assert triton_gdn.prefill_index(batch, first=2) is index
+
+
+@pytest.mark.parametrize(("hk", "hv", "d"), [(2, 4, 32), (1, 3, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_verify_kernel_keeps_the_state_after_every_token(hk, hv, d, dtype):
+    # Two decode rows, then verify rows of 2..5 tokens: the decode kernel and the verify kernel. The
+    # state_after slots hold NaN until written; the other slots must not change.
+    rows = [BatchRow([1], 4, [1], 3), BatchRow([1], 9, [2], 1)]
+    verify = [(4, 7, 2, (9, 10, 11)), (2, 3, 5, (12,)), (5, 1, 4, (13, 14, 15, 16)), (3, 30, 6, (17, 18))]
+    rows += [BatchRow([0] * n, ctx, [3, 4, 5], slot, state_after=after) for n, ctx, slot, after in verify]
+    batch = build_forward_batch(rows, page_size=16, device=DEVICE)
+    q, k, v, a, b, A_log, dt_bias = make_inputs(batch.num_tokens, hk, hv, d, dtype, seed=hv * 10 + d)
+    state = torch.randn(20, hv, d, d, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    state[9:19] = float("nan")
+    ref_state = state.clone()
+    expected = reference(q, k, v, a, b, A_log, dt_bias, ref_state, batch)
+    got = triton_gdn.gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, batch)
+    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got.float(), expected.float(), **tol)
+    torch.testing.assert_close(state, ref_state, equal_nan=True, **tol)
+    assert not state[9:19].isnan().any()
+    untouched = [0, 7, 8, 19]
+    assert state[untouched].isnan().sum() == 0 and torch.equal(state[untouched], ref_state[untouched])

@@ -5,6 +5,11 @@ Decode rows (one token each, state from the slot pool): a Triton kernel that fus
 L2 norms, the state update and the readout, reading and writing each row's SSM state IN PLACE at its
 slot. Its grid depends only on tensor shapes, so it is CUDA-graph capturable.
 
+Verify rows (a few tokens each, context > 0): the same math in a kernel whose programs each walk their
+row's tokens in order, the state in registers, storing it after every token to that token's slot in
+verify_state_slots (the row's own slot after its last token). Token ranges come from query_start_loc on
+the device and the grid from shapes, so a batch of decode and verify rows is CUDA-graph capturable too.
+
 Prefill chunks: fla's chunked kernel over the varlen batch (cu_seqlens), initial states gathered from
 the slots (zero where the sequence has no context: a stale slot is never read), final states scattered
 back. Same math as deltaserve/ops/gdn.py, which is the oracle.
@@ -122,6 +127,127 @@ def gdn_decode(
     )
 
 
+@triton.jit(do_not_specialize=["first_seq"])
+def _gdn_verify_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    a_ptr,
+    b_ptr,
+    a_log_ptr,
+    dt_bias_ptr,
+    state_ptr,
+    slots_ptr,
+    qsl_ptr,
+    verify_slots_ptr,
+    out_ptr,
+    first_seq,
+    stride_qk_row,
+    stride_v_row,
+    stride_ab_row,
+    stride_state_slot,
+    scale,
+    HK: tl.constexpr,
+    HV: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BV: tl.constexpr,
+):
+    """Verify row first_seq + program_id(0), value head program_id(1), value block program_id(2): the
+    decode kernel's step for each of the row's tokens. Each program reads and writes only its own
+    (head, value block) tile of the state, and reads the row's slot before its first store."""
+    seq = first_seq + tl.program_id(0)
+    hv = tl.program_id(1)
+    vb = tl.program_id(2)
+    hk = hv // (HV // HK)
+    offs_k = tl.arange(0, DK)
+    offs_v = vb * BV + tl.arange(0, BV)
+    tile = hv * DK * DV + offs_k[:, None] * DV + offs_v[None, :]
+    first_token = tl.load(qsl_ptr + seq).to(tl.int64)
+    n = tl.load(qsl_ptr + seq + 1) - first_token
+    verify_base = tl.load(qsl_ptr + first_seq)  # the verify rows' first token: verify_slots[0]
+    dt_bias = tl.load(dt_bias_ptr + hv).to(tl.float32)
+    neg_a = -tl.exp(tl.load(a_log_ptr + hv).to(tl.float32))
+
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    s = tl.load(state_ptr + slot * stride_state_slot + tile).to(tl.float32)
+    for i in range(0, n):
+        row64 = first_token + i
+        q = tl.load(q_ptr + row64 * stride_qk_row + hk * DK + offs_k).to(tl.float32)
+        k = tl.load(k_ptr + row64 * stride_qk_row + hk * DK + offs_k).to(tl.float32)
+        v = tl.load(v_ptr + row64 * stride_v_row + hv * DV + offs_v).to(tl.float32)
+        q = q / tl.sqrt(tl.sum(q * q) + 1e-6) * scale
+        k = k / tl.sqrt(tl.sum(k * k) + 1e-6)
+
+        a = tl.load(a_ptr + row64 * stride_ab_row + hv).to(tl.float32)
+        b_raw = tl.load(b_ptr + row64 * stride_ab_row + hv)
+        beta = tl.sigmoid(b_raw.to(tl.float32)).to(b_raw.dtype).to(tl.float32)
+        x = a + dt_bias
+        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
+        decay = tl.exp(neg_a * softplus)
+
+        s = s * decay
+        kv_mem = tl.sum(s * k[:, None], axis=0)
+        delta = (v - kv_mem) * beta
+        s = s + k[:, None] * delta[None, :]
+        o = tl.sum(s * q[:, None], axis=0)
+        tl.store(out_ptr + row64 * HV * DV + hv * DV + offs_v, o.to(out_ptr.dtype.element_ty))
+        dst = tl.load(verify_slots_ptr + (row64 - verify_base)).to(tl.int64)
+        tl.store(state_ptr + dst * stride_state_slot + tile, s.to(state_ptr.dtype.element_ty))
+
+
+def gdn_verify(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    ssm_state: torch.Tensor,
+    batch: ForwardBatch,
+    out: torch.Tensor,
+) -> None:
+    """The batch's verify rows (sequences num_decodes .. num_decodes + num_verify - 1). q, k, v, a, b and
+    out span the whole batch ([T, ...], as for gdn_decode); ssm_state: [slots, HV, DK, DV], read at the
+    rows' state_slots and written at batch.verify_state_slots."""
+    nv = batch.num_verify
+    hk, dk = q.shape[1:]
+    hv, dv = v.shape[1:]
+    if nv == 0:
+        return
+    assert batch.verify_state_slots is not None
+    assert q.stride(1) == dk and q.stride(2) == 1 and k.stride() == q.stride()
+    assert v.stride(1) == dv and v.stride(2) == 1 and a.stride(1) == 1 and b.stride() == a.stride()
+    assert ssm_state.is_contiguous() and out.is_contiguous()
+    block_v = min(dv, 32)
+    _gdn_verify_kernel[(nv, hv, triton.cdiv(dv, block_v))](
+        q,
+        k,
+        v,
+        a,
+        b,
+        A_log,
+        dt_bias,
+        ssm_state,
+        batch.state_slots,
+        batch.query_start_loc,
+        batch.verify_state_slots,
+        out,
+        batch.num_decodes,
+        q.stride(0),
+        v.stride(0),
+        a.stride(0),
+        ssm_state.stride(0),
+        dk**-0.5,
+        HK=hk,
+        HV=hv,
+        DK=dk,
+        DV=dv,
+        BV=block_v,
+    )
+
+
 # fla's chunk length; its chunk index lists (sequence, chunk) for every 64-token chunk of every sequence.
 _FLA_CHUNK = 64
 
@@ -212,7 +338,8 @@ def gated_delta_rule(
     ssm_state: torch.Tensor,
     batch: ForwardBatch,
 ) -> torch.Tensor:
-    """The GPU path of deltaserve.ops.gdn.gated_delta_rule (same signature and semantics)."""
+    """The GPU path of deltaserve.ops.gdn.gated_delta_rule (same signature and semantics): decode rows
+    through the decode kernel, verify rows through the verify kernel, the rest through fla."""
     tokens = q.shape[0]
     out = torch.empty(tokens, v.shape[1], v.shape[2], dtype=v.dtype, device=v.device)
     nd = batch.num_decodes
@@ -229,6 +356,9 @@ def gated_delta_rule(
             batch.state_slots[:nd],
             out[:nd],
         )
-    if nd < batch.num_seqs:
-        out[nd:] = gdn_prefill(q, k, v, a, b, A_log, dt_bias, ssm_state, batch, nd)
+    gdn_verify(q, k, v, a, b, A_log, dt_bias, ssm_state, batch, out)
+    first = nd + batch.num_verify
+    if first < batch.num_seqs:
+        start = prefill_index(batch, first).start
+        out[start:] = gdn_prefill(q, k, v, a, b, A_log, dt_bias, ssm_state, batch, first)
     return out
