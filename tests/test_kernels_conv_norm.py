@@ -60,17 +60,21 @@ def assert_matches(got: torch.Tensor, want: torch.Tensor) -> None:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def make_batch(rows: list[tuple[int, int, int]]) -> ForwardBatch:
-    """rows: (new tokens, context, state slot) per sequence, decode rows first."""
+def make_batch(rows: list[tuple]) -> ForwardBatch:
+    """rows: (new tokens, context, state slot[, state_after slots]) per sequence: decode rows first,
+    then verify rows (those with state_after slots), then prefill chunks."""
     return build_forward_batch(
-        [BatchRow([0] * n, ctx, list(range((ctx + n + 15) // 16)), slot) for n, ctx, slot in rows],
+        [
+            BatchRow([0] * n, ctx, list(range((ctx + n + 15) // 16)), slot, state_after=tuple(*after))
+            for n, ctx, slot, *after in rows
+        ],
         page_size=16,
         device=DEVICE,
     )
 
 
 def check_conv(
-    rows: list[tuple[int, int, int]],
+    rows: list[tuple],
     channels: int,
     dtype: torch.dtype,
     seed: int,
@@ -84,7 +88,8 @@ def check_conv(
     tokens = batch.num_tokens
     x = randn(gen, tokens, channels + 40, dtype=dtype)[:, 24 : 24 + channels]
     weight = randn(gen, channels, K, dtype=dtype, scale=0.5)
-    state = randn(gen, 2 + max(slot for *_, slot in rows), channels, K - 1, dtype=dtype)
+    slots = [slot for _, _, slot, *after in rows for slot in (slot, *itertools.chain(*after))]
+    state = randn(gen, 2 + max(slots), channels, K - 1, dtype=dtype)
     state[sorted(stale)] = float("nan")
     want_state = state.clone()
     with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):  # on CUDA, a true fp32 reference
@@ -161,6 +166,23 @@ def test_conv_chunked_prefill_then_decode_equals_one_pass():
     assert torch.equal(torch.cat(pieces), one_pass)
     assert torch.equal(state[slot], one_pass_state[slot])
     assert torch.equal(state[slot], x[-(K - 1) :].t())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_decodes", [False, True])
+def test_conv_verify_rows_leave_the_window_after_every_token(dtype, with_decodes):
+    # Decode and verify rows only: the verify kernel does the verify rows' whole step. Verify rows of
+    # 2..5 tokens (some shorter than K-1), their state_after slots stale until written.
+    decodes = [(1, 5, 3), (1, 1, 9)] if with_decodes else []
+    verify = [(4, 7, 2, (20, 21, 22)), (2, 3, 5, (23,)), (5, 1, 4, (24, 25, 26, 27)), (3, 30, 1, (28, 29))]
+    check_conv(decodes + verify, channels=300, dtype=dtype, seed=6, stale=set(range(20, 30)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_conv_verify_rows_beside_prefill_chunks(dtype):
+    # With prefill rows the verify kernel saves the inner windows first; the varlen kernel does the rest.
+    rows = [(1, 5, 3), (2, 3, 5, (20,)), (4, 7, 2, (21, 22, 23)), (19, 0, 4), (1, 4, 6), (2, 1, 7)]
+    check_conv(rows, channels=100, dtype=dtype, seed=7, stale={4, 20, 21, 22, 23})
 
 
 def test_conv_reads_only_the_batch_device_tensors():

@@ -12,6 +12,14 @@ each row finding its sequence on the device (decode rows directly, prefill rows 
 query_start_loc). Nothing is read from the host copies of the batch and the grid comes from tensor
 shapes, so any batch shape, the decode-only one in particular, can be captured in a CUDA graph.
 
+Verify rows (ForwardBatch.num_verify: context > 0, a few tokens each) also leave the window after each
+of their tokens in verify_state_slots. `_conv1d_verify_kernel` walks each verify row's tokens over
+(verify rows, channel blocks): it writes the windows after all but the last token into their slots,
+reading only x and the row's own slot (which no other verify-row write touches). In a batch of decode
+and verify rows only, it also computes the rows' outputs and then the last window into the row's slot,
+beside the decode kernel over the decode rows; with prefill rows it runs first and the varlen kernel
+then covers the whole batch, verify rows as chunks with context (outputs and the last window).
+
 Ownership, which makes the in-place state update race-free: only a sequence's first K-1 rows read its
 slot, and they, together with the slot write-back, belong to the program of the token block where the
 sequence starts; that program also takes up to K-1 rows spilling past its block's end. Every other row
@@ -250,6 +258,155 @@ def _conv1d_decode_kernel(
     )
 
 
+@triton.jit
+def _row_input(r, start, own_row, cols, cmask, x_ptr, stride_x_tok, stride_s_k, KW: tl.constexpr):
+    """Input row `r` (int64) of the verify row whose first token is row `start`: x[r], or for r < start
+    column KW-1 + (r - start) of the row's slot, rounded to x's dtype."""
+    # Per channel: Triton's interpreter combines a scalar mask with a vector one as integers.
+    r = r + tl.zeros_like(cols).to(tl.int64)
+    in_x = r >= start
+    v = tl.load(x_ptr + r * stride_x_tok + cols, mask=cmask & in_x, other=0.0)
+    old = tl.load(own_row + (KW - 1 + r - start) * stride_s_k, mask=cmask & (r < start), other=0.0)
+    return tl.where(in_x, v, round_to(old.to(tl.float32), v.dtype))
+
+
+@triton.jit
+def _verify_outputs(
+    start,
+    n,
+    own_row,
+    cols,
+    cmask,
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    channels,
+    stride_x_tok,
+    stride_w_ch,
+    stride_w_k,
+    stride_s_k,
+    KW: tl.constexpr,
+):
+    """out of the row's n tokens from row `start`: the decode kernel's sum per token, oldest tap first."""
+    for i in range(0, n):
+        token = start + i
+        acc = tl.zeros([cols.shape[0]], dtype=tl.float32)
+        for k in tl.static_range(KW):
+            wk = tl.load(w_ptr + cols * stride_w_ch + k * stride_w_k, mask=cmask, other=0.0).to(tl.float32)
+            # Tap k reads the input KW-1-k tokens back.
+            v = _row_input(
+                token - (KW - 1 - k), start, own_row, cols, cmask, x_ptr, stride_x_tok, stride_s_k, KW
+            )
+            acc += wk * v.to(tl.float32)
+        y = round_to(acc, out_ptr.dtype.element_ty).to(tl.float32)  # HF rounds the conv sum before SiLU
+        y = round_to(silu_f32(y), out_ptr.dtype.element_ty)
+        tl.store(out_ptr + token * channels + cols, y, mask=cmask)
+
+
+@triton.jit
+def _window_to_slot(
+    token,
+    start,
+    dst_row,
+    own_row,
+    cols,
+    cmask,
+    x_ptr,
+    state_ptr,
+    stride_x_tok,
+    stride_s_k,
+    KW: tl.constexpr,
+    BARRIER: tl.constexpr,
+):
+    """dst column p := input row token + 1 + p - (KW-1) (the window ending at `token`). BARRIER: dst is
+    the row's own slot, and each column's reads are issued before its store (column p reads column
+    token - start + 1 + p > p, never one written before)."""
+    for p in tl.static_range(KW - 1):
+        r = token + 1 + p - (KW - 1)
+        v = _row_input(r, start, own_row, cols, cmask, x_ptr, stride_x_tok, stride_s_k, KW)
+        if BARRIER:
+            tl.debug_barrier()
+        tl.store(dst_row + p * stride_s_k, round_to(v.to(tl.float32), state_ptr.dtype.element_ty), mask=cmask)
+
+
+@triton.jit(do_not_specialize=["first_seq"])
+def _conv1d_verify_kernel(
+    x_ptr,
+    w_ptr,
+    state_ptr,
+    out_ptr,
+    qsl_ptr,
+    slots_ptr,
+    verify_slots_ptr,
+    first_seq,
+    channels,
+    stride_x_tok,
+    stride_w_ch,
+    stride_w_k,
+    stride_s_slot,
+    stride_s_ch,
+    stride_s_k,
+    KW: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    OUTPUTS: tl.constexpr,
+):
+    """Verify row first_seq + program_id(0) over one channel block: the window after each token but the
+    last into its verify slot; with OUTPUTS also the row's outputs and, after every read of the row's
+    slot, its last window into that slot."""
+    seq = first_seq + tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cols < channels
+    start = tl.load(qsl_ptr + seq).to(tl.int64)
+    n = tl.load(qsl_ptr + seq + 1) - start
+    verify_base = tl.load(qsl_ptr + first_seq)  # the verify rows' first token: verify_slots[0]
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    own_row = state_ptr + slot * stride_s_slot + cols * stride_s_ch
+    if OUTPUTS:
+        _verify_outputs(
+            start, n, own_row, cols, cmask, x_ptr, w_ptr, out_ptr, channels,
+            stride_x_tok, stride_w_ch, stride_w_k, stride_s_k, KW,
+        )  # fmt: skip
+    for i in range(0, n - 1):
+        token = start + i
+        dst = tl.load(verify_slots_ptr + (token - verify_base)).to(tl.int64)
+        _window_to_slot(
+            token, start, state_ptr + dst * stride_s_slot + cols * stride_s_ch, own_row, cols, cmask,
+            x_ptr, state_ptr, stride_x_tok, stride_s_k, KW, False,
+        )  # fmt: skip
+    if OUTPUTS:
+        tl.debug_barrier()  # every read of the row's slot above is issued before its first store
+        _window_to_slot(
+            start + n - 1, start, own_row, own_row, cols, cmask, x_ptr, state_ptr, stride_x_tok, stride_s_k,
+            KW, True,
+        )  # fmt: skip
+
+
+def _decode_rows(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    out: torch.Tensor,
+    batch: ForwardBatch,
+    rows: int,
+    channels: int,
+    strides: tuple[int, ...],
+    width: int,
+) -> None:
+    """The decode kernel over the batch's first `rows` rows (decode rows: one token each)."""
+    _conv1d_decode_kernel[(rows, triton.cdiv(channels, _DECODE_BLOCK_C))](
+        x,
+        weight,
+        conv_state,
+        out,
+        batch.state_slots,
+        channels,
+        *strides,
+        KW=width,
+        BLOCK_C=_DECODE_BLOCK_C,
+        num_warps=_DECODE_NUM_WARPS,
+    )
+
+
 def causal_conv1d(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -260,7 +417,8 @@ def causal_conv1d(
     blocks: tuple[int, int, int] = (_BLOCK_T, _BLOCK_C, _NUM_WARPS),
 ) -> torch.Tensor:
     """x: [T, C] (rows may be strided, e.g. the qkv part of the fused in_proj output); weight: [C, K];
-    conv_state: [slots, C, K-1], updated in place at batch.state_slots. Returns silu(conv(x)) [T, C] in
+    conv_state: [slots, C, K-1], updated in place at batch.state_slots (and, for the windows after a
+    verify row's tokens, at batch.verify_state_slots). Returns silu(conv(x)) [T, C] in
     x's dtype, written into `out` when given (contiguous). Reads only the batch's device tensors.
     `blocks` = (tokens, channels, warps) per program of the varlen kernel (a tuning knob)."""
     tokens, channels = x.shape
@@ -281,25 +439,39 @@ def causal_conv1d(
     elif out.shape != (tokens, channels) or out.dtype != x.dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {x.dtype} tensor of shape {(tokens, channels)}")
     num_seqs = batch.state_slots.shape[0]
-    num_prefills = num_seqs - batch.num_decodes
+    nd, nv = batch.num_decodes, batch.num_verify
+    num_prefills = num_seqs - nd
     if tokens == 0 or num_seqs == 0:
         return out
-    # x row, weight channel/tap, state slot/channel/column strides: the same for both kernels.
+    # x row, weight channel/tap, state slot/channel/column strides: the same for every kernel.
     strides = (x.stride(0), weight.stride(0), weight.stride(1), *conv_state.stride())
-    if batch.num_decodes == num_seqs == tokens:
-        _conv1d_decode_kernel[(tokens, triton.cdiv(channels, _DECODE_BLOCK_C))](
+    if nv == 0 and nd == num_seqs == tokens:
+        _decode_rows(x, weight, conv_state, out, batch, nd, channels, strides, width)
+        return out
+    if nv > 0:
+        # Without prefill rows the verify kernel does the verify rows' whole step; with them it only
+        # saves the windows after their inner tokens, before the varlen kernel rewrites their slots.
+        whole = nd + nv == num_seqs
+        if whole and nd > 0:
+            _decode_rows(x, weight, conv_state, out, batch, nd, channels, strides, width)
+        _conv1d_verify_kernel[(nv, triton.cdiv(channels, _DECODE_BLOCK_C))](
             x,
             weight,
             conv_state,
             out,
+            batch.query_start_loc,
             batch.state_slots,
+            batch.verify_state_slots,
+            nd,
             channels,
             *strides,
             KW=width,
             BLOCK_C=_DECODE_BLOCK_C,
+            OUTPUTS=whole,
             num_warps=_DECODE_NUM_WARPS,
         )
-        return out
+        if whole:
+            return out
     grid = (triton.cdiv(tokens, block_t), triton.cdiv(channels, block_c))
     _causal_conv1d_kernel[grid](
         x,
