@@ -60,12 +60,14 @@ def make_case(
     page_size: int,
     dtype: torch.dtype,
     padding_rows: int = 0,
+    verify_rows: int = 0,
     salt: object = 0,
     device: torch.device = DEVICE,
 ) -> AttentionCase:
-    """rows: (context_len, query_len) per sequence, decode rows (query_len 1) first. Pages are drawn
-    in shuffled order from 1.. (page 0 is the reserved dummy page). `padding_rows` extra decode rows
-    of two cached tokens point at page 0, as CUDA-graph padding does; page 0 is then finite."""
+    """rows: (context_len, query_len) per sequence, decode rows (query_len 1) first, then the
+    `verify_rows` verify rows (speculative decoding), then prefill chunks. Pages are drawn in shuffled
+    order from 1.. (page 0 is the reserved dummy page). `padding_rows` extra decode rows of two cached
+    tokens point at page 0, as CUDA-graph padding does; page 0 is then finite."""
     gen = _generator(device, rows, num_heads, num_kv_heads, head_dim, page_size, dtype, padding_rows, salt)
     needed = [-(-(ctx + n) // page_size) for ctx, n in rows]
     num_pages = sum(needed) + 4
@@ -73,15 +75,17 @@ def make_case(
     offsets = torch.arange(page_size, device=device)
     batch_rows: list[BatchRow] = []
     owned: list[torch.Tensor] = []
-    for (ctx, n), count in zip(rows, needed, strict=True):
+    num_decodes = sum(1 for _, n in rows if n == 1)
+    for i, ((ctx, n), count) in enumerate(zip(rows, needed, strict=True)):
         pages, order = order[:count], order[count:]
         slots = torch.tensor(pages, device=device)[:, None] * page_size + offsets
         owned.append(slots.flatten()[: ctx + n])
-        batch_rows.append(BatchRow(token_ids=[0] * n, context_len=ctx, pages=pages, state_slot=0))
+        # A verify row's state slots are placeholders: attention never reads them.
+        after = tuple(range(n - 1)) if num_decodes <= i < num_decodes + verify_rows else ()
+        batch_rows.append(BatchRow([0] * n, context_len=ctx, pages=pages, state_slot=0, state_after=after))
     if padding_rows:
         owned.append(offsets)
         pad = BatchRow(token_ids=[0], context_len=1, pages=[0], state_slot=0)
-        num_decodes = sum(1 for _, n in rows if n == 1)
         batch_rows[num_decodes:num_decodes] = [pad] * padding_rows
     slots = torch.cat(owned)
     caches = []
@@ -153,6 +157,29 @@ def test_mixed_batch_in_one_launch_matches_reference(dtype: torch.dtype) -> None
             rows, num_heads=6, num_kv_heads=2, head_dim=32, page_size=16, dtype=dtype, salt=num_splits
         )
         check_attention(case, num_splits)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_verify_rows_between_decode_rows_and_prefill_chunks_match_reference(dtype: torch.dtype) -> None:
+    # Verify rows of 2..5 tokens with context (one across a page boundary) run with the prefill rows.
+    rows = [(40, 1), (3, 1), (20, 4), (7, 2), (14, 5), (30, 3), (0, 9), (33, 30)]
+    for num_splits in (1, 4):
+        case = make_case(
+            rows,
+            num_heads=6,
+            num_kv_heads=2,
+            head_dim=32,
+            page_size=16,
+            dtype=dtype,
+            verify_rows=4,
+            salt=num_splits,
+        )
+        assert (case.batch.num_decodes, case.batch.num_verify) == (2, 4)
+        check_attention(case, num_splits)
+    verify_only = make_case(
+        rows[:6], num_heads=4, num_kv_heads=2, head_dim=32, page_size=4, dtype=dtype, verify_rows=4
+    )
+    check_attention(verify_only, num_splits=2, kernel_batch=without_host_lengths(verify_only.batch))
 
 
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 6, 8])
