@@ -356,8 +356,9 @@ def _conv1d_verify_kernel(
     seq = first_seq + tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cols < channels
-    start = tl.load(qsl_ptr + seq).to(tl.int64)
-    n = tl.load(qsl_ptr + seq + 1) - start
+    start32 = tl.load(qsl_ptr + seq)
+    n = tl.load(qsl_ptr + seq + 1) - start32
+    start = start32.to(tl.int64)
     verify_base = tl.load(qsl_ptr + first_seq)  # the verify rows' first token: verify_slots[0]
     slot = tl.load(slots_ptr + seq).to(tl.int64)
     own_row = state_ptr + slot * stride_s_slot + cols * stride_s_ch

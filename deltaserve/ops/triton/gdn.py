@@ -163,8 +163,9 @@ def _gdn_verify_kernel(
     offs_k = tl.arange(0, DK)
     offs_v = vb * BV + tl.arange(0, BV)
     tile = hv * DK * DV + offs_k[:, None] * DV + offs_v[None, :]
-    first_token = tl.load(qsl_ptr + seq).to(tl.int64)
-    n = tl.load(qsl_ptr + seq + 1) - first_token
+    start = tl.load(qsl_ptr + seq)
+    n = tl.load(qsl_ptr + seq + 1) - start
+    first_token = start.to(tl.int64)
     verify_base = tl.load(qsl_ptr + first_seq)  # the verify rows' first token: verify_slots[0]
     dt_bias = tl.load(dt_bias_ptr + hv).to(tl.float32)
     neg_a = -tl.exp(tl.load(a_log_ptr + hv).to(tl.float32))
