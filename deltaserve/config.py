@@ -82,6 +82,7 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    mtp_num_hidden_layers: int = 0  # decoder layers of the checkpoint's MTP head (mtp.*); 0: none
     ssm_state_dtype: str = "float32"  # `mamba_ssm_dtype`
     checkpoint_dtype: str = "bfloat16"
     eos_token_ids: tuple[int, ...] = ()
@@ -336,6 +337,7 @@ def _parse(raw: dict[str, Any], eos_override: tuple[int, ...] | None, source: st
         partial_rotary_factor=partial,
         max_position_embeddings=k.int("max_position_embeddings", top.data.get("max_position_embeddings")),
         tie_word_embeddings=tie,
+        mtp_num_hidden_layers=k.int("mtp_num_hidden_layers", 0, minimum=0),
         ssm_state_dtype=ssm_dtype,
         checkpoint_dtype=ckpt_dtype,
         eos_token_ids=tuple(int(e) for e in eos),

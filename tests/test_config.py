@@ -69,6 +69,13 @@ def test_official_4b_config_derives_layers_rope_and_sizes():
     assert cfg.state_bytes_per_sequence(torch.bfloat16) == 24 * (8192 * 3 * 2 + 32 * 128 * 128 * 4)
 
 
+def test_mtp_layer_count_is_read_from_the_text_config_and_defaults_to_zero():
+    assert ModelConfig.from_dict(OFFICIAL_4B).mtp_num_hidden_layers == 0
+    assert (
+        ModelConfig.from_dict(mutate(["text_config", "mtp_num_hidden_layers"], 1)).mtp_num_hidden_layers == 1
+    )
+
+
 def test_moe_flat_config_and_explicit_layer_types():
     raw = dict(MOE, layer_types=["linear_attention"] * 31 + ["full_attention"])
     cfg = ModelConfig.from_dict(raw)
@@ -123,6 +130,11 @@ def mutate(path: list, value) -> dict:
         (["text_config", "hidden_act"], "gelu", "hidden_act must be 'silu', got 'gelu'"),
         (["text_config", "mamba_ssm_dtype"], "float8", "mamba_ssm_dtype must be one of"),
         (["text_config"], KeyError, "needs a text_config object"),
+        (
+            ["text_config", "mtp_num_hidden_layers"],
+            -1,
+            "mtp_num_hidden_layers must be an integer >= 0, got -1",
+        ),
     ],
 )
 def test_bad_configs_fail_naming_key_expected_and_found(path, value, message):
