@@ -2,8 +2,9 @@
 
 `deltaserve make-tiny DIR --preset tiny|tiny-moe|0.8b-shape --seed N` writes what a downloaded Qwen3.5
 repository holds: config.json (multimodal wrapper with text_config), model.safetensors
-(`model.language_model.*` names, a few `mtp.*` tensors the loader must skip), generation_config.json,
-tokenizer.json and tokenizer_config.json with the chat template. Every weight is random, norm weights
+(`model.language_model.*` names and a complete MTP head under `mtp.*`: fc, its norms and one
+full-attention decoder layer with a dense MLP or MoE block, as the official checkpoints ship it),
+generation_config.json, tokenizer.json and tokenizer_config.json with the chat template. Every weight is random, norm weights
 included, and the output is byte-identical for a given preset and seed. The embedded default model is
 the `tiny` preset, built once into the cache directory.
 """
@@ -23,7 +24,7 @@ from deltaserve.config import ModelConfig
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
 from deltaserve.tokenizer_build import cached_tokenizer_dir
 
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2  # 2: a complete MTP head (was a few placeholder mtp.* tensors)
 VOCAB_SIZE = 248320  # the checkpoint's padded vocabulary; the tokenizer's id space is 248077
 EOS_TOKEN_IDS = [248046, 248044]  # <|im_end|>, <|endoftext|>
 ROPE = {
@@ -192,9 +193,10 @@ def official_config(preset: str) -> dict[str, Any]:
 def random_text_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     """Random weights under official checkpoint names (bf16; A_log fp32): linears N(0, 1/fan_in),
     embeddings N(0, 0.3^2), zero-centred norm weights N(0, 0.2^2), gated norm weights 1 + N(0, 0.2^2),
-    A_log = log U(1, 16), dt_bias N(1, 0.5^2). MoE experts in the official fused 3-D form."""
+    A_log = log U(1, 16), dt_bias N(1, 0.5^2). MoE experts in the official fused 3-D form. The MTP
+    head (top-level `mtp.*` names) by the same rules."""
     gen = torch.Generator().manual_seed(seed)
-    model = Qwen35ForCausalLM(cfg, dtype=torch.float32, device=torch.device("meta"))
+    model = Qwen35ForCausalLM(cfg, dtype=torch.float32, device=torch.device("meta"), mtp=True)
     tensors: dict[str, torch.Tensor] = {}
     for req in model.weight_requirements():
         for spec in req.alternatives[0]:  # the first alternative is the official layout
@@ -214,14 +216,8 @@ def random_text_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
             else:
                 t = torch.randn(shape, generator=gen) / shape[-1] ** 0.5
             dtype = torch.float32 if leaf == "A_log" else torch.bfloat16
-            prefix = "" if name == "lm_head.weight" else "model.language_model."
-            tensors[prefix + name] = t.to(dtype).contiguous()
-    hidden = cfg.hidden_size
-    tensors["mtp.fc.weight"] = (torch.randn(hidden, 2 * hidden, generator=gen) / hidden**0.5).to(
-        torch.bfloat16
-    )
-    tensors["mtp.norm.weight"] = (torch.randn(hidden, generator=gen) * 0.2).to(torch.bfloat16)
-    tensors["mtp.pre_fc_norm_hidden.weight"] = (torch.randn(hidden, generator=gen) * 0.2).to(torch.bfloat16)
+            top_level = name == "lm_head.weight" or name.startswith("mtp.")
+            tensors[("" if top_level else "model.language_model.") + name] = t.to(dtype).contiguous()
     return tensors
 
 

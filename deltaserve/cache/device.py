@@ -54,12 +54,14 @@ def build_device_caches(
     device: torch.device,
     ssm_dtype: torch.dtype | None = None,
     num_snapshots: int = 0,
+    num_kv_layers: int | None = None,
 ) -> DeviceCaches:
-    """Pools for `cfg` (a rank's geometry): KV pages for the full-attention layers, state slots for the
+    """Pools for `cfg` (a rank's geometry): KV pages for `num_kv_layers` layers (default: the
+    full-attention layers; the model's `num_kv_layers` adds its MTP head's layer), state slots for the
     GDN layers and, for the prefix cache, `num_snapshots` GDN state snapshots of the same dtypes. The
     SSM state dtype defaults to the checkpoint's `mamba_ssm_dtype` (float32 for Qwen3.5)."""
     kv = KVPages(
-        num_layers=len(cfg.full_attention_layers),
+        num_layers=len(cfg.full_attention_layers) if num_kv_layers is None else num_kv_layers,
         num_pages=num_pages,
         page_size=page_size,
         num_kv_heads=cfg.num_key_value_heads,

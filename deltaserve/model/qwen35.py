@@ -4,7 +4,8 @@ Layer i is Gated DeltaNet or gated full attention per `layer_types`; every layer
 x += mixer(norm(x)); x += mlp(norm(x)), with the residual add fused into the next norm.
 Full-attention layers read/write the paged KV pool; GDN layers read/write the state slot pool.
 Logits are computed only for `batch.logits_indices` and only over the first `logits_vocab_size` ids
-(the tokenizer's id space; the checkpoint's vocab is padded).
+(the tokenizer's id space; the checkpoint's vocab is padded). With `mtp`, the checkpoint's MTP head
+(deltaserve.model.mtp) is built too; its attention layer is the last layer of the KV pool.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.config import FULL_ATTENTION, ModelConfig
+from deltaserve.errors import ConfigError
 from deltaserve.model.layers.decoder import DecoderLayer
 from deltaserve.model.layers.parallel import SINGLE, TensorParallel
 from deltaserve.model.layers.params import WeightRequirement, new_param, single
+from deltaserve.model.mtp import MtpHead
 from deltaserve.ops import linear, rms_norm
 from deltaserve.ops.batch import CacheLayers, ForwardBatch
 from deltaserve.ops.rotary import inv_frequencies
@@ -31,13 +34,25 @@ class Qwen35ForCausalLM(nn.Module):
         device: torch.device,
         logits_vocab_size: int | None = None,
         tp: TensorParallel = SINGLE,
+        mtp: bool = False,
     ) -> None:
         """`cfg` is the checkpoint's config; under tensor parallelism (`tp`) the layers hold this rank's
-        shard (deltaserve.model.layers.parallel) and the caches follow `self.local_config`."""
+        shard (deltaserve.model.layers.parallel) and the caches follow `self.local_config`. `mtp` builds
+        the checkpoint's MTP head (speculative decoding; one rank only)."""
         super().__init__()
         if logits_vocab_size is not None and not 0 < logits_vocab_size <= cfg.vocab_size:
             raise ValueError(
                 f"the tokenizer's id space ({logits_vocab_size}) must fit the model vocabulary ({cfg.vocab_size})"
+            )
+        if mtp and cfg.mtp_num_hidden_layers == 0:
+            raise ConfigError(
+                "the checkpoint has no MTP head (mtp_num_hidden_layers is 0); speculative decoding with "
+                "method 'mtp' needs one"
+            )
+        if mtp and tp.size > 1:
+            raise ConfigError(
+                f"the MTP head runs on one rank only, got --tensor-parallel-size {tp.size}; serve speculative "
+                "decoding with --tensor-parallel-size 1"
             )
         self.config = cfg
         self.local_config = cfg.shard(tp.size)
@@ -55,6 +70,7 @@ class Qwen35ForCausalLM(nn.Module):
             if cfg.tie_word_embeddings
             else new_param((cfg.vocab_size, cfg.hidden_size), dtype, device)
         )
+        self.mtp = MtpHead(cfg, dtype, device) if mtp else None
         self.register_buffer(
             "inv_freq", inv_frequencies(cfg.rotary_dim, cfg.rope_theta, device), persistent=False
         )
@@ -67,17 +83,31 @@ class Qwen35ForCausalLM(nn.Module):
             for i, t in enumerate(cfg.layer_types)
         ]
 
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers of the KV pool: the full-attention layers, then the MTP head's layer (if any)."""
+        return len(self.config.full_attention_layers) + (1 if self.mtp is not None else 0)
+
+    @property
+    def mtp_kv_index(self) -> int:
+        """The MTP head's layer in the KV pool: the last one."""
+        return len(self.config.full_attention_layers)
+
     def weight_requirements(self) -> list[WeightRequirement]:
         reqs = [single("embed_tokens.weight", self.embed_tokens), single("norm.weight", self.norm)]
         if not self.config.tie_word_embeddings:
             reqs.append(single("lm_head.weight", self.lm_head))
         for i, layer in enumerate(self.layers):
             reqs += layer.weight_requirements(f"layers.{i}")
+        if self.mtp is not None:
+            reqs += self.mtp.weight_requirements("mtp")
         return reqs
 
-    def forward(self, batch: ForwardBatch, kv: CacheLayers, states: CacheLayers) -> torch.Tensor:
+    def forward(
+        self, batch: ForwardBatch, kv: CacheLayers, states: CacheLayers, every_token: bool = False
+    ) -> torch.Tensor:
         """Runs every new token of the batch; returns the final-normed hidden states of the
-        `batch.logits_indices` rows, [R, hidden]."""
+        `batch.logits_indices` rows, [R, hidden], or with `every_token` of every token, [T, hidden]."""
         h = F.embedding(batch.input_ids, self.embed_tokens)
         residual: torch.Tensor | None = None
         for layer, cache_index in zip(self.layers, self.cache_index, strict=True):
@@ -94,8 +124,24 @@ class Qwen35ForCausalLM(nn.Module):
                 self.tp.all_reduce_(h), layer.post_attention_layernorm, layer.eps, residual
             )
             h = self.tp.all_reduce_(layer.mlp(x))
+        if every_token:
+            return rms_norm(h, self.norm, self.config.rms_norm_eps, residual)[0]
         rows = batch.logits_indices
         return rms_norm(h[rows], self.norm, self.config.rms_norm_eps, residual[rows])[0]
+
+    def mtp_forward(
+        self, input_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, kv: CacheLayers
+    ) -> torch.Tensor:
+        """The MTP step for every token of `batch`: `input_ids` [T] are the next tokens (token i+1 at
+        row i), `hidden` [T, hidden] the target's final-normed hidden of each row (`forward(...,
+        every_token=True)`); positions, slot mapping and block tables are the target forward's (its GDN
+        state fields are unused). Writes the MTP layer's K and V (KV layer `mtp_kv_index`); returns the
+        MTP's final-normed hidden [T, hidden], for `compute_logits`."""
+        if self.mtp is None:
+            raise RuntimeError("mtp_forward needs the MTP head: build the model with mtp=True")
+        return self.mtp(
+            input_ids, hidden, self.embed_tokens, batch, self.inv_freq, kv.layer(self.mtp_kv_index)
+        )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[R, hidden] -> [R, logits_vocab_size] float32. The GEMM runs over a width rounded up to a

@@ -4,9 +4,10 @@ Checkpoint names are canonicalised to the HF text layout before matching:
   model.language_model.X -> X  (official multimodal checkpoints)
   model.X -> X                 (HF text-only checkpoints)
   lm_head.weight -> lm_head.weight
-The vision tower (model.visual.*), the MTP head (mtp.*) and rotary buffers are skipped. Every tensor is
-copied straight into its parameter view (one checkpoint tensor in host memory at a time); a missing,
-unexpected or misshaped tensor fails with its name and both shapes.
+  mtp.X, model.mtp.X -> mtp.X     (the MTP head; skipped unless the model has one)
+The vision tower (model.visual.*) and rotary buffers are skipped. Every tensor is copied straight into
+its parameter view (one checkpoint tensor in host memory at a time); a missing, unexpected or
+misshaped tensor fails with its name and both shapes.
 """
 
 from __future__ import annotations
@@ -25,25 +26,34 @@ from deltaserve.errors import ConfigError
 from deltaserve.model.layers.params import CheckpointTensor
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
 
-SKIPPED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
+SKIPPED_PREFIXES = ("model.visual.", "visual.")
+MTP_PREFIXES = ("mtp.", "model.mtp.")
 
 
-def canonical_name(name: str) -> str | None:
-    """The HF-text-layout name of a checkpoint tensor, or None when the engine does not use it."""
+def canonical_name(name: str, *, mtp: bool = False) -> str | None:
+    """The HF-text-layout name of a checkpoint tensor, or None when the engine does not use it (the
+    MTP head's tensors are used when `mtp`)."""
     if name.startswith(SKIPPED_PREFIXES) or name.endswith("rotary_emb.inv_freq"):
         return None
+    if name.startswith(MTP_PREFIXES):
+        return name[name.index("mtp.") :] if mtp else None
     for prefix in ("model.language_model.", "model."):
         if name.startswith(prefix):
             return name[len(prefix) :]
     return name
 
 
+def _weight_map(index: Path) -> dict[str, str]:
+    weight_map = json.loads(index.read_text()).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise ConfigError(f"{index}: expected a 'weight_map' object")
+    return weight_map
+
+
 def checkpoint_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ConfigError(f"{index}: expected a 'weight_map' object")
+        weight_map = _weight_map(index)
         files = sorted({model_dir / f for f in weight_map.values()})
         missing = [f.name for f in files if not f.is_file()]
         if missing:
@@ -61,6 +71,20 @@ def iter_checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, str, Callabl
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open handles are not mappings
                 yield name, path.name, partial(f.get_tensor, name)
+
+
+def checkpoint_has_mtp(model_dir: str | Path) -> bool:
+    """Whether the checkpoint ships an MTP head (tensors named mtp.*), from its index or the files'
+    headers only (no tensor is read)."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        return any(name.startswith(MTP_PREFIXES) for name in _weight_map(index))
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            if any(name.startswith(MTP_PREFIXES) for name in f.keys()):  # noqa: SIM118 - not a mapping
+                return True
+    return False
 
 
 @torch.inference_mode()
@@ -89,8 +113,9 @@ def load_tensors(
     loaded: set[str] = set()
     unexpected: list[str] = []
     tied = model.config.tie_word_embeddings
+    mtp = model.mtp is not None
     for name, where, read in tensors:
-        canonical = canonical_name(name)
+        canonical = canonical_name(name, mtp=mtp)
         if canonical is None or (tied and canonical == "lm_head.weight"):
             continue
         spec = by_name.get(canonical)
@@ -116,9 +141,15 @@ def load_tensors(
         # Report the alternative the checkpoint got furthest with (the official one when none started).
         best = max(req.alternatives, key=lambda alt: sum(t.name in loaded for t in alt))
         missing += [t.name for t in best if t.name not in loaded]
-    if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise ConfigError(f"{source}: checkpoint is missing tensors: {shown}")
+    if not missing:
+        return
+    shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+    if mtp and not any(name.startswith("mtp.") for name in loaded):
+        raise ConfigError(
+            f"{source}: the checkpoint has no MTP weights (mtp.*); --speculative-config method 'mtp' needs "
+            f"them (missing: {shown})"
+        )
+    raise ConfigError(f"{source}: checkpoint is missing tensors: {shown}")
 
 
 @torch.inference_mode()
@@ -127,7 +158,8 @@ def init_dummy_weights(model: Qwen35ForCausalLM, seed: int = 0) -> None:
     tensor name) at the tensor's full shape and then sharded like a loaded checkpoint: a tensor-parallel
     rank holds exactly its part of the single-rank model. Linears N(0, 0.02), the embedding
     N(0, 1/hidden), zero-centred norm weights N(0, 0.1), the GDN gated norm 1 + N(0, 0.1),
-    A_log = log U(1, 16), dt_bias = 1."""
+    A_log = log U(1, 16), dt_bias = 1. The MTP head's tensors (when the model has one) follow the same
+    rules by name."""
     for req in model.weight_requirements():
         for spec in req.alternatives[0]:  # the official layout's tensors
             spec.copy_from(
