@@ -117,10 +117,11 @@ class ModelConfig:
         """Channels of the GDN causal conv: q, k and v concatenated."""
         return 2 * self.linear_key_dim + self.linear_value_dim
 
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """KV cache bytes one token occupies over all full-attention layers (the GDN layers hold none)."""
+    def kv_bytes_per_token(self, dtype: torch.dtype, num_layers: int | None = None) -> int:
+        """KV cache bytes one token occupies over `num_layers` KV layers (default: the full-attention
+        layers; the GDN layers hold none. The MTP head's layer adds one)."""
         per_layer = 2 * self.num_key_value_heads * self.head_dim * _itemsize(dtype)
-        return per_layer * len(self.full_attention_layers)
+        return per_layer * (len(self.full_attention_layers) if num_layers is None else num_layers)
 
     def state_bytes_per_sequence(self, conv_dtype: torch.dtype) -> int:
         """Recurrent state one sequence holds over all GDN layers: conv window + SSM state."""

@@ -1,9 +1,11 @@
-"""The checkpoint's MTP head: loading, its math against HF transformers' layer, and its KV layer."""
+"""The checkpoint's MTP head: loading, its math against HF transformers' layer, its KV layer, and the
+rank's caches and memory plan with speculative decoding on."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -13,9 +15,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from deltaserve.cache.device import build_device_caches
-from deltaserve.config import ModelConfig
+from deltaserve.config import EngineConfig, ModelConfig, SpeculativeConfig
+from deltaserve.engine.rank import build_rank, verify_scratch_slots
 from deltaserve.errors import ConfigError
-from deltaserve.model.layers.parallel import TensorParallel
+from deltaserve.model.layers.parallel import SINGLE, TensorParallel
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
 from deltaserve.model.weights import checkpoint_has_mtp, init_dummy_weights, load_weights
 from deltaserve.ops.batch import BatchRow, build_forward_batch
@@ -301,3 +304,62 @@ def test_mtp_forward_matches_hf_layer_over_prefill_and_paged_decode_steps(dirs, 
     # The draft logits: the shared lm_head over the MTP hidden.
     logits = model.compute_logits(ours[-1:])
     assert logits.shape == (1, model.logits_vocab_size)
+
+
+# ---- the rank: caches and memory plan ---------------------------------------------------------------
+
+
+def engine_config(model_dir: Path, spec: SpeculativeConfig | None, **kw) -> EngineConfig:
+    return EngineConfig(
+        model=str(model_dir),
+        dtype="float32",
+        device="cpu",
+        max_num_seqs=4,
+        kv_cache_memory_gb=0.01,
+        enable_prefix_caching=False,
+        speculative_config=spec,
+        **kw,
+    )
+
+
+def build(config: EngineConfig, model_dir: Path):
+    return build_rank(config, model_dir, ModelConfig.from_dir(model_dir), TOKENIZER_VOCAB, SINGLE)
+
+
+def test_verify_scratch_slots_are_max_batch_times_draft_length(dirs):
+    assert verify_scratch_slots(engine_config(dirs["tiny"], None)) == 0
+    spec = SpeculativeConfig(num_speculative_tokens=3, max_batch=5)
+    assert verify_scratch_slots(engine_config(dirs["tiny"], spec)) == 15
+
+
+def test_speculative_rank_adds_the_mtp_kv_layer_and_scratch_slots_to_its_pools(dirs, caplog):
+    cfg = ModelConfig.from_dir(dirs["tiny"])
+    page_bytes = 2 * cfg.num_key_value_heads * cfg.head_dim * 4 * 16  # one fp32 layer, 16-token pages
+    budget = 0.01 * 2**30
+    plain = build(engine_config(dirs["tiny"], None), dirs["tiny"])
+    assert plain.model.mtp is None
+    assert plain.caches.kv.k.shape[0] == 2 and plain.caches.states.num_slots == 4 + 1
+    assert plain.caches.kv.num_pages == int(budget // (2 * page_bytes)) + 1
+
+    spec = SpeculativeConfig(num_speculative_tokens=2, max_batch=3)
+    with caplog.at_level(logging.INFO, logger="deltaserve.engine.rank"):
+        rank = build(engine_config(dirs["tiny"], spec), dirs["tiny"])
+    assert rank.model.mtp is not None
+    assert rank.caches.kv.k.shape[0] == 3 == rank.model.num_kv_layers  # the MTP layer is the last
+    assert rank.caches.states.num_slots == 4 + 1 + 6  # scratch slots 5..10 at the end
+    assert rank.caches.kv.num_pages == int(budget // (3 * page_bytes)) + 1  # pages hold the extra layer
+    logged = [r.getMessage() for r in caplog.records if "MTP head" in r.getMessage()]
+    assert (
+        len(logged) == 1 and "KV layer 2" in logged[0] and "6 verify scratch state slots (5..10" in logged[0]
+    )
+
+
+def test_speculative_rank_refuses_a_checkpoint_without_mtp_weights_unless_dummy(dirs, tmp_path):
+    bare = rewrite(dirs["tiny"], tmp_path / "bare", drop_mtp)
+    spec = SpeculativeConfig()
+    with pytest.raises(
+        ConfigError, match=r"bare: the checkpoint has no MTP weights \(mtp\.\*\); --speculative"
+    ):
+        build(engine_config(bare, spec), bare)
+    rank = build(engine_config(bare, spec, load_format="dummy"), bare)
+    assert rank.model.mtp is not None and rank.model.mtp.fc.std() > 0

@@ -4,6 +4,11 @@
 for the others): under tensor parallelism the warm-up's forwards and the page-count agreement are
 collectives. Memory plan: weights -> warm-up at the real chunk shapes (activation peak measured) ->
 state slots for max_num_seqs -> KV pages from what is left under --gpu-memory-utilization.
+
+With --speculative-config the model carries the checkpoint's MTP head: its attention layer is the last
+layer of the KV pool (every page holds it), and the state pool ends with `verify_scratch_slots` slots
+(max_num_seqs + 1 onwards) that verify forwards work in: no sequence may hold them (the cache
+manager's slots are 1..max_num_seqs).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from deltaserve.engine.warmup import WarmupReport, warm_up
 from deltaserve.errors import ConfigError
 from deltaserve.model.layers.parallel import TensorParallel
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
-from deltaserve.model.weights import init_dummy_weights, load_weights
+from deltaserve.model.weights import checkpoint_has_mtp, init_dummy_weights, load_weights
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +58,15 @@ def build_rank(
         device = torch.device("cuda", tp.rank)
         torch.cuda.set_device(device)
     dtype = config.resolved_dtype(device)
+    mtp = config.speculative_config is not None
+    if mtp and config.load_format != "dummy" and not checkpoint_has_mtp(model_dir):
+        raise ConfigError(
+            f"{model_dir}: the checkpoint has no MTP weights (mtp.*); --speculative-config method 'mtp' "
+            "needs them (serve without --speculative-config, or a checkpoint that ships its MTP head)"
+        )
     started = time.monotonic()
     model = Qwen35ForCausalLM(
-        model_config, dtype=dtype, device=device, logits_vocab_size=tokenizer_vocab, tp=tp
+        model_config, dtype=dtype, device=device, logits_vocab_size=tokenizer_vocab, tp=tp, mtp=mtp
     )
     if config.load_format == "dummy":
         init_dummy_weights(model, seed=config.seed)
@@ -70,9 +81,11 @@ def build_rank(
         f", tensor-parallel rank {tp.rank} of {tp.size}" if tp.size > 1 else "",
     )
     local = model.local_config
+    if mtp:
+        _log_speculative_memory(config, model, dtype)
     warmup = _warm_up(config, model, local, dtype, device) if device.type == "cuda" else None
     num_snapshots = plan_state_snapshots(config, local, device, dtype)
-    num_pages = _plan_kv_pages(config, local, device, dtype, warmup, num_snapshots)
+    num_pages = _plan_kv_pages(config, local, device, dtype, warmup, num_snapshots, model.num_kv_layers)
     if tp.size > 1:
         num_snapshots = agree_on_minimum(num_snapshots, device)
         num_pages = agree_on_minimum(num_pages, device)
@@ -80,12 +93,38 @@ def build_rank(
         local,
         num_pages=num_pages,
         page_size=config.page_size,
-        num_slots=config.max_num_seqs + 1,
+        num_slots=config.max_num_seqs + 1 + verify_scratch_slots(config),
         dtype=dtype,
         device=device,
         num_snapshots=num_snapshots,
+        num_kv_layers=model.num_kv_layers,
     )
     return RankState(model, caches, device, dtype)
+
+
+def verify_scratch_slots(config: EngineConfig) -> int:
+    """State slots a speculative verify step works in (one per drafted position of each speculating
+    row: max_batch x num_speculative_tokens); 0 without speculation. They follow the sequences' slots:
+    max_num_seqs + 1 onwards."""
+    spec = config.speculative_config
+    return 0 if spec is None else spec.max_batch * spec.num_speculative_tokens
+
+
+def _log_speculative_memory(config: EngineConfig, model: Qwen35ForCausalLM, dtype: torch.dtype) -> None:
+    local = model.local_config
+    scratch = verify_scratch_slots(config)
+    first = config.max_num_seqs + 1
+    kv_layer = local.kv_bytes_per_token(dtype, 1) * config.page_size
+    logger.info(
+        "speculative decoding: the MTP head (KV layer %d, %.1f KiB per page), %d verify scratch state "
+        "slots (%d..%d, %.2f GiB)",
+        model.mtp_kv_index,
+        kv_layer / 2**10,
+        scratch,
+        first,
+        first + scratch - 1,
+        scratch * local.state_bytes_per_sequence(dtype) / 2**30,
+    )
 
 
 def _warm_up(
@@ -96,9 +135,10 @@ def _warm_up(
         local,
         num_pages=2,
         page_size=cfg.page_size,
-        num_slots=cfg.max_num_seqs + 1,
+        num_slots=cfg.max_num_seqs + 1 + verify_scratch_slots(cfg),
         dtype=dtype,
         device=device,
+        num_kv_layers=model.num_kv_layers,
     )
     report = warm_up(model, scratch, cfg.max_num_batched_tokens, cfg.max_num_seqs)
     del scratch
@@ -141,13 +181,16 @@ def _plan_kv_pages(
     dtype: torch.dtype,
     warmup: WarmupReport | None,
     num_snapshots: int = 0,
+    num_kv_layers: int | None = None,
 ) -> int:
     """KV pages for this rank (`local` is its geometry: its KV heads and GDN heads), from what is left
-    after the state slots and the prefix cache's snapshots."""
+    after the state slots (the sequences' and the verify scratch slots) and the prefix cache's
+    snapshots. A page holds `num_kv_layers` layers (default: the full-attention layers)."""
     if cfg.num_kv_pages is not None:
         return cfg.num_kv_pages
-    page_bytes = local.kv_bytes_per_token(dtype) * cfg.page_size
-    state_bytes = (cfg.max_num_seqs + 1 + num_snapshots) * local.state_bytes_per_sequence(dtype)
+    page_bytes = local.kv_bytes_per_token(dtype, num_kv_layers) * cfg.page_size
+    slots = cfg.max_num_seqs + 1 + verify_scratch_slots(cfg) + num_snapshots
+    state_bytes = slots * local.state_bytes_per_sequence(dtype)
     if device.type == "cuda":
         assert warmup is not None
         free, total = torch.cuda.mem_get_info(device)
