@@ -1,4 +1,5 @@
-"""Device copies between a sequence's live cache and the prefix cache, run in order on every rank.
+"""Device copies between a sequence's live cache and the prefix cache (and, for speculative decoding,
+between state slots), run in order on every rank.
 
 The cache manager decides them; the backend runs a step's copies before (restores, end-of-request
 saves) or after (saves at a cache point inside the step) its forward, in the order given.
@@ -34,4 +35,13 @@ class StateRestore:
     slot: int
 
 
-CacheCopy = PageCopy | StateSave | StateRestore
+@dataclass(frozen=True, slots=True)
+class StateCommit:
+    """Conv and SSM state of every GDN layer: slot `src` -> slot `dst`. Speculative decoding: the state
+    after a verify row's last accepted token (in a verify scratch slot) becomes the row's own state."""
+
+    src: int
+    dst: int
+
+
+CacheCopy = PageCopy | StateSave | StateRestore | StateCommit

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deltaserve.cache.copies import CacheCopy, PageCopy, StateRestore, StateSave
+from deltaserve.cache.copies import CacheCopy, PageCopy, StateCommit, StateRestore, StateSave
 from deltaserve.cache.kv_pages import KVPages
 from deltaserve.cache.snapshots import StateSnapshots
 from deltaserve.cache.state_slots import StateSlots
@@ -42,6 +42,9 @@ class DeviceCaches:
             elif isinstance(c, StateRestore):
                 states.conv[:, c.slot].copy_(snaps.conv[:, c.snapshot])
                 states.ssm[:, c.slot].copy_(snaps.ssm[:, c.snapshot])
+            elif isinstance(c, StateCommit):
+                states.conv[:, c.dst].copy_(states.conv[:, c.src])
+                states.ssm[:, c.dst].copy_(states.ssm[:, c.src])
 
 
 def build_device_caches(

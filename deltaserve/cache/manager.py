@@ -63,21 +63,33 @@ class CacheWork:
 
 
 class CacheManager:
-    def __init__(self, *, num_pages: int, page_size: int, num_slots: int, num_snapshots: int = 0) -> None:
+    def __init__(
+        self,
+        *,
+        num_pages: int,
+        page_size: int,
+        num_slots: int,
+        num_snapshots: int = 0,
+        scratch_slots: int = 0,
+    ) -> None:
+        """`scratch_slots`: the last slots of the state pool, which speculative decoding's verify rows
+        write per-token states into; never handed to a sequence."""
         self.kv = PageAllocator(num_pages, page_size)
-        self.states = SlotAllocator(num_slots)
+        self.states = SlotAllocator(num_slots - scratch_slots)
+        self.scratch_slots = range(num_slots - scratch_slots, num_slots)
         self.snapshots = SnapshotTable(num_snapshots) if num_snapshots > 0 else None
         self.pending = CacheWork()  # restores and end-of-request saves, for the next launch
 
     @classmethod
-    def for_device(cls, caches: DeviceCaches) -> CacheManager:
-        """Allocation over every page, slot and snapshot of `caches`."""
+    def for_device(cls, caches: DeviceCaches, scratch_slots: int = 0) -> CacheManager:
+        """Allocation over every page, slot and snapshot of `caches` (but the last `scratch_slots`)."""
         snapshots = caches.snapshots.num_snapshots if caches.snapshots is not None else 0
         return cls(
             num_pages=caches.kv.num_pages,
             page_size=caches.page_size,
             num_slots=caches.states.num_slots,
             num_snapshots=snapshots,
+            scratch_slots=scratch_slots,
         )
 
     @property
@@ -124,6 +136,15 @@ class CacheManager:
         if new_total > len(seq.pages) * self.page_size:
             raise AssertionError(f"sequence advanced to {new_total} tokens past its {len(seq.pages)} pages")
         seq.num_computed = new_total
+
+    def rewind(self, seq: SequenceCache, num_tokens: int) -> None:
+        """Takes back the last `num_tokens` positions of an advance: a verify row's rejected drafts,
+        once its state has been committed to the last accepted token (their K/V stay in the pages,
+        beyond the cursor, and are overwritten before any read)."""
+        self._check_live(seq)
+        if not 0 <= num_tokens <= seq.num_computed:
+            raise AssertionError(f"cannot rewind {num_tokens} of {seq.num_computed} positions")
+        seq.num_computed -= num_tokens
 
     def release(self, seq: SequenceCache) -> None:
         """Returns the sequence's pages and slot. Idempotent: a second release is a no-op."""
