@@ -26,6 +26,8 @@ from deltaserve.cache.device import DeviceCaches
 from deltaserve.engine.cuda_graphs import CudaGraphRunner
 from deltaserve.engine.protocol import TokenLogprobs
 from deltaserve.engine.sampler import Sampler, logprobs_of
+from deltaserve.engine.spec_graphs import SpeculativeGraphs
+from deltaserve.engine.speculative import SpeculativeStep
 from deltaserve.engine.step import PendingStep, PlannedRow, StagedResult, StepPlan, TokenFeed
 from deltaserve.engine.structured import apply_grammars
 from deltaserve.engine.worker import ModelWorker
@@ -43,12 +45,16 @@ class Backend:
         sampler: Sampler | None = None,
         graph_runner: CudaGraphRunner | None = None,
         worker: ModelWorker | None = None,
+        spec_graphs: SpeculativeGraphs | None = None,
     ) -> None:
         self.model = model
         self.caches = caches
         self.sampler = sampler or Sampler()
         self.worker = worker or ModelWorker(model, caches, graph_runner)
         self.device = model.device
+        self.speculative = (
+            SpeculativeStep(model, caches, self.sampler, spec_graphs) if model.mtp is not None else None
+        )
 
     @torch.inference_mode()
     def logits(self, rows: list[BatchRow]) -> torch.Tensor:
@@ -59,7 +65,12 @@ class Backend:
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> PendingStep:
         """Runs the plan's forward and the sampler and starts copying the results to the host; returns
-        without waiting for the device."""
+        without waiting for the device. A speculative step (plan.num_drafts > 0) is read during its
+        launch: its rows' lengths depend on what the target accepts."""
+        if plan.num_drafts:
+            if self.speculative is None:
+                raise ValueError("a speculative step needs a model with an MTP head")
+            return PendingStep.done(self.speculative.run(plan, self._score_prompts))
         planned = plan.rows
         rows = [r.batch_row() for r in planned]
         fed = None if plan.feed is None else _fed_tokens(plan.feed, rows, self.device)

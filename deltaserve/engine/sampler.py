@@ -163,6 +163,20 @@ def _apply_penalties(x: torch.Tensor, rows: Sequence[SamplingRow], penalised: li
     return x.index_copy_(0, row_index, sub)
 
 
+def is_plain_argmax(row: SamplingRow) -> bool:
+    """The row's token is the argmax of its raw logits: greedy, with nothing that changes the logits
+    (bias, suppressed ids, penalties, a grammar) and no logprobs asked for."""
+    p = row.params
+    return (
+        _is_greedy_row(p)
+        and not p.logit_bias
+        and not row.suppressed_token_ids
+        and not uses_penalties(p)
+        and row.grammar is None
+        and p.logprobs is None
+    )
+
+
 def _is_greedy_row(p: SamplingParams) -> bool:
     # top_k == 1 keeps only the argmax whatever the temperature, so it is greedy (ties: lowest id).
     return p.is_greedy or p.top_k == 1

@@ -1,8 +1,9 @@
 """The step vocabulary between the scheduler and the backend.
 
-A tick builds ONE `StepPlan`: decode rows (one token each) first, then prefill chunks, each naming the
-pages, state slot and context the cache manager gave it, plus an optional token feed and the
-prefix cache's device copies (hits restored, snapshots saved). The backend
+A tick builds ONE `StepPlan`: decode rows (one token each, or under speculative decoding a verify row:
+the last token and its drafts) first, then prefill chunks, each naming the pages, state slot and context
+the cache manager gave it, plus an optional token feed and the prefix cache's device copies (hits
+restored, snapshots saved). The backend
 executes the plan without allocating anything and returns a `PendingStep`; the scheduler advances the
 cursors at launch and applies the `StepResult` when it reads it.
 """
@@ -40,11 +41,38 @@ class PlannedRow:
     slot: int
     sampling: SamplingRow | None = None  # set: sample a token from the row's last position
     scoring: PromptScoring | None = None
+    # Speculative decoding. A verify row's token_ids are its last token then its drafts: `state_after`
+    # names the scratch slots that receive the GDN state after each token but the last, `sampling`
+    # samples after its first token and `draft_sampling` after each draft (step + 1, ...).
+    state_after: Sequence[int] = ()
+    draft_sampling: Sequence[SamplingRow] = ()
+    drafts: bool = False  # the MTP head proposes the row's next tokens after this step
+    # A verify row accepts at most this many drafts (one fewer than the tokens its request may still
+    # emit), so it never computes past its request's end; None: all of them.
+    accept_limit: int | None = None
+    # The MTP head's input after the row's last token when the row does not sample (a chunk inside the
+    # prompt: the next prompt token).
+    mtp_next_token: int | None = None
+
+    @property
+    def is_verify(self) -> bool:
+        return bool(self.state_after)
+
+    @property
+    def sampling_rows(self) -> list[SamplingRow]:
+        """What the row samples, in position order: one row, or a verify row's 1 + drafts."""
+        return [] if self.sampling is None else [self.sampling, *self.draft_sampling]
 
     def batch_row(self) -> BatchRow:
         scored = len(self.scoring.targets) if self.scoring is not None else 0
         return BatchRow(
-            self.token_ids, self.context_len, self.pages, self.slot, self.sampling is not None, scored
+            self.token_ids,
+            self.context_len,
+            self.pages,
+            self.slot,
+            self.sampling is not None,
+            scored,
+            state_after=self.state_after,
         )
 
 
@@ -64,6 +92,13 @@ class PendingStep:
         self._rows = rows
         self._prompt_logprobs = prompt_logprobs or []
         self._result: StepResult | None = None
+
+    @classmethod
+    def done(cls, result: StepResult) -> PendingStep:
+        """A step whose result was read during its launch (a speculative step)."""
+        step = cls(None, None, [])
+        step._result = result
+        return step
 
     def ready(self) -> bool:
         return self._staged is None or self._staged.done is None or self._staged.done.query()
@@ -93,6 +128,9 @@ class StepPlan:
     # at a cache point a chunk ends on, after it. Both run in order, on every rank.
     copies_before: list[CacheCopy] = field(default_factory=list)
     copies_after: list[CacheCopy] = field(default_factory=list)
+    # Speculative decoding: the drafts each `drafts` row gets (0: the MTP head does not run this step).
+    # Such a step is read during its launch: acceptance decides the rows' lengths.
+    num_drafts: int = 0
 
     @property
     def rows(self) -> list[PlannedRow]:
@@ -100,10 +138,23 @@ class StepPlan:
 
 
 @dataclass(slots=True)
+class SpeculationResult:
+    """A speculative step's outcome per sampled row, in row order."""
+
+    # The tokens the row emits: a verify row's accepted drafts and then the target's token after them
+    # (1 + accepted); one token for any other row.
+    emitted: list[list[int]]
+    logprobs: list[list[TokenLogprobs | None]]  # parallel to emitted
+    drafts: list[list[int]]  # proposals for the positions after the emitted tokens ([] without drafting)
+    num_drafted: list[int]  # drafts the row verified this step (0 for a row that is not a verify row)
+
+
+@dataclass(slots=True)
 class StepResult:
-    token_ids: list[int]  # one per sampled row, in row order
+    token_ids: list[int]  # one per sampled row, in row order (a verify row: its first emitted token)
     logprobs: list[TokenLogprobs | None]  # parallel to token_ids
     prompt_logprobs: list[list[TokenLogprobs] | None] = field(default_factory=list)  # per row, if any scored
+    speculation: SpeculationResult | None = None
 
 
 @dataclass(slots=True)

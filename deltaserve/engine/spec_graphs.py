@@ -1,0 +1,376 @@
+"""CUDA graphs for speculative steps (GPU only): the verify forward, the MTP pass over its tokens and the
+MTP's draft steps, each captured per batch bucket over static input buffers.
+
+A step the graphs run holds verify rows only, each of the same k + 1 tokens (the scheduler pads a row
+with fewer proposals, which only costs rejections). Captured per (bucket, k) for k in 1..K:
+  verify: the target forward over bucket x (k + 1) tokens -> final-normed hidden and logits of every token
+  mtp:    the MTP head over the same tokens (next-token ids and that hidden state in static buffers)
+and per bucket: one MTP draft step (a token per row at its own position) -> hidden and draft logits.
+A step whose rows are all greedy (no logit processing, no logprobs) runs as ONE graph per (bucket, k)
+instead, with nothing on the host between its parts:
+  greedy: verify -> argmax per position -> accepted drafts per row (capped per row) -> state commit
+          -> MTP pass -> first proposal at each row's last accepted position -> k - 1 draft steps at
+          positions computed on the device -> [targets | accepted | proposals] in one output tensor.
+Padding rows (bucket > live rows) point at the reserved KV page 0 and state slot 0, so they never touch
+a live sequence. The host fills the inputs once per step (two copies) and each draft step's positions.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from deltaserve.cache.device import DeviceCaches
+from deltaserve.cache.kv_pages import DUMMY_PAGE
+from deltaserve.cache.state_slots import DUMMY_SLOT
+from deltaserve.engine.cuda_graphs import graph_buckets
+from deltaserve.model.qwen35 import Qwen35ForCausalLM
+from deltaserve.ops.batch import BatchRow, ForwardBatch
+
+
+@dataclass(slots=True)
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    outputs: tuple[torch.Tensor, ...]
+
+
+class SpeculativeGraphs:
+    """`can_run(rows)`: verify rows only, all of k + 1 tokens, at most the largest bucket. `verify(rows)`
+    replays the target forward and returns (hidden, logits) of every token; `mtp(ids, hidden)` then
+    runs the MTP head over the same tokens; `draft(tokens, hidden, positions)` one draft step."""
+
+    def __init__(
+        self,
+        model: Qwen35ForCausalLM,
+        caches: DeviceCaches,
+        max_rows: int,
+        max_drafts: int,
+        max_model_len: int,
+    ) -> None:
+        self.model = model
+        self.caches = caches
+        self.device = model.device
+        self.buckets = graph_buckets(max_rows)
+        self.max_rows = self.buckets[-1]
+        self.max_drafts = max_drafts
+        page = caches.page_size
+        # Verify rows and their proposals reach 2K positions past a request's last token.
+        self.max_pages = -(-(max_model_len + 2 * max_drafts) // page)
+        n, t, dev = self.max_rows, max_drafts + 1, self.device
+        hidden = model.config.hidden_size
+        self.tokens = torch.zeros(n * t, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(n * t, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.zeros(n * t, dtype=torch.int64, device=dev)
+        self.verify_slots = torch.zeros(n * t, dtype=torch.int64, device=dev)
+        self.state_slots = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.context_lens = torch.zeros(n, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
+        self.block_tables = torch.zeros(n, self.max_pages, dtype=torch.int32, device=dev)
+        self.mtp_ids = torch.zeros(n * t, dtype=torch.int64, device=dev)
+        self.mtp_hidden_in = torch.zeros(n * t, hidden, dtype=model.dtype, device=dev)
+        self.logits_indices = torch.arange(n * t, dtype=torch.int64, device=dev)
+        self.query_starts = {
+            k: torch.arange(n + 1, dtype=torch.int32, device=dev) * (k + 1) for k in range(0, max_drafts + 1)
+        }
+        # Draft steps: one token per row.
+        self.draft_tokens = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.draft_hidden = torch.zeros(n, hidden, dtype=model.dtype, device=dev)
+        self.draft_positions = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.draft_slot_mapping = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.draft_context = torch.zeros(n, dtype=torch.int32, device=dev)
+        self.draft_seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
+        self.accept_limits = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.verify_graphs: dict[tuple[int, int], _Captured] = {}
+        self.greedy_graphs: dict[tuple[int, int], _Captured] = {}
+        self.mtp_graphs: dict[tuple[int, int], _Captured] = {}
+        self.draft_graphs: dict[int, _Captured] = {}
+        self.pool = None
+
+    # ---- batches over the static buffers ---------------------------------------------------------
+
+    def _verify_batch(self, rows: int, k: int) -> ForwardBatch:
+        n = rows * (k + 1)
+        return ForwardBatch(
+            input_ids=self.tokens[:n],
+            positions=self.positions[:n],
+            query_start_loc=self.query_starts[k][: rows + 1],
+            context_lens=self.context_lens[:rows],
+            seq_lens=self.seq_lens[:rows],
+            block_tables=self.block_tables[:rows],
+            slot_mapping=self.slot_mapping[:n],
+            state_slots=self.state_slots[:rows],
+            logits_indices=self.logits_indices[:n],
+            num_decodes=0,
+            query_lens_host=(k + 1,) * rows,
+            context_lens_host=(1,) * rows,  # never read on the GPU
+            num_verify=rows,
+            verify_state_slots=self.verify_slots[:n],
+        )
+
+    def _draft_batch(self, rows: int) -> ForwardBatch:
+        return ForwardBatch(
+            input_ids=self.draft_tokens[:rows],
+            positions=self.draft_positions[:rows],
+            query_start_loc=self.query_starts[0][: rows + 1],
+            context_lens=self.draft_context[:rows],
+            seq_lens=self.draft_seq_lens[:rows],
+            block_tables=self.block_tables[:rows],
+            slot_mapping=self.draft_slot_mapping[:rows],
+            state_slots=self.state_slots[:rows],
+            logits_indices=self.logits_indices[:rows],
+            num_decodes=rows,
+            query_lens_host=(1,) * rows,
+            context_lens_host=(1,) * rows,
+        )
+
+    def _reset_padding(self) -> None:
+        page = self.caches.page_size
+        self.tokens.zero_()
+        self.mtp_ids.zero_()
+        self.draft_tokens.zero_()
+        self.positions.fill_(1)
+        self.draft_positions.fill_(1)
+        self.slot_mapping.fill_(DUMMY_PAGE * page + 1)
+        self.draft_slot_mapping.fill_(DUMMY_PAGE * page + 1)
+        self.verify_slots.fill_(DUMMY_SLOT)
+        self.state_slots.fill_(DUMMY_SLOT)
+        self.context_lens.fill_(1)
+        self.seq_lens.fill_(2)
+        self.draft_context.fill_(1)
+        self.draft_seq_lens.fill_(2)
+        self.block_tables.fill_(DUMMY_PAGE)
+
+    # ---- capture ---------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def capture(self) -> float:
+        """Captures every graph (largest bucket first: later graphs reuse its pool memory)."""
+        started = time.monotonic()
+        self._reset_padding()
+        model, caches = self.model, self.caches
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for rows in reversed(self.buckets):
+                for k in range(self.max_drafts, 0, -1):
+                    batch = self._verify_batch(rows, k)
+                    n = rows * (k + 1)
+
+                    def verify(batch: ForwardBatch = batch) -> tuple[torch.Tensor, ...]:
+                        hidden = model(batch, caches.kv, caches.states, every_token=True)
+                        return hidden, model.compute_logits(hidden)
+
+                    def mtp(batch: ForwardBatch = batch, n: int = n) -> tuple[torch.Tensor, ...]:
+                        return (
+                            model.mtp_forward(self.mtp_ids[:n], self.mtp_hidden_in[:n], batch, caches.kv),
+                        )
+
+                    self.verify_graphs[(rows, k)] = self._capture(verify, stream)
+                    self.mtp_graphs[(rows, k)] = self._capture(mtp, stream)
+                    self.greedy_graphs[(rows, k)] = self._capture(
+                        lambda rows=rows, k=k: (self._greedy_chain(rows, k),), stream
+                    )
+                draft_batch = self._draft_batch(rows)
+
+                def draft(batch: ForwardBatch = draft_batch, rows: int = rows) -> tuple[torch.Tensor, ...]:
+                    hidden = model.mtp_forward(
+                        self.draft_tokens[:rows], self.draft_hidden[:rows], batch, caches.kv
+                    )
+                    return hidden, model.compute_logits(hidden).argmax(dim=-1)
+
+                self.draft_graphs[rows] = self._capture(draft, stream)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        self._reset_padding()
+        return time.monotonic() - started
+
+    def _greedy_chain(self, rows: int, k: int) -> torch.Tensor:
+        """The whole greedy speculative step over the static verify inputs (captured, never run
+        outside a capture but for its warm-up). Returns [rows, (k + 1) + 1 + k] int64: each row's
+        targets after its k + 1 positions, its accepted drafts, its k new proposals."""
+        model, caches, page = self.model, self.caches, self.caches.page_size
+        t = k + 1
+        batch = self._verify_batch(rows, k)
+        hidden = model(batch, caches.kv, caches.states, every_token=True)
+        targets = model.compute_logits(hidden).argmax(dim=-1)  # [rows * t]
+        by_row = targets.view(rows, t)
+        drafts = self.tokens[: rows * t].view(rows, t)[:, 1:]
+        positions = torch.arange(k, device=self.device)
+        matches = (drafts == by_row[:, :k]) & (positions[None, :] < self.accept_limits[:rows, None])
+        accepted = matches.long().cumprod(dim=1).sum(dim=1)  # [rows]
+        # The state after the last accepted token: its scratch slot, or the row's own (all accepted).
+        src = self.verify_slots[: rows * t].view(rows, t).gather(1, accepted[:, None])[:, 0]
+        dst = self.state_slots[:rows]
+        states = caches.states
+        states.conv[:, dst] = states.conv[:, src]
+        states.ssm[:, dst] = states.ssm[:, src]
+        mtp_hidden = model.mtp_forward(targets, hidden, batch, caches.kv).view(rows, t, -1)
+        last = mtp_hidden[torch.arange(rows, device=self.device), accepted]  # [rows, H]
+        token = model.compute_logits(last).argmax(dim=-1)
+        proposals = [token]
+        committed = self.context_lens[:rows].long() + accepted + 1
+        tables = self.block_tables[:rows].long()
+        for j in range(1, k):
+            pos = committed + j - 1
+            page_ids = tables.gather(1, (pos // page)[:, None])[:, 0]
+            step = ForwardBatch(
+                input_ids=token,
+                positions=pos,
+                query_start_loc=self.query_starts[0][: rows + 1],
+                context_lens=pos.int(),
+                seq_lens=(pos + 1).int(),
+                block_tables=self.block_tables[:rows],
+                slot_mapping=page_ids * page + pos % page,
+                state_slots=self.state_slots[:rows],
+                logits_indices=self.logits_indices[:rows],
+                num_decodes=rows,
+                query_lens_host=(1,) * rows,
+                context_lens_host=(1,) * rows,
+            )
+            last = model.mtp_forward(token, last, step, caches.kv)
+            token = model.compute_logits(last).argmax(dim=-1)
+            proposals.append(token)
+        return torch.cat([by_row, accepted[:, None], torch.stack(proposals, dim=1)], dim=1)
+
+    def _capture(self, fn, stream: torch.cuda.Stream) -> _Captured:
+        for _ in range(2):  # compile/warm every kernel at this shape outside the capture
+            fn()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+            outputs = fn()
+        if self.pool is None:
+            self.pool = graph.pool()
+        return _Captured(graph, outputs)
+
+    # ---- replay ----------------------------------------------------------------------------------
+
+    def can_run(self, rows: Sequence[BatchRow]) -> bool:
+        if not rows or len(rows) > self.max_rows:
+            return False
+        t = len(rows[0].token_ids)
+        return (
+            2 <= t <= self.max_drafts + 1
+            and all(len(r.token_ids) == t and len(r.state_after) == t - 1 and not r.scored for r in rows)
+            and all(len(r.pages) <= self.max_pages for r in rows)
+        )
+
+    def bucket(self, rows: int) -> int:
+        return next(b for b in self.buckets if b >= rows)
+
+    @torch.inference_mode()
+    def verify(self, rows: Sequence[BatchRow]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden [n(k+1), H], logits [n(k+1), V]) of every token of the rows."""
+        n, t = len(rows), len(rows[0].token_ids)
+        bucket = self.bucket(n)
+        self._fill_verify(rows, bucket)
+        captured = self.verify_graphs[(bucket, t - 1)]
+        captured.graph.replay()
+        hidden, logits = captured.outputs
+        return hidden[: n * t], logits[: n * t]
+
+    def _fill_verify(self, rows: Sequence[BatchRow], bucket: int) -> None:
+        """The verify rows' inputs into the static buffers (padding rows from len(rows) to bucket)."""
+        n, t = len(rows), len(rows[0].token_ids)
+        page = self.caches.page_size
+        tokens, positions, slots, verify_slots = [], [], [], []
+        for r in rows:
+            tokens += r.token_ids
+            for i in range(t):
+                pos = r.context_len + i
+                positions.append(pos)
+                slots.append(r.pages[pos // page] * page + pos % page)
+            verify_slots += [*r.state_after, r.state_slot]
+        self._reset_padding_rows(n, bucket, t)
+        _put(self.tokens, tokens)
+        _put(self.positions, positions)
+        _put(self.slot_mapping, slots)
+        _put(self.verify_slots, verify_slots)
+        _put(self.state_slots, [r.state_slot for r in rows])
+        _put(self.context_lens, [r.context_len for r in rows])
+        _put(self.seq_lens, [r.context_len + t for r in rows])
+        table = torch.zeros(n, self.max_pages, dtype=torch.int32)
+        for i, r in enumerate(rows):
+            table[i, : len(r.pages)] = torch.tensor(list(r.pages), dtype=torch.int32)
+        self.block_tables[:n].copy_(table.pin_memory(), non_blocking=True)
+
+    @torch.inference_mode()
+    def greedy_step(
+        self, rows: Sequence[BatchRow], accept_limits: Sequence[int]
+    ) -> tuple[list[list[int]], list[int], list[list[int]]]:
+        """The whole step for greedy rows in one replay: per row its targets after each position, its
+        accepted drafts (at most accept_limits[i]) and its k new proposals. The state of each row's
+        last accepted token is committed in the replay."""
+        n, t = len(rows), len(rows[0].token_ids)
+        bucket = self.bucket(n)
+        self._fill_verify(rows, bucket)
+        if bucket > n:
+            self.accept_limits[n:bucket].zero_()
+        _put(self.accept_limits, list(accept_limits))
+        captured = self.greedy_graphs[(bucket, t - 1)]
+        captured.graph.replay()
+        out = captured.outputs[0][:n].tolist()
+        return [r[:t] for r in out], [r[t] for r in out], [r[t + 1 :] for r in out]
+
+    def _reset_padding_rows(self, n: int, bucket: int, t: int) -> None:
+        if bucket == n:
+            return
+        page = self.caches.page_size
+        lo, hi = n * t, bucket * t
+        self.tokens[lo:hi].zero_()
+        self.positions[lo:hi].fill_(1)
+        self.slot_mapping[lo:hi].fill_(DUMMY_PAGE * page + 1)
+        self.verify_slots[lo:hi].fill_(DUMMY_SLOT)
+        self.state_slots[n:bucket].fill_(DUMMY_SLOT)
+        self.context_lens[n:bucket].fill_(1)
+        self.seq_lens[n:bucket].fill_(1 + t)
+        self.block_tables[n:bucket].fill_(DUMMY_PAGE)
+
+    @torch.inference_mode()
+    def mtp(self, rows: int, k: int, ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The MTP head over the last verify replay's tokens: ids [n(k+1)] (the next token of each), the
+        target's hidden [n(k+1), H]. Returns the MTP hidden [n(k+1), H]."""
+        m = ids.shape[0]
+        self.mtp_ids[:m].copy_(ids)
+        self.mtp_hidden_in[:m].copy_(hidden)
+        captured = self.mtp_graphs[(self.bucket(rows), k)]
+        captured.graph.replay()
+        return captured.outputs[0][:m]
+
+    @torch.inference_mode()
+    def draft(
+        self, rows: Sequence[BatchRow], tokens: torch.Tensor, hidden: torch.Tensor, positions: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One MTP draft step: row i's token at positions[i] (its pages as in the last verify replay),
+        over the previous step's MTP hidden. Returns (hidden [n, H], greedy draft [n])."""
+        n = len(rows)
+        bucket = self.bucket(n)
+        page = self.caches.page_size
+        if bucket > n:
+            self.draft_tokens[n:bucket].zero_()
+            self.draft_positions[n:bucket].fill_(1)
+            self.draft_slot_mapping[n:bucket].fill_(DUMMY_PAGE * page + 1)
+            self.draft_context[n:bucket].fill_(1)
+            self.draft_seq_lens[n:bucket].fill_(2)
+        self.draft_tokens[:n].copy_(tokens)
+        self.draft_hidden[:n].copy_(hidden)
+        _put(self.draft_positions, list(positions))
+        _put(
+            self.draft_slot_mapping,
+            [r.pages[p // page] * page + p % page for r, p in zip(rows, positions, strict=True)],
+        )
+        _put(self.draft_context, list(positions))
+        _put(self.draft_seq_lens, [p + 1 for p in positions])
+        captured = self.draft_graphs[bucket]
+        captured.graph.replay()
+        out_hidden, out_tokens = captured.outputs
+        return out_hidden[:n], out_tokens[:n]
+
+
+def _put(dst: torch.Tensor, values: list[int]) -> None:
+    """Host values into the front of a static device buffer (one pinned, asynchronous copy)."""
+    if values:
+        src = torch.tensor(values, dtype=dst.dtype).pin_memory()
+        dst[: len(values)].copy_(src, non_blocking=True)
