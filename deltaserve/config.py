@@ -440,10 +440,11 @@ def policy_error(policy: str, prefill_overlap: bool) -> str | None:
 
 
 SPECULATIVE_METHODS = ("mtp",)
-# Benchmark-only draft sources: the MTP head still runs (its cost is measured), but its proposals are
-# replaced by the next tokens of a recorded greedy run ("replay": every proposal right) or by a token
-# that differs from the recording ("wrong": every proposal rejected). Never for serving.
-BENCHMARK_DRAFTS = ("replay", "wrong")
+# Benchmark-only draft sources (engine/scheduler/benchmark_drafts.py): "record" a greedy speculative
+# run; then the MTP head still runs (its cost is measured) but its proposals are replaced by the
+# recording's next tokens ("replay": every proposal right) or by tokens that differ from them ("wrong":
+# every proposal rejected). Never for serving.
+BENCHMARK_DRAFTS = ("record", "replay", "wrong")
 MAX_SPECULATIVE_TOKENS = 4
 
 
@@ -546,6 +547,8 @@ class EngineConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if isinstance(self.speculative_config, (str, dict)):  # LLM(speculative_config={...})
+            self.speculative_config = SpeculativeConfig.from_json(self.speculative_config)
         if isinstance(self.dtype, str):
             self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         if isinstance(self.mamba_ssm_cache_dtype, str):

@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 
 from deltaserve.cache.device import build_device_caches
-from deltaserve.config import ModelConfig
+from deltaserve.cache.manager import CacheManager
+from deltaserve.config import ModelConfig, SpeculativeConfig
 from deltaserve.engine.backend import Backend
 from deltaserve.engine.protocol import AbortRequest, AddRequest, RequestUpdate, StepOutputs
 from deltaserve.engine.scheduler import Scheduler, SchedulerConfig
@@ -19,9 +20,9 @@ from deltaserve.sampling_params import SamplingParams
 VOCAB = 512
 
 
-def load_model(model_dir: Path) -> Qwen35ForCausalLM:
+def load_model(model_dir: Path, mtp: bool = False) -> Qwen35ForCausalLM:
     model = Qwen35ForCausalLM(
-        ModelConfig.from_dir(model_dir), dtype=torch.float32, device=torch.device("cpu")
+        ModelConfig.from_dir(model_dir), dtype=torch.float32, device=torch.device("cpu"), mtp=mtp
     )
     load_weights(model, model_dir)
     return model
@@ -42,29 +43,38 @@ class Run:
         decode_ahead: bool = True,
         eos: tuple[int, ...] = (),
         num_snapshots: int = 0,
+        speculative: SpeculativeConfig | None = None,
+        vocab_size: int = VOCAB,
     ) -> None:
+        """`speculative`: MTP speculative decoding (the model needs its MTP head: load_model(mtp=True));
+        the state pool then ends with the verify scratch slots."""
+        scratch = 0 if speculative is None else speculative.max_batch * speculative.num_speculative_tokens
         caches = build_device_caches(
             model.config,
             num_pages=num_pages,
             page_size=page_size,
-            num_slots=max_num_seqs + 1,
+            num_slots=max_num_seqs + 1 + scratch,
             dtype=torch.float32,
             device=torch.device("cpu"),
             num_snapshots=num_snapshots,
+            num_kv_layers=model.num_kv_layers,
         )
         config = SchedulerConfig(
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
-            vocab_size=VOCAB,
+            vocab_size=vocab_size,
             eos_token_ids=eos,
             policy=policy,
             prefill_overlap=prefill_overlap,
             decode_ahead=decode_ahead,
+            speculative=speculative,
         )
         self.updates: dict[str, list[RequestUpdate]] = defaultdict(list)
         self.loads = []
-        self.sched = Scheduler(config, Backend(model, caches), self._publish)
+        self.caches = caches
+        cache = CacheManager.for_device(caches, scratch_slots=scratch)
+        self.sched = Scheduler(config, Backend(model, caches), self._publish, cache=cache)
 
     def _publish(self, out: StepOutputs) -> None:
         self.loads.append(out.load)

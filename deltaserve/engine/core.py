@@ -19,8 +19,9 @@ from deltaserve.config import EngineConfig, ModelConfig
 from deltaserve.engine.backend import Backend
 from deltaserve.engine.cuda_graphs import CudaGraphRunner
 from deltaserve.engine.protocol import ClientMessage, Shutdown, StepOutputs
-from deltaserve.engine.rank import build_rank
+from deltaserve.engine.rank import build_rank, verify_scratch_slots
 from deltaserve.engine.scheduler import Scheduler, SchedulerConfig, start_scheduler
+from deltaserve.engine.spec_graphs import SpeculativeGraphs
 from deltaserve.engine.structured import GrammarBackend, grammar_vocabulary
 from deltaserve.engine.tp import RankWorkers, TensorParallelError, TensorParallelWorker
 from deltaserve.errors import ConfigError
@@ -98,7 +99,7 @@ class EngineCore:
                 raise TensorParallelError("; ".join(reasons)) from exc
             raise
         self.model, caches, device, dtype = rank.model, rank.caches, rank.device, rank.dtype
-        self.cache = CacheManager.for_device(caches)
+        self.cache = CacheManager.for_device(caches, scratch_slots=verify_scratch_slots(config))
         capacity_tokens = self.cache.kv.capacity * config.page_size
         max_model_len = self._resolve_max_model_len(capacity_tokens)
         graphs = None
@@ -116,8 +117,26 @@ class EngineCore:
                 config.max_num_seqs,
                 seconds,
             )
+        spec_graphs = None
+        spec = config.speculative_config
+        if graphs is not None and spec is not None:
+            spec_graphs = SpeculativeGraphs(
+                self.model,
+                caches,
+                min(spec.max_batch, config.max_num_seqs),
+                spec.num_speculative_tokens,
+                max_model_len,
+            )
+            seconds = spec_graphs.capture()
+            logger.info(
+                "captured speculative graphs (verify, MTP and draft steps; batch buckets up to %d, 1..%d drafts) "
+                "in %.1f s",
+                spec_graphs.max_rows,
+                spec.num_speculative_tokens,
+                seconds,
+            )
         self.backend = (
-            Backend(self.model, caches, graph_runner=graphs)
+            Backend(self.model, caches, graph_runner=graphs, spec_graphs=spec_graphs)
             if self.workers is None
             else Backend(self.model, caches, worker=TensorParallelWorker(self.model, caches, self.workers))
         )
@@ -130,6 +149,7 @@ class EngineCore:
             policy=config.scheduler_policy,
             prefill_overlap=config.prefill_overlap,
             decode_ahead=config.decode_ahead and self.workers is None,
+            speculative=config.speculative_config,
         )
         self.info = EngineInfo(
             model_dir=str(self.model_dir),

@@ -88,6 +88,12 @@ class LoadSnapshot:
     kv_pages_cached: int = 0  # pages registered under a content key (shared or reusable)
     state_snapshots_used: int = 0
     state_snapshots_total: int = 0
+    # Speculative decoding, since start: verify rows, drafts they verified, drafts accepted, and
+    # accepted drafts by position (index i: the (i+1)-th draft of a row).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
 
     @property
     def kv_usage(self) -> float:

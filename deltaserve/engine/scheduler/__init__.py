@@ -174,6 +174,10 @@ class Scheduler(SchedulerState):
             kv_pages_cached=kv.num_cached,
             state_snapshots_used=snapshots.num_used if snapshots is not None else 0,
             state_snapshots_total=snapshots.capacity if snapshots is not None else 0,
+            spec_num_drafts=self.spec_counters.num_drafts,
+            spec_num_draft_tokens=self.spec_counters.num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_counters.num_accepted_tokens,
+            spec_accepted_per_position=tuple(self.spec_counters.accepted_per_position),
         )
 
     def _flush(self) -> None:

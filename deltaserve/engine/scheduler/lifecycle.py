@@ -51,6 +51,8 @@ def retire(
     reason = update.finish_reason if update is not None else finish_reason
     if reason in ("stop", "length"):
         prefix.save_request_end(sched, req)
+        if sched.benchmark_drafts is not None:
+            sched.benchmark_drafts.record(req.prompt_token_ids, req.output_token_ids)
     release_caches(sched, req)
     req.phase = Phase.DONE
     sched.by_id.pop(req.request_id, None)

@@ -81,6 +81,8 @@ def save_request_end(sched: SchedulerState, req: Request) -> None:
     if seq is None or not sched.cache.prefix_caching or seq.num_computed == 0:
         return
     register_computed_pages(sched, req)
+    if req.state_ahead:
+        return  # its slot holds the state of a later position (speculative decoding): pages only
     saved = _save(sched, req, seq.num_computed, donate=True)
     if saved is not None:
         sched.cache.pending.extend(saved)

@@ -53,6 +53,14 @@ class Request:
     cache_points: list[int] = field(default_factory=list)
     page_keys: list[bytes] = field(default_factory=list)
     num_cached_tokens: int = 0
+    # Speculative decoding: the MTP head's proposals for the tokens after the last output token (empty:
+    # none, or stale since a step without speculation). `state_ahead`: the request stopped inside an
+    # accepted run, so its slot holds the state of a later position than its cursor (no snapshot).
+    draft_tokens: list[int] = field(default_factory=list)
+    # Of the drafts its latest verify row checked, the proposals it could accept (not padding, not past
+    # max_tokens): what the acceptance counters and the guard count.
+    num_proposed: int = 0
+    state_ahead: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -6,6 +6,7 @@ step drivers (steps.py), the lifecycle (lifecycle.py) and the submission checks 
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 from collections import deque
@@ -13,10 +14,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from deltaserve.cache.manager import CacheManager
-from deltaserve.config import policy_error
+from deltaserve.config import SpeculativeConfig, policy_error
 from deltaserve.engine.backend import Backend
 from deltaserve.engine.protocol import ClientMessage, LoadSnapshot, RequestUpdate, StepOutputs
+from deltaserve.engine.scheduler.benchmark_drafts import BenchmarkDrafts
 from deltaserve.engine.scheduler.request import LaunchedStep, Request
+from deltaserve.engine.scheduler.speculation import DraftGuard, SpeculationCounters
 from deltaserve.engine.structured import GrammarBackend
 from deltaserve.errors import ConfigError
 
@@ -31,6 +34,7 @@ class SchedulerConfig:
     policy: str = "fcfs"
     prefill_overlap: bool = False  # launch prefill chunks asynchronously while decode continues
     decode_ahead: bool = True  # launch decode step N+1 before reading step N's tokens
+    speculative: SpeculativeConfig | None = None  # MTP speculative decoding (the backend has the head)
 
     def validate(self) -> None:
         error = policy_error(self.policy, self.prefill_overlap)
@@ -69,5 +73,18 @@ class SchedulerState:
         self.num_preemptions = 0
         self.prefix_queries = 0  # tokens of first admissions looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found cached
+        spec = config.speculative
+        self.benchmark_drafts = BenchmarkDrafts.open(spec, config.vocab_size) if spec is not None else None
+        drafts = self.benchmark_drafts
+        if drafts is not None and drafts.mode == "record":  # every step verifies: see benchmark_drafts
+            spec = dataclasses.replace(spec, adaptive=False)
+        self.guard = DraftGuard(spec) if spec is not None else None  # None: every step decodes plainly
+        self.spec_counters = SpeculationCounters()
+        if spec is not None and len(self.cache.scratch_slots) < spec.max_batch * spec.num_speculative_tokens:
+            raise ConfigError(
+                f"speculative decoding needs {spec.max_batch * spec.num_speculative_tokens} verify scratch "
+                f"slots (max_batch {spec.max_batch} x {spec.num_speculative_tokens} drafts); the cache "
+                f"manager has {len(self.cache.scratch_slots)}"
+            )
         self.stopped = False
         self._admitted = 0

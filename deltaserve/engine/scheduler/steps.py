@@ -14,11 +14,19 @@ running step's tokens on the device, and only then are the running step's tokens
 the host's dispatch, emission and planning overlap the device's next step. A request whose token ends
 it (a stop token) has had one step too many computed; that step's token is dropped. Requests stay in
 `running` throughout; a token is dispatched only to a request still running.
+
+Speculative decoding (the guard in speculation.py decides k per step): a decoder holding the MTP
+head's proposals becomes a verify row (its last token and k drafts, after the plain decode rows), and
+every sampling row of the step, completed chunks included, gets new proposals. Such a step is read
+at once (no decode-ahead): its cursor advances by the row's tokens at launch and is rewound by the
+rejected drafts when the result is applied, after the backend has committed the state of the last
+accepted token. Each row also holds pages for the MTP's proposals beyond it (k - 1 positions).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,7 +47,14 @@ from deltaserve.engine.scheduler.plan import (
 )
 from deltaserve.engine.scheduler.request import LaunchedStep, Phase, Request, ScheduledChunk
 from deltaserve.engine.scheduler.state import SchedulerState
-from deltaserve.engine.step import PlannedRow, PromptScoring, StepPlan, StepResult, TokenFeed
+from deltaserve.engine.step import (
+    PlannedRow,
+    PromptScoring,
+    SpeculationResult,
+    StepPlan,
+    StepResult,
+    TokenFeed,
+)
 
 # ---- admission ---------------------------------------------------------------------------------
 
@@ -108,20 +123,51 @@ def run_step(sched: SchedulerState) -> None:
             if telemetry.ITL_DEBUG:
                 telemetry.log_itl_step("decode_ahead", 0, 0, len(follow.decode), started, time.monotonic())
             return
-    decode, chunks = _plan_work(sched)
-    label = _launch_work(sched, decode, chunks)
+    decode, chunks, spec = _plan_work(sched)
+    label = _launch_work(sched, decode, chunks, spec)
     if telemetry.ITL_DEBUG:
         prefill_tokens = sum(c.length for c in chunks)
         telemetry.log_itl_step(label, prefill_tokens, len(chunks), len(decode), started, time.monotonic())
 
 
-def _plan_work(sched: SchedulerState) -> tuple[list[Request], list[ScheduledChunk]]:
+@dataclass(slots=True)
+class SpeculativePlan:
+    """A step's speculation: `num_drafts` proposals for each drafting row after the step; the decoders
+    that verify (id -> their drafts this step) and that draft; lookahead pages still free for chunks."""
+
+    num_drafts: int
+    verify: dict[int, int] = field(default_factory=dict)
+    drafting: set[int] = field(default_factory=set)
+    free_pages: int = 0
+
+    def chunk_drafts(self, sched: SchedulerState, c: ScheduledChunk) -> bool:
+        """A completing chunk drafts when its request may and its lookahead pages are free."""
+        req = c.request
+        if not c.completes or not _may_speculate(req):
+            return False
+        end = c.start + c.length
+        need = sched.cache.pages_needed(req.seq, end + self.num_drafts - 1) - sched.cache.pages_needed(
+            req.seq, end
+        )
+        if need > self.free_pages:
+            return False
+        self.free_pages -= need
+        return True
+
+
+def _plan_work(
+    sched: SchedulerState,
+) -> tuple[list[Request], list[ScheduledChunk], SpeculativePlan | None]:
     """This step's decode rows (every running request, with its next page ensured, preempting the
-    newest page holders when the pool cannot) and prefill chunks (within the budget and free pages)."""
+    newest page holders when the pool cannot), its speculation, and prefill chunks (within the budget
+    and free pages)."""
     decode_pages = _ensure_decode_pages(sched)
     decode = list(sched.running)
+    spec = _plan_speculation(sched, decode, sched.cache.kv.num_free - decode_pages)
+    if spec is not None:
+        decode_pages = sched.cache.kv.num_free - spec.free_pages
     if sched.inflight is not None or not sched.prefilling:
-        return decode, []
+        return decode, [], spec
     budget = choose_prefill_budget(
         policy=sched.config.policy,
         max_num_batched_tokens=sched.config.max_num_batched_tokens,
@@ -129,10 +175,60 @@ def _plan_work(sched: SchedulerState) -> tuple[list[Request], list[ScheduledChun
         decode_tokens_left=[r.max_tokens - len(r.output_token_ids) for r in decode],
         front_remaining=sched.prefilling[0].num_pending,
     )
-    return decode, take_prefill_chunks(sched, budget, sched.cache.kv.num_free - decode_pages)
+    chunks = take_prefill_chunks(sched, budget, sched.cache.kv.num_free - decode_pages)
+    if spec is not None:
+        spec.free_pages = sched.cache.kv.num_free - decode_pages - _chunk_pages(sched, chunks)
+    return decode, chunks, spec
 
 
-def _launch_work(sched: SchedulerState, decode: list[Request], chunks: list[ScheduledChunk]) -> str:
+def _chunk_pages(sched: SchedulerState, chunks: list[ScheduledChunk]) -> int:
+    return sum(sched.cache.pages_needed(c.request.seq, c.start + c.length) for c in chunks)
+
+
+def _may_speculate(req: Request) -> bool:
+    """Verify rows sample without a grammar (its state cannot fork per draft)."""
+    return req.grammar is None
+
+
+def _plan_speculation(
+    sched: SchedulerState, decode: list[Request], free_pages: int
+) -> SpeculativePlan | None:
+    """The guard's draft count for this step and which decoders verify k drafts, while the verify
+    scratch lasts and their pages (this step's tokens and the lookahead of the next proposals) are
+    free. None: a plain step."""
+    guard = sched.guard
+    if guard is None:
+        return None
+    k = guard.draft_length(max(1, len(decode)))
+    if k == 0:
+        return None
+    cache = sched.cache
+    spec = SpeculativePlan(k, free_pages=free_pages)
+    max_verify = sched.config.speculative.max_batch
+    for req in decode:
+        if not _may_speculate(req):
+            continue
+        # Every verify row of a step verifies k drafts (padded when it has fewer proposals: they only
+        # cost rejections), so a step of verify rows has one shape; it accepts no more drafts than
+        # its request may still emit after the target's token.
+        verify = k if len(spec.verify) < max_verify else 0
+        base = req.num_computed + 1  # the decode page already ensured
+        need = cache.pages_needed(req.seq, base + verify + k - 1) - cache.pages_needed(req.seq, base)
+        if need > spec.free_pages:
+            continue
+        spec.free_pages -= need
+        if verify:
+            spec.verify[id(req)] = verify
+        spec.drafting.add(id(req))
+    return spec
+
+
+def _launch_work(
+    sched: SchedulerState,
+    decode: list[Request],
+    chunks: list[ScheduledChunk],
+    spec: SpeculativePlan | None = None,
+) -> str:
     """Launches the planned work and returns its telemetry label. Every forward covers decode rows then
     chunks; how its result is read depends on the mode: now (synchronous), at the next tick (decode-
     ahead), or when an async prefill finishes (overlap)."""
@@ -146,17 +242,26 @@ def _launch_work(sched: SchedulerState, decode: list[Request], chunks: list[Sche
         return "idle"
     if sched.config.prefill_overlap and kind is PlanKind.UNIFIED:
         launch_overlap_step(sched, chunks)
-        _run_now(sched, decode, [])
+        _run_now(sched, decode, [], spec)
         return "overlap_launch"
-    if kind is PlanKind.DECODE and sched.inflight is None and _may_decode_ahead(sched, decode):
+    if (
+        spec is None
+        and kind is PlanKind.DECODE
+        and sched.inflight is None
+        and _may_decode_ahead(sched, decode)
+    ):
         sched.decode_ahead = _launch(sched, decode, [])
         return "decode_ahead"
-    _run_now(sched, decode, chunks)
+    _run_now(sched, decode, chunks, spec)
     return "overlap_decode" if sched.inflight is not None else kind.value
 
 
 def _launch(
-    sched: SchedulerState, decode: list[Request], chunks: list[ScheduledChunk], feed: TokenFeed | None = None
+    sched: SchedulerState,
+    decode: list[Request],
+    chunks: list[ScheduledChunk],
+    feed: TokenFeed | None = None,
+    spec: SpeculativePlan | None = None,
 ) -> LaunchedStep | None:
     """Builds the step's plan (reserving each row's pages through the cache manager), launches it and
     advances every row's cursor: after this, KV, conv/SSM state and position have moved together by the
@@ -165,12 +270,21 @@ def _launch(
     memory (its requests have failed)."""
     cache = sched.cache
     pending = 0 if feed is None else 1  # a fed row's input token is in flight, not yet on the host
+    if spec is not None:  # plain decode rows first, then verify rows
+        decode = [r for r in decode if id(r) not in spec.verify] + [r for r in decode if id(r) in spec.verify]
     before, after = cache.take_pending(), CacheWork()
     try:
+        if spec is None:
+            decode_rows = [_decode_row(sched, r, pending) for r in decode]
+            chunk_rows = [_chunk_row(sched, c) for c in chunks]
+        else:
+            decode_rows = _speculative_decode_rows(sched, decode, spec)
+            chunk_rows = [_speculative_chunk_row(sched, c, spec) for c in chunks]
         plan = StepPlan(
-            decode=[_decode_row(sched, r, pending) for r in decode],
-            prefill=[_chunk_row(sched, c) for c in chunks],
+            decode=decode_rows,
+            prefill=chunk_rows,
             feed=feed,
+            num_drafts=0 if spec is None else spec.num_drafts,
         )
         after = prefix.save_at_chunk_ends(sched, chunks)  # after every row's pages are reserved
         plan.copies_before, plan.copies_after = before.copies, after.copies
@@ -184,6 +298,8 @@ def _launch(
         return None
     cache.launched(before)
     cache.launched(after)
+    if sched.guard is not None and decode:
+        sched.guard.record_step(drafted=spec is not None)
     step = LaunchedStep(decode, chunks, launched)
     for req, row in zip(step.requests, plan.rows, strict=True):
         cache.advance(req.seq, len(row.token_ids))
@@ -201,9 +317,14 @@ def flush_cache_copies(sched: SchedulerState) -> None:
         cache.launched(work)
 
 
-def _run_now(sched: SchedulerState, decode: list[Request], chunks: list[ScheduledChunk]) -> None:
+def _run_now(
+    sched: SchedulerState,
+    decode: list[Request],
+    chunks: list[ScheduledChunk],
+    spec: SpeculativePlan | None = None,
+) -> None:
     """Pure decode, batch prefill or unified prefill+decode, read at once."""
-    step = _launch(sched, decode, chunks)
+    step = _launch(sched, decode, chunks, spec=spec)
     if step is not None:
         apply_step(sched, step, step.wait(sched.cache))
 
@@ -240,10 +361,62 @@ def _planned_row(
     tokens: list[int],
     sampling: SamplingRow | None,
     scoring: PromptScoring | None,
+    lookahead: int = 0,
 ) -> PlannedRow:
+    """`lookahead`: positions past the row's tokens it also holds pages for (the MTP's proposals)."""
     seq = req.seq
-    sched.cache.reserve(seq, seq.num_computed + len(tokens))
+    sched.cache.reserve(seq, seq.num_computed + len(tokens) + lookahead)
     return PlannedRow(tokens, seq.num_computed, seq.pages, seq.slot, sampling, scoring)
+
+
+def _speculative_decode_rows(
+    sched: SchedulerState, decode: list[Request], spec: SpeculativePlan
+) -> list[PlannedRow]:
+    """Plain rows (drafting or not), then verify rows: the last token and `k` proposals, the GDN state
+    after each token but the last going to the row's share of the verify scratch slots."""
+    scratch = sched.cache.scratch_slots
+    per_row = sched.config.speculative.num_speculative_tokens
+    rows: list[PlannedRow] = []
+    verified = 0
+    for req in decode:
+        drafts = id(req) in spec.drafting
+        k = spec.verify.get(id(req), 0)
+        last = req.output_token_ids[-1]
+        proposals = (req.draft_tokens + [last] * k)[:k]
+        req.num_proposed = min(k, len(req.draft_tokens), req.max_tokens - len(req.output_token_ids) - 1)
+        tokens = [req.output_token_ids[-1], *proposals]
+        row = _planned_row(
+            sched, req, tokens, _sampling_row(sched, req), None, spec.num_drafts - 1 if drafts else 0
+        )
+        row.drafts = drafts
+        if k:
+            row.accept_limit = min(k, req.max_tokens - len(req.output_token_ids) - 1)
+            start = scratch.start + verified * per_row
+            row.state_after = list(range(start, start + k))
+            row.draft_sampling = [_sampling_row(sched, req, drafts=proposals[:j]) for j in range(1, k + 1)]
+            verified += 1
+        rows.append(row)
+    return rows
+
+
+def _speculative_chunk_row(sched: SchedulerState, c: ScheduledChunk, spec: SpeculativePlan) -> PlannedRow:
+    """A chunk in a speculative step: the MTP head reads the token after its last one (the next prompt
+    token, or the sampled one), and a completing chunk proposes drafts when it may."""
+    req = c.request
+    drafts = spec.chunk_drafts(sched, c)
+    sampling = _sampling_row(sched, req) if c.completes else None
+    row = _planned_row(
+        sched,
+        req,
+        req.token_slice(c.start, c.length),
+        sampling,
+        _prompt_scoring(req, c),
+        spec.num_drafts - 1 if drafts else 0,
+    )
+    row.drafts = drafts
+    if not c.completes:
+        row.mtp_next_token = req.token_slice(c.start + c.length, 1)[0]
+    return row
 
 
 def _may_decode_ahead(sched: SchedulerState, decode: list[Request]) -> bool:
@@ -266,6 +439,8 @@ def _launch_following_decode(sched: SchedulerState, ahead: LaunchedStep) -> Laun
     follow = [r for r in sched.running if len(r.output_token_ids) + 1 < r.max_tokens]
     if not follow or not _may_decode_ahead(sched, follow):
         return None
+    if sched.guard is not None and sched.guard.draft_length(len(follow)) > 0:
+        return None  # the next step speculates: it is planned once these tokens are known
     cache = sched.cache
     if sum(cache.pages_needed(r.seq, r.num_computed + 1) for r in follow) > cache.kv.num_free:
         return None  # preemption is planned by the normal path, after the tokens are known
@@ -357,6 +532,8 @@ def promote_or_requeue(
             requeue.append(req)
             continue
         token, logprobs = result.token_ids[sampled], result.logprobs[sampled]
+        if result.speculation is not None:
+            _keep_proposals(sched, req, result.speculation.drafts[sampled], 1)
         sampled += 1
         if req.first_scheduled_time is None:
             req.first_scheduled_time = time.monotonic()
@@ -374,14 +551,55 @@ def dispatch_decode_tokens(sched: SchedulerState, decode: list[Request], result:
     step was launched)."""
 
     finished = []
+    spec = result.speculation
     for i, req in enumerate(decode):
         if req.phase is not Phase.RUNNING:
             continue
-        if _append_token(sched, req, result.token_ids[i], result.logprobs[i]):
+        if spec is not None:
+            done = _append_speculated(sched, req, spec, i)
+        else:
+            req.draft_tokens.clear()  # proposals for positions this step has moved past
+            done = _append_token(sched, req, result.token_ids[i], result.logprobs[i])
+        if done:
             finished.append(req)
     if finished:
         done = set(map(id, finished))
         sched.running = [r for r in sched.running if id(r) not in done]
+
+
+def _append_speculated(sched: SchedulerState, req: Request, spec: SpeculationResult, row: int) -> bool:
+    """A speculative step's tokens for one decode row: the cursor steps back over the rejected drafts
+    (the backend committed the state of the last accepted token), then the emitted tokens go out one
+    by one as a plain decode would have emitted them; the row's new proposals are kept. True if the
+    request finished."""
+    emitted, drafted = spec.emitted[row], spec.num_drafted[row]
+    seq = req.seq
+    sched.cache.rewind(seq, drafted + 1 - len(emitted))
+    proposed = min(req.num_proposed, drafted)  # the rest were padding, not the MTP head's proposals
+    if proposed:
+        accepted = min(len(emitted) - 1, proposed)
+        sched.spec_counters.record(proposed, accepted)
+        if sched.guard is not None:
+            sched.guard.record_verify(proposed, accepted)
+    _keep_proposals(sched, req, spec.drafts[row], len(emitted))
+    end = seq.num_computed
+    for j, token in enumerate(emitted):
+        # While token j goes out the request has computed what a plain decode would have: up to the
+        # token before it. Before the last one, its slot holds a later state.
+        seq.num_computed = end - len(emitted) + j + 1
+        req.state_ahead = j < len(emitted) - 1
+        if _append_token(sched, req, token, spec.logprobs[row][j]):
+            return True
+    return False
+
+
+def _keep_proposals(sched: SchedulerState, req: Request, proposals: list[int], emitting: int) -> None:
+    """The MTP head's proposals for the tokens after the `emitting` ones about to be appended (or the
+    benchmark-only source's)."""
+    source = sched.benchmark_drafts
+    if source is not None and proposals:
+        proposals = source.proposals(req.prompt_token_ids, len(req.output_token_ids) + emitting, proposals)
+    req.draft_tokens = list(proposals)
 
 
 def _append_token(sched: SchedulerState, req: Request, token: int, logprobs: TokenLogprobs | None) -> bool:
@@ -433,17 +651,19 @@ def _check_stop(sched: SchedulerState, req: Request, token: int) -> tuple[str | 
     return None, None
 
 
-def _sampling_row(sched: SchedulerState, req: Request, pending: int = 0) -> SamplingRow:
-    """`pending`: tokens already sampled for the request but not yet on the host (decode-ahead)."""
+def _sampling_row(
+    sched: SchedulerState, req: Request, pending: int = 0, drafts: list[int] | None = None
+) -> SamplingRow:
+    """`pending`: tokens already sampled for the request but not yet on the host (decode-ahead).
+    `drafts`: a verify row's proposals before the sampled position, taken as already output."""
     params = req.params
-    step = len(req.output_token_ids) + pending
+    outputs = req.output_token_ids if not drafts else [*req.output_token_ids, *drafts]
+    step = len(outputs) + pending
     suppressed: tuple[int, ...] = ()
     if step < params.min_tokens:
         eos = () if params.ignore_eos else sched.config.eos_token_ids
         suppressed = tuple(eos) + tuple(params.stop_token_ids or ())
-    return SamplingRow(
-        params, req.seed, step, req.prompt_token_ids, req.output_token_ids, suppressed, req.grammar
-    )
+    return SamplingRow(params, req.seed, step, req.prompt_token_ids, outputs, suppressed, req.grammar)
 
 
 # ---- preemption ----------------------------------------------------------------------------------
@@ -477,6 +697,7 @@ def preempt(sched: SchedulerState, req: Request) -> None:
     waiting queue and later recomputes prompt + outputs (the state transaction restarts at zero)."""
 
     lifecycle.release_caches(sched, req)
+    req.draft_tokens.clear()
     req.phase = Phase.WAITING
     if req.prompt_logprobs is not None and not req.prompt_logprobs_sent:
         req.prompt_logprobs = [None]  # the recomputed prefill scores the prompt again from its start

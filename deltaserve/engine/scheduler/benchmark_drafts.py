@@ -1,0 +1,89 @@
+"""Benchmark-only draft sources for speculative decoding (never for serving).
+
+Random weights give an MTP head whose proposals are almost never accepted, so the mechanism is
+measured at known acceptance instead: `benchmark_draft` "record" speculates with the MTP head's own
+proposals and appends every finished request's prompt and output token ids to
+`benchmark_draft_file` (JSON lines); a later run of the same greedy requests with "replay" proposes
+the recorded next tokens (every proposal accepted) or with "wrong" a token that differs from each of
+them (every proposal rejected). The MTP head still runs, so the measured cost is the real one; the
+draft count is pinned while recording. A request whose prompt is not in the recording keeps the MTP
+head's proposals.
+
+The recording is made on the speculative path because in 16-bit a verify forward and a plain decode
+step round differently (other kernels, other GEMM shapes), and random weights leave the top logits so
+close that the greedy tokens of the two paths part within a few dozen tokens; the verify path itself
+gives each position the same logits whatever the drafts (every op is causal and per row), so its
+recording is replayed exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from deltaserve.config import SpeculativeConfig
+from deltaserve.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class BenchmarkDrafts:
+    mode: str  # "record", "replay" or "wrong"
+    path: Path
+    vocab_size: int
+    recorded: dict[tuple[int, ...], list[int]] = field(default_factory=dict)
+
+    @classmethod
+    def open(cls, spec: SpeculativeConfig, vocab_size: int) -> BenchmarkDrafts | None:
+        if spec.benchmark_draft is None or spec.benchmark_draft_file is None:
+            return None
+        source = cls(spec.benchmark_draft, Path(spec.benchmark_draft_file), vocab_size)
+        if source.mode != "record":
+            source.recorded = _read_recording(source.path)
+        logger.warning(
+            "speculative decoding with benchmark-only drafts (%s, %s): not for serving",
+            source.mode,
+            source.path,
+        )
+        return source
+
+    def proposals(self, prompt: Sequence[int], num_output: int, mtp: list[int]) -> list[int]:
+        """Drafts for the output tokens from index `num_output` on: the recording's next len(mtp)
+        tokens (replay), each of them shifted to another id (wrong), or `mtp` when the prompt was not
+        recorded."""
+        recorded = self.recorded.get(tuple(prompt))
+        if recorded is None:
+            return mtp
+        start = num_output
+        nxt = recorded[start : start + len(mtp)]
+        if self.mode == "wrong":
+            return [(t + 1) % self.vocab_size for t in nxt]
+        return nxt
+
+    def record(self, prompt: Sequence[int], output: Sequence[int]) -> None:
+        if self.mode != "record":
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps({"prompt_token_ids": list(prompt), "output_token_ids": list(output)}) + "\n")
+
+
+def _read_recording(path: Path) -> dict[tuple[int, ...], list[int]]:
+    if not path.is_file():
+        raise ConfigError(
+            f"--speculative-config: benchmark_draft_file {path} does not exist (record it first with "
+            '"benchmark_draft": "record")'
+        )
+    recorded: dict[tuple[int, ...], list[int]] = {}
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+            recorded[tuple(item["prompt_token_ids"])] = list(item["output_token_ids"])
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ConfigError(f"{path}:{number}: not a recorded request ({exc})") from None
+    return recorded
