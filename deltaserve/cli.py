@@ -9,7 +9,7 @@ import os
 import sys
 
 from deltaserve import __version__
-from deltaserve.config import LOAD_FORMATS, EngineConfig
+from deltaserve.config import LOAD_FORMATS, EngineConfig, SpeculativeConfig
 from deltaserve.errors import ConfigError, RequestValidationError
 
 
@@ -103,6 +103,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="GiB for the prefix cache's GDN state snapshots (default: 8%% of the GPU, 0.25 on CPU)",
     )
+    g.add_argument(
+        "--speculative-config",
+        default=None,
+        help='speculative decoding with the checkpoint\'s MTP head, vLLM\'s JSON: \'{"method": "mtp", '
+        '"num_speculative_tokens": K}\' (K in 1..4; "adaptive": false pins K, "max_batch" caps the rows '
+        "that speculate)",
+    )
 
 
 def _model_arg(args: argparse.Namespace) -> str | None:
@@ -137,6 +144,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         tensor_parallel_size=args.tensor_parallel_size,
         enable_prefix_caching=args.enable_prefix_caching,
         prefix_cache_state_memory_gb=args.prefix_cache_state_memory_gb,
+        speculative_config=(
+            None if args.speculative_config is None else SpeculativeConfig.from_json(args.speculative_config)
+        ),
     )
     config.validate()
     return config

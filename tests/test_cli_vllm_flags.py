@@ -17,7 +17,14 @@ from deltaserve.config import EngineConfig
 REFUSED = [
     (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype must be 'auto'"),
     (["--quantization", "fp8"], "--quantization is not supported"),
-    (["--speculative-config", '{"method": "mtp"}'], "--speculative-config is not supported"),
+    (
+        ["--speculative-config", '{"method": "eagle"}'],
+        "--speculative-config: 'method' must be one of ['mtp']",
+    ),
+    (
+        ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 8}'],
+        "'num_speculative_tokens' must be an integer in 1..4, got 8",
+    ),
     (["--tool-call-parser", "hermes"], "--tool-call-parser must be one of ['qwen3_coder', 'qwen3_xml']"),
     (["--reasoning-parser", "gpt_oss"], "--reasoning-parser must be one of ['qwen3', 'deepseek_r1']"),
     (["--no-enable-chunked-prefill"], "prefill is always chunked"),

@@ -60,10 +60,33 @@ class _LoadCollector(Collector):
                 load.prefix_cache_queries,
             ),
             ("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.", load.prefix_cache_hits),
+            (
+                "vllm:spec_decode_num_drafts",
+                "Speculative verify rows (one per decoder and step).",
+                load.spec_num_drafts,
+            ),
+            (
+                "vllm:spec_decode_num_draft_tokens",
+                "Draft tokens the target verified.",
+                load.spec_num_draft_tokens,
+            ),
+            (
+                "vllm:spec_decode_num_accepted_tokens",
+                "Draft tokens the target accepted.",
+                load.spec_num_accepted_tokens,
+            ),
         ):
             counter = CounterMetricFamily(name, doc, labels=["model_name"])
             counter.add_metric([self._model_name], float(value))
             yield counter
+        per_position = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted draft tokens by draft position (0: a row's first draft).",
+            labels=["model_name", "position"],
+        )
+        for position, value in enumerate(load.spec_accepted_per_position):
+            per_position.add_metric([self._model_name, str(position)], float(value))
+        yield per_position
 
 
 @dataclass(slots=True)

@@ -4,7 +4,7 @@ with one sentence.
 Accepted: flags that ask for what deltaserve always does (auto tool choice, the Qwen XML tool-call and
 `<think>` reasoning parsers, chunked prefill, a text-only model) or that have nothing to act on
 (`--trust-remote-code`: no checkpoint code is ever run). Refused, naming what is supported: features
-the engine does not have (an fp8 KV cache, quantized checkpoints, speculative decoding, images).
+the engine does not have (an fp8 KV cache, quantized checkpoints, images).
 """
 
 from __future__ import annotations
@@ -60,7 +60,6 @@ def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--kv-cache-dtype", default="auto", help="auto only: the KV cache is in the model dtype")
     g.add_argument("--quantization", "-q", default=None, help="not supported")
-    g.add_argument("--speculative-config", default=None, help="not supported")
 
 
 def check_vllm_arguments(args: argparse.Namespace) -> None:
@@ -90,11 +89,6 @@ def check_vllm_arguments(args: argparse.Namespace) -> None:
         raise ConfigError(
             "--quantization is not supported: deltaserve serves bfloat16 / float16 / float32 checkpoints, "
             f"got {args.quantization!r}"
-        )
-    if args.speculative_config is not None:
-        raise ConfigError(
-            f"--speculative-config is not supported (no speculative decoding or MTP yet), got "
-            f"{args.speculative_config!r}; drop the flag"
         )
     if args.trust_remote_code:
         logger.info("--trust-remote-code: nothing to trust, deltaserve runs no code from the checkpoint")
