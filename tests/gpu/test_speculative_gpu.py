@@ -1,0 +1,39 @@
+"""MTP speculative decoding on the GPU under CUDA graphs (fp32): greedy outputs with speculation equal the
+outputs without, with the MTP head's own drafts and at known acceptance (its recording replayed, or
+every proposal wrong)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltaserve.engine.llm import LLM
+from deltaserve.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+PROMPTS = [[11, 12, 13, 14, 15, 16, 17, 18, 19], [21, 22, 23, 24, 25], [41, 42, 43, 44, 45, 46, 47]]
+
+
+def generate(speculative_config=None):
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    engine = {"dtype": "float32", "max_num_seqs": 8, "max_model_len": 512, "max_num_batched_tokens": 256}
+    with LLM(None, speculative_config=speculative_config, **engine) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+        load = llm.engine.scheduler.load
+    return [o.outputs[0].token_ids for o in outs], load
+
+
+def test_speculation_under_graphs_equals_plain_decoding(tmp_path):
+    plain, _ = generate()
+    path = str(tmp_path / "rec.jsonl")
+    base = {"num_speculative_tokens": 3, "benchmark_draft_file": path}
+    recorded, load = generate({**base, "benchmark_draft": "record"})
+    assert recorded == plain
+    assert load.spec_num_drafts > 0
+    replayed, load = generate({**base, "benchmark_draft": "replay"})
+    assert replayed == plain
+    assert load.spec_num_accepted_tokens == load.spec_num_draft_tokens > 0
+    wrong, load = generate({**base, "benchmark_draft": "wrong"})
+    assert wrong == plain
+    assert load.spec_num_accepted_tokens == 0 < load.spec_num_draft_tokens
