@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 from scheduler_harness import VOCAB, Run, load_model
+from verify_offsets import first_differences
 
 from deltaserve.cache.device import build_device_caches
 from deltaserve.config import ModelConfig, SpeculativeConfig
@@ -294,3 +295,17 @@ def test_a_stop_inside_an_accepted_run_caches_no_state_of_a_later_position(model
     run.run_until_idle()
     plain = serve(model, {"f": follow}, greedy(6))
     assert_same_outputs(run, plain, ["f"])
+
+
+def test_a_position_computes_the_same_bits_at_any_offset_of_its_verify_row(model):
+    """What a replayed recording of the speculative path needs (tests/verify_offsets.py)."""
+    caches = build_device_caches(
+        model.config,
+        num_pages=32,
+        page_size=16,
+        num_slots=12,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        num_kv_layers=model.num_kv_layers,
+    )
+    assert first_differences(model, caches, list(range(30, 60))) == []

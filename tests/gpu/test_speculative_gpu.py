@@ -37,3 +37,31 @@ def test_speculation_under_graphs_equals_plain_decoding(tmp_path):
     wrong, load = generate({**base, "benchmark_draft": "wrong"})
     assert wrong == plain
     assert load.spec_num_accepted_tokens == 0 < load.spec_num_draft_tokens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_position_computes_the_same_bits_at_any_offset_of_its_verify_row(tmp_path, dtype):
+    """What replaying a recording of the speculative path needs: the first differing op is named
+    (tests/verify_offsets.py). Random weights at the 0.8B shape."""
+    from verify_offsets import first_differences
+
+    from deltaserve.cache.device import build_device_caches
+    from deltaserve.config import ModelConfig
+    from deltaserve.model.qwen35 import Qwen35ForCausalLM
+    from deltaserve.model.weights import init_dummy_weights
+    from deltaserve.tiny import make_tiny
+
+    cfg = ModelConfig.from_dir(make_tiny(tmp_path / "m", "0.8b-shape", weights=False))
+    device = torch.device("cuda")
+    model = Qwen35ForCausalLM(cfg, dtype=dtype, device=device, mtp=True)
+    init_dummy_weights(model)
+    caches = build_device_caches(
+        cfg,
+        num_pages=32,
+        page_size=16,
+        num_slots=12,
+        dtype=dtype,
+        device=device,
+        num_kv_layers=model.num_kv_layers,
+    )
+    assert first_differences(model, caches, list(range(1000, 1100))) == []
