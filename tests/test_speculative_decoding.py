@@ -309,3 +309,13 @@ def test_a_position_computes_the_same_bits_at_any_offset_of_its_verify_row(model
         num_kv_layers=model.num_kv_layers,
     )
     assert first_differences(model, caches, list(range(30, 60))) == []
+
+
+def test_kv_pressure_with_speculation_preempts_and_still_gives_the_plain_tokens(model):
+    """Verify rows and their lookahead pages under a pool too small for every request at once: the
+    lookahead is skipped or the newest request preempted, never a wrong token."""
+    kw = {"num_pages": 14, "page_size": 4, "max_num_batched_tokens": 16}
+    plain = serve(model, PROMPTS, greedy(16), **kw)
+    fast = serve(model, PROMPTS, greedy(16), speculative=spec(3), **kw)
+    assert_same_outputs(fast, plain, PROMPTS)
+    assert fast.sched.num_preemptions > 0 or plain.sched.num_preemptions > 0
