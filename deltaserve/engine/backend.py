@@ -28,8 +28,7 @@ from deltaserve.engine.protocol import TokenLogprobs
 from deltaserve.engine.sampler import Sampler, logprobs_of
 from deltaserve.engine.spec_graphs import SpeculativeGraphs
 from deltaserve.engine.speculative import SpeculativeStep
-from deltaserve.engine.step import PendingStep, PlannedRow, StagedResult, StepPlan, TokenFeed
-from deltaserve.engine.structured import apply_grammars
+from deltaserve.engine.step import PendingStep, PlannedRow, StepPlan, TokenFeed, sample_and_stage
 from deltaserve.engine.worker import ModelWorker
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
 from deltaserve.ops.batch import BatchRow, to_device
@@ -81,14 +80,8 @@ class Backend:
         sampling = [r.sampling for r in planned if r.sampling is not None]
         if not sampling:
             return PendingStep(None, None, sampling, prompt)
-        if any(row.grammar is not None for row in sampling):
-            apply_grammars(logits, [row.grammar for row in sampling])
-        out = self.sampler(logits, sampling)
-        sources = [out.token_ids]
-        if out.logprobs is not None:
-            lp = out.logprobs
-            sources += [lp.sampled_logprob, lp.sampled_rank, lp.top_ids, lp.top_logprobs]
-        return PendingStep(out.token_ids, StagedResult.start(sources), sampling, prompt)
+        token_ids, staged = sample_and_stage(self.sampler, logits, sampling)
+        return PendingStep(token_ids, staged, sampling, prompt)
 
     def _score_prompts(
         self, planned: Sequence[PlannedRow], hidden: torch.Tensor

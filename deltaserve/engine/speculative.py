@@ -30,8 +30,7 @@ from deltaserve.cache.state_slots import DUMMY_SLOT
 from deltaserve.engine.protocol import TokenLogprobs
 from deltaserve.engine.sampler import Sampler, SamplingRow, is_plain_argmax
 from deltaserve.engine.spec_graphs import SpeculativeGraphs
-from deltaserve.engine.step import PlannedRow, SpeculationResult, StagedResult, StepPlan, StepResult
-from deltaserve.engine.structured import apply_grammars
+from deltaserve.engine.step import PlannedRow, SpeculationResult, StepPlan, StepResult, sample_and_stage
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
 from deltaserve.ops.batch import BatchRow, build_forward_batch, logits_rows, to_device
 
@@ -191,14 +190,7 @@ class SpeculativeStep:
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
         if not flat:
             return [], []
-        if any(row.grammar is not None for row in flat):
-            apply_grammars(logits, [row.grammar for row in flat])
-        out = self.sampler(logits, flat)
-        sources = [out.token_ids]
-        if out.logprobs is not None:
-            lp = out.logprobs
-            sources += [lp.sampled_logprob, lp.sampled_rank, lp.top_ids, lp.top_logprobs]
-        result = StagedResult.start(sources).read(flat)
+        result = sample_and_stage(self.sampler, logits, flat)[1].read(flat)
         return result.token_ids, result.logprobs
 
     def _draft(

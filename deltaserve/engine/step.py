@@ -17,7 +17,8 @@ import torch
 
 from deltaserve.cache.copies import CacheCopy
 from deltaserve.engine.protocol import TokenLogprobs
-from deltaserve.engine.sampler import SamplingRow
+from deltaserve.engine.sampler import Sampler, SamplingRow
+from deltaserve.engine.structured import apply_grammars
 from deltaserve.ops.batch import BatchRow
 
 
@@ -193,3 +194,18 @@ class StagedResult:
                 pairs = list(zip(top_ids[i][:k], top_lps[i][:k], strict=True))
                 logprobs.append(TokenLogprobs(sampled[i], ranks[i], pairs))
         return StepResult(token_ids, logprobs)
+
+
+def sample_and_stage(
+    sampler: Sampler, logits: torch.Tensor, rows: Sequence[SamplingRow]
+) -> tuple[torch.Tensor, StagedResult]:
+    """One token per row (grammars masked first), and their copy to the host started: the sampled ids
+    on the device, and the staged ids and logprobs."""
+    if any(row.grammar is not None for row in rows):
+        apply_grammars(logits, [row.grammar for row in rows])
+    out = sampler(logits, rows)
+    sources = [out.token_ids]
+    if out.logprobs is not None:
+        lp = out.logprobs
+        sources += [lp.sampled_logprob, lp.sampled_rank, lp.top_ids, lp.top_logprobs]
+    return out.token_ids, StagedResult.start(sources)

@@ -383,14 +383,15 @@ def _speculative_decode_rows(
         k = spec.verify.get(id(req), 0)
         last = req.output_token_ids[-1]
         proposals = (req.draft_tokens + [last] * k)[:k]
-        req.num_proposed = min(k, len(req.draft_tokens), req.max_tokens - len(req.output_token_ids) - 1)
         tokens = [req.output_token_ids[-1], *proposals]
         row = _planned_row(
             sched, req, tokens, _sampling_row(sched, req), None, spec.num_drafts - 1 if drafts else 0
         )
         row.drafts = drafts
+        req.num_proposed = 0
         if k:
             row.accept_limit = min(k, req.max_tokens - len(req.output_token_ids) - 1)
+            req.num_proposed = min(row.accept_limit, len(req.draft_tokens))
             start = scratch.start + verified * per_row
             row.state_after = list(range(start, start + k))
             row.draft_sampling = [_sampling_row(sched, req, drafts=proposals[:j]) for j in range(1, k + 1)]
