@@ -40,12 +40,50 @@ def test_gemv_rejects_mismatched_inputs_naming_them():
         triton_linear.gemv(x, torch.zeros(4, 16, device=DEVICE, dtype=torch.bfloat16))
 
 
-def test_op_boundary_sends_only_single_16bit_rows_on_the_gpu_to_the_gemv(monkeypatch):
+def test_op_boundary_sends_16bit_rows_on_the_gpu_to_the_gemv_and_the_skinny_gemm(monkeypatch):
     calls = []
-    monkeypatch.setattr(triton_linear, "gemv", lambda x, w: calls.append(x.shape) or F.linear(x, w))
+    monkeypatch.setattr(
+        triton_linear, "gemv", lambda x, w: calls.append(("gemv", *x.shape)) or F.linear(x, w)
+    )
+    monkeypatch.setattr(
+        triton_linear, "skinny_gemm", lambda x, w: calls.append(("skinny", *x.shape)) or F.linear(x, w)
+    )
     monkeypatch.setattr(ops, "use_kernels", lambda t: True)
     w = torch.randn(8, 16, dtype=torch.bfloat16)
-    ops.linear(torch.randn(1, 16, dtype=torch.bfloat16), w)
-    ops.linear(torch.randn(2, 16, dtype=torch.bfloat16), w)  # M > 1: cuBLAS
+    for m in (1, 2, 16, 17):  # M > 16: cuBLAS
+        ops.linear(torch.randn(m, 16, dtype=torch.bfloat16), w)
     ops.linear(torch.randn(1, 16), w.float())  # fp32: cuBLAS
-    assert calls == [(1, 16)]
+    monkeypatch.setattr(ops, "SKINNY_GEMM", False)  # the A/B switch: cuBLAS for 2..16 rows
+    ops.linear(torch.randn(4, 16, dtype=torch.bfloat16), w)
+    assert calls == [("gemv", 1, 16), ("skinny", 2, 16), ("skinny", 16, 16)]
+
+
+@pytest.mark.parametrize("m", [2, 5, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_skinny_gemm_matches_linear_on_strided_rows_and_ragged_blocks(m, dtype):
+    n, k = 45, 100  # off the block multiples
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k + 24, generator=gen).to(dtype).to(DEVICE)[:, 8 : 8 + k]
+    w = torch.randn(n + 5, k, generator=gen).to(dtype).to(DEVICE)[2 : 2 + n]
+    got = triton_linear.skinny_gemm(x, w)
+    want = F.linear(x.double(), w.double())
+    assert got.shape == (m, n) and got.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+    else:
+        torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-2)
+
+
+def test_skinny_gemm_gives_a_row_the_same_bits_whatever_the_other_rows():
+    """What a replayed speculative recording and batch-invariant decode need."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(16, 96, generator=gen).to(torch.bfloat16).to(DEVICE)
+    w = torch.randn(40, 96, generator=gen).to(torch.bfloat16).to(DEVICE)
+    full = triton_linear.skinny_gemm(x, w)
+    assert torch.equal(triton_linear.skinny_gemm(x[3:7], w), full[3:7])
+    assert torch.equal(triton_linear.skinny_gemm(x[5:7].flip(0), w), full[5:7].flip(0))
+
+
+def test_skinny_gemm_rejects_more_rows_than_its_tile():
+    with pytest.raises(ValueError, match=r"1..16 rows"):
+        triton_linear.skinny_gemm(torch.zeros(17, 16, device=DEVICE), torch.zeros(4, 16, device=DEVICE))

@@ -19,6 +19,9 @@ from deltaserve.ops import rotary as _rotary_ref
 from deltaserve.ops.batch import ForwardBatch
 
 REFERENCE_ONLY = os.environ.get("DELTASERVE_REFERENCE_OPS", "") == "1"
+# DELTASERVE_SKINNY_GEMM=0 sends 2..16-row linears to cuBLAS instead (an A/B switch).
+SKINNY_GEMM = os.environ.get("DELTASERVE_SKINNY_GEMM", "1") != "0"
+SKINNY_MAX_ROWS = 16
 
 
 def use_kernels(t: torch.Tensor) -> bool:
@@ -26,19 +29,26 @@ def use_kernels(t: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight^T. One 16-bit row on the GPU (batch-1 decode) takes the GEMV kernel; everything else
-    is F.linear (cuBLAS at M > 1, where its tensor-core kernels win)."""
+    """x @ weight^T. 16-bit rows on the GPU stream the weight once: one row (batch-1 decode) takes the
+    GEMV kernel, 2..16 rows (small decode batches, speculative verify rows) the skinny GEMM; everything
+    else is F.linear (cuBLAS, whose tensor-core tiles win at larger M)."""
+    rows = x.shape[0]
     if (
-        x.shape[0] == 1
+        rows <= SKINNY_MAX_ROWS
         and x.dim() == 2
         and x.dtype in (torch.bfloat16, torch.float16)
         and use_kernels(x)
         and x.stride(1) == 1
         and weight.stride(1) == 1
     ):
-        from deltaserve.ops.triton.linear import gemv
+        if rows == 1:
+            from deltaserve.ops.triton.linear import gemv
 
-        return gemv(x, weight)
+            return gemv(x, weight)
+        if SKINNY_GEMM:
+            from deltaserve.ops.triton.linear import skinny_gemm
+
+            return skinny_gemm(x, weight)
     return F.linear(x, weight)
 
 

@@ -1,4 +1,9 @@
-"""One-row GEMV for batch-1 decode: y = x @ W^T with x [1, K] and W [N, K] row-major.
+"""Weight-streaming linears for decode: y = x @ W^T with x [M, K] and W [N, K] row-major, M <= 16.
+
+One row (batch-1 decode) takes the GEMV; 2..16 rows (small decode batches, speculative verify rows)
+take the skinny GEMM, which reads the weight once for all rows on the tensor cores.
+
+GEMV:
 
 At one row a linear layer is a pure stream of its weight; cuBLAS's M = 1 kernels reach 2.0-3.7 TB/s
 on an H200 at the Qwen3.5-4B shapes (worst on the N = 2560 projections), this kernel 2.8-3.9 TB/s
@@ -45,22 +50,115 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, 
 _gemv_tuned = triton.autotune(
     configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n, k, w in _CONFIGS],
     key=["N", "K"],
+    cache_results=True,  # the winners persist in Triton's cache directory: a restart does not re-tune
 )(_gemv_kernel)
+
+
+# Skinny GEMM: rows padded to one 16-row MMA tile; (BLOCK_N, BLOCK_K, warps, stages).
+SKINNY_MAX_ROWS = 16
+_SKINNY_CONFIGS = [
+    (16, 256, 4, 4),
+    (16, 512, 4, 3),
+    (32, 256, 4, 4),
+    (32, 128, 4, 4),
+    (64, 128, 4, 4),
+    (64, 256, 8, 3),
+]
+_SKINNY_INTERPRETER_BLOCKS = (16, 32)
+
+
+@triton.jit
+def _skinny_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # Invariant: a row's result depends only on that row and W (the same tile order for every M), so
+    # a token gets the same bits at any row of a 2..16-row batch.
+    rows_m = tl.arange(0, 16)
+    rows_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = rows_m < M
+    n_ok = rows_n < N
+    x_rows = x_ptr + rows_m[:, None] * stride_xm
+    w_rows = w_ptr + rows_n.to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        col_ok = cols < K
+        x = tl.load(x_rows + cols[None, :], mask=m_ok[:, None] & col_ok[None, :], other=0.0)
+        w = tl.load(w_rows + cols[None, :], mask=n_ok[:, None] & col_ok[None, :], other=0.0)
+        if _INTERPRETER:  # the interpreter's dot mishandles bf16 operands
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+    out = out_ptr + rows_m[:, None] * stride_om + rows_n[None, :]
+    tl.store(out, round_to(acc, out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+_skinny_tuned = triton.autotune(
+    configs=[
+        triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
+        for n, k, w, s in _SKINNY_CONFIGS
+    ],
+    key=["N", "K"],  # not M: every row count shares a shape's config (the invariant above)
+    cache_results=True,
+)(_skinny_kernel)
+
+
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x: [M, K] with 1 <= M <= 16 (any row stride, unit column stride); weight: [N, K] with unit column
+    stride. Returns [M, N] in x's dtype; products and sums in fp32, rounded once."""
+    _check_operands(x, weight, max_rows=SKINNY_MAX_ROWS)
+    m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if _INTERPRETER:
+        block_n, block_k = _SKINNY_INTERPRETER_BLOCKS
+        _skinny_kernel[(triton.cdiv(n, block_n),)](
+            x,
+            weight,
+            out,
+            m,
+            n,
+            k,
+            x.stride(0),
+            weight.stride(0),
+            out.stride(0),
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+        )
+    else:
+        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+        _skinny_tuned[grid](x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0))
+    return out
+
+
+def _check_operands(x: torch.Tensor, weight: torch.Tensor, *, max_rows: int) -> None:
+    if x.dim() != 2 or not 1 <= x.shape[0] <= max_rows:
+        what = "one row: x of shape (1, K)" if max_rows == 1 else f"1..{max_rows} rows: x of shape (M, K)"
+        raise ValueError(f"takes {what}, got {tuple(x.shape)}")
+    k = weight.shape[1]
+    if x.shape[1] != k:
+        raise ValueError(f"x has {x.shape[1]} columns, the weight's K is {k}")
+    if x.dtype != weight.dtype:
+        raise ValueError(f"x dtype {x.dtype} differs from the weight dtype {weight.dtype}")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("needs a unit column stride in x and the weight")
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """x: [1, K] (any row stride, unit column stride); weight: [N, K] with unit column stride (row
     slices of a larger matrix are fine). Returns [1, N] in x's dtype, written into `out` when given
     (contiguous)."""
-    if x.dim() != 2 or x.shape[0] != 1:
-        raise ValueError(f"gemv takes one row: x of shape (1, K), got {tuple(x.shape)}")
+    _check_operands(x, weight, max_rows=1)
     n, k = weight.shape
-    if x.shape[1] != k:
-        raise ValueError(f"x has {x.shape[1]} columns, the weight's K is {k}")
-    if x.dtype != weight.dtype:
-        raise ValueError(f"x dtype {x.dtype} differs from the weight dtype {weight.dtype}")
-    if x.stride(1) != 1 or weight.stride(1) != 1:
-        raise ValueError("gemv needs a unit column stride in x and the weight")
     if out is None:
         out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     elif out.shape != (1, n) or out.dtype != x.dtype or not out.is_contiguous():
