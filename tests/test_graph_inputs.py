@@ -1,10 +1,12 @@
-"""The decode graph's input layout (engine/cuda_graphs.fill_decode_inputs), with hand-computed values."""
+"""The decode and verify graphs' input layouts (engine/cuda_graphs.fill_decode_inputs,
+engine/spec_graphs.fill_verify_inputs), with hand-computed values."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from deltaserve.engine.cuda_graphs import DUMMY_PAGE, DUMMY_SLOT, fill_decode_inputs
+from deltaserve.engine.spec_graphs import fill_verify_inputs
 from deltaserve.ops.batch import BatchRow
 
 
@@ -29,3 +31,22 @@ def test_live_rows_then_padding_rows_on_the_reserved_page_and_slot():
     tables = ints[2 * m :].reshape(m, pages)
     assert tables[0, 0] == 7 and tables[1, :2].tolist() == [2, 9] and tables[2, 0] == DUMMY_PAGE
     assert tables[3].tolist() == [-9] * 3  # rows past the bucket are not written
+
+
+def test_verify_inputs_by_hand():
+    # Two verify rows of t = 2 tokens into a bucket of 4 (M = 4 rows), page size 4, 3 block-table columns.
+    rows = [
+        BatchRow([5, 6], 5, (7, 8), 3, state_after=(10,)),
+        BatchRow([9, 1], 2, (4,), 2, state_after=(11,)),
+    ]
+    longs = np.full((6, 8), -1, dtype=np.int64)
+    ints = np.full(2 * 4 + 4 * 3, -1, dtype=np.int32)
+    fill_verify_inputs(longs, ints, rows, 4, 4, accept_limits=[1, 0])
+    assert longs[0].tolist() == [5, 6, 9, 1, 0, 0, 0, 0]  # token ids, then padding
+    assert longs[1].tolist() == [5, 6, 2, 3, 1, 1, 1, 1]  # positions
+    assert longs[2].tolist() == [8 * 4 + 1, 8 * 4 + 2, 4 * 4 + 2, 4 * 4 + 3, 1, 1, 1, 1]  # KV slots
+    assert longs[3].tolist() == [10, 3, 11, 2, 0, 0, 0, 0]  # state after each token: scratch, then own
+    assert longs[4, :4].tolist() == [3, 2, 0, 0] and longs[5, :4].tolist() == [1, 0, 0, 0]
+    assert ints[:8].tolist() == [5, 2, 1, 1, 7, 4, 3, 3]  # context lengths, sequence lengths
+    # Columns a row's drafts can reach past its pages point at the reserved page; others keep stale ids.
+    assert ints[8:].reshape(4, 3).tolist() == [[7, 8, 0], [4, 0, -1], [0, 0, -1], [0, 0, -1]]

@@ -21,6 +21,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from deltaserve.cache.device import DeviceCaches
@@ -29,6 +30,57 @@ from deltaserve.cache.state_slots import DUMMY_SLOT
 from deltaserve.engine.cuda_graphs import graph_buckets
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
 from deltaserve.ops.batch import BatchRow, ForwardBatch
+
+
+def fill_verify_inputs(
+    longs: np.ndarray,
+    ints: np.ndarray,
+    rows: Sequence[BatchRow],
+    bucket: int,
+    page_size: int,
+    accept_limits: Sequence[int] = (),
+) -> None:
+    """Writes a verify graph's inputs for `rows` (t tokens each) padded to `bucket` rows. longs [6, M*t]
+    int64, per token: id, position, KV slot, state slot after it (its scratch slot, the row's own after
+    the last); per row in the first M entries: state slot, acceptance cap. ints [2M + M*P] int32:
+    context lengths [M], sequence lengths [M], then the block table [M, P] row-major. Block-table
+    columns a row's drafts can reach past its pages are zeroed (the reserved page): the greedy chain
+    writes MTP K/V at positions up to context + 2t - 2 whether the row drafts or not. Padding rows hold
+    their tokens from position 1 of the reserved page, with the reserved state slot."""
+    n, t = len(rows), len(rows[0].token_ids)
+    m = longs.shape[1] // t
+    max_pages = (ints.shape[0] - 2 * m) // m
+    tokens, positions, slots, after = [], [], [], []
+    for r in rows:
+        tokens += r.token_ids
+        for i in range(t):
+            pos = r.context_len + i
+            positions.append(pos)
+            slots.append(r.pages[pos // page_size] * page_size + pos % page_size)
+        after += [*r.state_after, r.state_slot]
+    used = n * t
+    longs[0, :used] = tokens
+    longs[1, :used] = positions
+    longs[2, :used] = slots
+    longs[3, :used] = after
+    longs[4, :n] = [r.state_slot for r in rows]
+    longs[5, :n] = list(accept_limits) if accept_limits else 0
+    ints[:n] = [r.context_len for r in rows]
+    ints[m : m + n] = [r.context_len + t for r in rows]
+    tables = ints[2 * m : 2 * m + bucket * max_pages].reshape(bucket, max_pages)
+    for i, r in enumerate(rows):
+        tables[i, : len(r.pages)] = r.pages
+        reach = min(max_pages, (r.context_len + 2 * t) // page_size + 1)
+        tables[i, len(r.pages) : reach] = DUMMY_PAGE
+    pad = slice(used, bucket * t)
+    longs[0, pad] = 0
+    longs[1, pad] = 1
+    longs[2, pad] = DUMMY_PAGE * page_size + 1
+    longs[3, pad] = DUMMY_SLOT
+    longs[4:, n:bucket] = [[DUMMY_SLOT], [0]]
+    ints[n:bucket] = 1
+    ints[m + n : m + bucket] = 1 + t
+    tables[n:bucket, : min(max_pages, (1 + 2 * t) // page_size + 1)] = DUMMY_PAGE
 
 
 @dataclass(slots=True)
@@ -61,14 +113,19 @@ class SpeculativeGraphs:
         self.max_pages = -(-(max_model_len + 2 * max_drafts) // page)
         n, t, dev = self.max_rows, max_drafts + 1, self.device
         hidden = model.config.hidden_size
-        self.tokens = torch.zeros(n * t, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(n * t, dtype=torch.int64, device=dev)
-        self.slot_mapping = torch.zeros(n * t, dtype=torch.int64, device=dev)
-        self.verify_slots = torch.zeros(n * t, dtype=torch.int64, device=dev)
-        self.state_slots = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.context_lens = torch.zeros(n, dtype=torch.int32, device=dev)
-        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
-        self.block_tables = torch.zeros(n, self.max_pages, dtype=torch.int32, device=dev)
+        # The verify inputs live in two device buffers with pinned host twins (fill_verify_inputs), so a
+        # step's inputs go over in two copies. The named tensors are views into them.
+        self._longs = torch.zeros(6, n * t, dtype=torch.int64, device=dev)
+        self._ints = torch.zeros(2 * n + n * self.max_pages, dtype=torch.int32, device=dev)
+        self._longs_host = torch.zeros(self._longs.shape, dtype=torch.int64).pin_memory()
+        self._ints_host = torch.zeros(self._ints.shape, dtype=torch.int32).pin_memory()
+        self._copied = torch.cuda.Event()  # the host twins may be rewritten once this has passed
+        self.tokens, self.positions, self.slot_mapping, self.verify_slots = self._longs[:4].unbind(0)
+        self.state_slots = self._longs[4, :n]
+        self.accept_limits = self._longs[5, :n]
+        self.context_lens = self._ints[:n]
+        self.seq_lens = self._ints[n : 2 * n]
+        self.block_tables = self._ints[2 * n :].view(n, self.max_pages)
         self.mtp_ids = torch.zeros(n * t, dtype=torch.int64, device=dev)
         self.mtp_hidden_in = torch.zeros(n * t, hidden, dtype=model.dtype, device=dev)
         self.logits_indices = torch.arange(n * t, dtype=torch.int64, device=dev)
@@ -82,7 +139,7 @@ class SpeculativeGraphs:
         self.draft_slot_mapping = torch.zeros(n, dtype=torch.int64, device=dev)
         self.draft_context = torch.zeros(n, dtype=torch.int32, device=dev)
         self.draft_seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
-        self.accept_limits = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.force_accept = torch.zeros(1, dtype=torch.bool, device=dev)  # benchmark only
         self.verify_graphs: dict[tuple[int, int], _Captured] = {}
         self.greedy_graphs: dict[tuple[int, int], _Captured] = {}
         self.mtp_graphs: dict[tuple[int, int], _Captured] = {}
@@ -199,7 +256,9 @@ class SpeculativeGraphs:
         by_row = targets.view(rows, t)
         drafts = self.tokens[: rows * t].view(rows, t)[:, 1:]
         positions = torch.arange(k, device=self.device)
-        matches = (drafts == by_row[:, :k]) & (positions[None, :] < self.accept_limits[:rows, None])
+        matches = ((drafts == by_row[:, :k]) | self.force_accept) & (
+            positions[None, :] < self.accept_limits[:rows, None]
+        )
         accepted = matches.long().cumprod(dim=1).sum(dim=1)  # [rows]
         # The state after the last accepted token: its scratch slot, or the row's own (all accepted).
         src = self.verify_slots[: rows * t].view(rows, t).gather(1, accepted[:, None])[:, 0]
@@ -207,7 +266,12 @@ class SpeculativeGraphs:
         states = caches.states
         states.conv[:, dst] = states.conv[:, src]
         states.ssm[:, dst] = states.ssm[:, src]
-        mtp_hidden = model.mtp_forward(targets, hidden, batch, caches.kv).view(rows, t, -1)
+        # The MTP's input at position i is the token after it: an accepted draft (the target's token
+        # unless acceptance is forced), then the target's.
+        taken = torch.arange(t, device=self.device)[None, :] < accepted[:, None]
+        after = torch.cat([drafts, by_row[:, k:]], dim=1)
+        next_ids = torch.where(taken, after, by_row).reshape(-1)
+        mtp_hidden = model.mtp_forward(next_ids, hidden, batch, caches.kv).view(rows, t, -1)
         last = mtp_hidden[torch.arange(rows, device=self.device), accepted]  # [rows, H]
         token = model.compute_logits(last).argmax(dim=-1)
         proposals = [token]
@@ -271,62 +335,37 @@ class SpeculativeGraphs:
         hidden, logits = captured.outputs
         return hidden[: n * t], logits[: n * t]
 
-    def _fill_verify(self, rows: Sequence[BatchRow], bucket: int) -> None:
+    def _fill_verify(self, rows: Sequence[BatchRow], bucket: int, accept_limits: Sequence[int] = ()) -> None:
         """The verify rows' inputs into the static buffers (padding rows from len(rows) to bucket)."""
-        n, t = len(rows), len(rows[0].token_ids)
-        page = self.caches.page_size
-        tokens, positions, slots, verify_slots = [], [], [], []
-        for r in rows:
-            tokens += r.token_ids
-            for i in range(t):
-                pos = r.context_len + i
-                positions.append(pos)
-                slots.append(r.pages[pos // page] * page + pos % page)
-            verify_slots += [*r.state_after, r.state_slot]
-        self._reset_padding_rows(n, bucket, t)
-        _put(self.tokens, tokens)
-        _put(self.positions, positions)
-        _put(self.slot_mapping, slots)
-        _put(self.verify_slots, verify_slots)
-        _put(self.state_slots, [r.state_slot for r in rows])
-        _put(self.context_lens, [r.context_len for r in rows])
-        _put(self.seq_lens, [r.context_len + t for r in rows])
-        table = torch.zeros(n, self.max_pages, dtype=torch.int32)
-        for i, r in enumerate(rows):
-            table[i, : len(r.pages)] = torch.tensor(list(r.pages), dtype=torch.int32)
-        self.block_tables[:n].copy_(table.pin_memory(), non_blocking=True)
+        self._copied.synchronize()  # the previous step's inputs have left the host twins
+        fill_verify_inputs(
+            self._longs_host.numpy(),
+            self._ints_host.numpy(),
+            rows,
+            bucket,
+            self.caches.page_size,
+            accept_limits,
+        )
+        self._longs.copy_(self._longs_host, non_blocking=True)
+        ints = 2 * self.max_rows + bucket * self.max_pages
+        self._ints[:ints].copy_(self._ints_host[:ints], non_blocking=True)
+        self._copied.record()
 
     @torch.inference_mode()
     def greedy_step(
-        self, rows: Sequence[BatchRow], accept_limits: Sequence[int]
+        self, rows: Sequence[BatchRow], accept_limits: Sequence[int], force_accept: bool = False
     ) -> tuple[list[list[int]], list[int], list[list[int]]]:
         """The whole step for greedy rows in one replay: per row its targets after each position, its
-        accepted drafts (at most accept_limits[i]) and its k new proposals. The state of each row's
-        last accepted token is committed in the replay."""
+        accepted drafts (at most accept_limits[i]; exactly that many when forced, benchmark only) and
+        its k new proposals. The state of each row's last accepted token is committed in the replay."""
         n, t = len(rows), len(rows[0].token_ids)
         bucket = self.bucket(n)
-        self._fill_verify(rows, bucket)
-        if bucket > n:
-            self.accept_limits[n:bucket].zero_()
-        _put(self.accept_limits, list(accept_limits))
+        self._fill_verify(rows, bucket, accept_limits)
+        self.force_accept.fill_(force_accept)
         captured = self.greedy_graphs[(bucket, t - 1)]
         captured.graph.replay()
         out = captured.outputs[0][:n].tolist()
         return [r[:t] for r in out], [r[t] for r in out], [r[t + 1 :] for r in out]
-
-    def _reset_padding_rows(self, n: int, bucket: int, t: int) -> None:
-        if bucket == n:
-            return
-        page = self.caches.page_size
-        lo, hi = n * t, bucket * t
-        self.tokens[lo:hi].zero_()
-        self.positions[lo:hi].fill_(1)
-        self.slot_mapping[lo:hi].fill_(DUMMY_PAGE * page + 1)
-        self.verify_slots[lo:hi].fill_(DUMMY_SLOT)
-        self.state_slots[n:bucket].fill_(DUMMY_SLOT)
-        self.context_lens[n:bucket].fill_(1)
-        self.seq_lens[n:bucket].fill_(1 + t)
-        self.block_tables[n:bucket].fill_(DUMMY_PAGE)
 
     @torch.inference_mode()
     def mtp(self, rows: int, k: int, ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
