@@ -443,8 +443,10 @@ SPECULATIVE_METHODS = ("mtp",)
 # Benchmark-only draft sources (engine/scheduler/benchmark_drafts.py): "record" a greedy speculative
 # run; then the MTP head still runs (its cost is measured) but its proposals are replaced by the
 # recording's next tokens ("replay": every proposal right) or by tokens that differ from them ("wrong":
-# every proposal rejected). Never for serving.
-BENCHMARK_DRAFTS = ("record", "replay", "wrong")
+# every proposal rejected). "accept" needs no recording: every proposal is accepted as if it were
+# right (the output is the proposals', not the model's). Never for serving.
+BENCHMARK_DRAFTS = ("record", "replay", "wrong", "accept")
+FORCED_BENCHMARK_DRAFTS = ("accept",)  # draft sources without a recording
 MAX_SPECULATIVE_TOKENS = 4
 
 
@@ -505,10 +507,12 @@ class SpeculativeConfig:
             raise ConfigError(
                 f"{where}: 'benchmark_draft' must be absent or one of {list(BENCHMARK_DRAFTS)}, got {draft!r}"
             )
-        if (draft is None) != (draft_file is None):
+        needs_file = draft is not None and draft not in FORCED_BENCHMARK_DRAFTS
+        if needs_file != (draft_file is not None):
             raise ConfigError(
-                f"{where}: 'benchmark_draft' and 'benchmark_draft_file' go together (a recorded greedy "
-                f"run), got {draft!r} and {draft_file!r}"
+                f"{where}: 'benchmark_draft_file' (a recorded greedy run) goes with 'benchmark_draft' "
+                f"{[d for d in BENCHMARK_DRAFTS if d not in FORCED_BENCHMARK_DRAFTS]} and only with them, "
+                f"got {draft!r} and {draft_file!r}"
             )
         return cls(method, k, adaptive, max_batch, draft, draft_file)
 

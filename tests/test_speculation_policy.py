@@ -43,7 +43,12 @@ def test_speculative_config_reads_vllms_json():
         ('{"max_batch": 0}', "'max_batch' must be an integer >= 1, got 0"),
         ('{"model": "Qwen/Qwen3.5-0.8B"}', "'model' must be absent or null"),
         ('{"draft_tensor_parallel_size": 1}', "unknown keys ['draft_tensor_parallel_size']"),
-        ('{"benchmark_draft": "replay"}', "'benchmark_draft' and 'benchmark_draft_file' go together"),
+        (
+            '{"benchmark_draft": "replay"}',
+            "goes with 'benchmark_draft' ['record', 'replay', 'wrong'] and only",
+        ),
+        ('{"benchmark_draft_file": "x"}', "got None and 'x'"),
+        ('{"benchmark_draft": "accept", "benchmark_draft_file": "x"}', "got 'accept' and 'x'"),
         ('{"benchmark_draft": "oracle", "benchmark_draft_file": "x"}', "'benchmark_draft' must be absent"),
     ],
 )

@@ -131,6 +131,22 @@ def test_known_acceptance_keeps_the_tokens(model, tmp_path, mode):
         assert c.num_accepted_tokens == 0
 
 
+def test_forced_acceptance_emits_the_proposals_and_the_targets_token_after_them(model):
+    """Benchmark-only "accept": every step accepts its 3 proposals and emits the target's token after
+    them, so output tokens 0, 4, 8, 12 are the target's greedy tokens after what came before (the
+    state and KV of the forced tokens were committed with them), whatever the proposals were."""
+    fast = serve(model, PROMPTS, greedy(13), speculative=spec(3, benchmark_draft="accept"))
+    c = counters(fast)
+    assert c.num_accepted_tokens == c.num_draft_tokens > 0
+    outputs = {rid: fast.tokens(rid) for rid in PROMPTS}
+    assert all(len(out) == 13 for out in outputs.values())
+    probes = {f"{rid}@{i}": PROMPTS[rid] + out[:i] for rid, out in outputs.items() for i in (0, 4, 8, 12)}
+    plain = serve(model, probes, greedy(1))
+    for name in probes:
+        rid, i = name.split("@")
+        assert plain.tokens(name) == [outputs[rid][int(i)]], name
+
+
 @pytest.mark.parametrize("phase", [1, 2, 3])
 def test_a_rejection_at_every_draft_position_keeps_the_tokens(model, tmp_path, phase):
     plain, path = record(model, tmp_path, PROMPTS, greedy(14))

@@ -77,7 +77,7 @@ class SpeculativeStep:
             and not plan.copies_after
             and all(is_plain_argmax(s) for r in planned for s in r.sampling_rows)
         ):
-            return self._greedy_graph_step(planned, rows, graphs)
+            return self._greedy_graph_step(planned, rows, graphs, plan.force_accept)
         prompt = None
         batch = None
         if graphs is not None:
@@ -112,16 +112,18 @@ class SpeculativeStep:
             if row.is_verify:
                 ys = targets[offset : offset + n_tokens]
                 limit = n_tokens - 1 if row.accept_limit is None else row.accept_limit
-                n_acc = accepted_drafts(row.token_ids[1 : 1 + limit], ys)
-                emitted.append(ys[: n_acc + 1])
+                drafts = row.token_ids[1 : 1 + limit]
+                n_acc = limit if plan.force_accept else accepted_drafts(drafts, ys)
+                # The accepted drafts (equal to the target's tokens unless acceptance is forced), then
+                # the target's token after the last of them.
+                emitted.append([*drafts[:n_acc], ys[n_acc]])
                 emitted_logprobs.append(logprobs[offset : offset + n_acc + 1])
                 num_drafted.append(n_tokens - 1)
                 if n_acc + 1 < n_tokens:
                     commits.append(StateCommit(row.state_after[n_acc], row.slot))
-                # The MTP's input at a verify position i is the token after it, the target's ys[i]
-                # (an accepted draft equals it); positions past the last accepted one are rewritten
-                # by the next step.
-                mtp_ids += ys
+                # The MTP's input at a verify position i is the token after it: an accepted draft, then
+                # the target's ys[i]; positions past the last accepted one are rewritten by the next step.
+                mtp_ids += [*drafts[:n_acc], *ys[n_acc:]]
                 committed.append(row.context_len + n_acc + 1)
                 last_offsets.append(token_row + n_acc)
                 offset += n_tokens
@@ -166,13 +168,15 @@ class SpeculativeStep:
         )
 
     def _greedy_graph_step(
-        self, planned: list[PlannedRow], rows: list[BatchRow], graphs: SpeculativeGraphs
+        self, planned: list[PlannedRow], rows: list[BatchRow], graphs: SpeculativeGraphs, force_accept: bool
     ) -> StepResult:
         """Greedy verify rows only: the whole step is one graph replay (accepting, committing and
         drafting on the device); the host reads targets, accepted counts and proposals once."""
         limits = [len(r.token_ids) - 1 if r.accept_limit is None else r.accept_limit for r in planned]
-        targets, accepted, proposals = graphs.greedy_step(rows, limits)
-        emitted = [ys[: n + 1] for ys, n in zip(targets, accepted, strict=True)]
+        targets, accepted, proposals = graphs.greedy_step(rows, limits, force_accept)
+        emitted = [
+            [*r.token_ids[1 : 1 + n], ys[n]] for r, ys, n in zip(planned, targets, accepted, strict=True)
+        ]
         return StepResult(
             [e[0] for e in emitted],
             [None] * len(emitted),

@@ -132,6 +132,9 @@ class StepPlan:
     # Speculative decoding: the drafts each `drafts` row gets (0: the MTP head does not run this step).
     # Such a step is read during its launch: acceptance decides the rows' lengths.
     num_drafts: int = 0
+    # Benchmark only ("accept" drafts): every verify row accepts its drafts up to its acceptance cap,
+    # whatever the target samples.
+    force_accept: bool = False
 
     @property
     def rows(self) -> list[PlannedRow]:

@@ -37,6 +37,9 @@ def test_speculation_under_graphs_equals_plain_decoding(tmp_path):
     wrong, load = generate({**base, "benchmark_draft": "wrong"})
     assert wrong == plain
     assert load.spec_num_accepted_tokens == 0 < load.spec_num_draft_tokens
+    forced, load = generate({"num_speculative_tokens": 3, "benchmark_draft": "accept"})
+    assert [len(t) for t in forced] == [len(t) for t in plain]
+    assert load.spec_num_accepted_tokens == load.spec_num_draft_tokens > 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -9,6 +9,13 @@ them (every proposal rejected). The MTP head still runs, so the measured cost is
 draft count is pinned while recording. A request whose prompt is not in the recording keeps the MTP
 head's proposals.
 
+"accept" needs no recording: the MTP head's proposals are accepted whatever the target says (the
+engine emits the proposals and the target's token after the last one, and commits the state of the
+last proposal), so every step has the cost of a step at 100% acceptance. The output is then the
+proposals', not the model's: it measures the mechanism only. It exists because a recording made in
+16-bit on the GPU does not replay bit for bit (see the GPU record), which leaves "replay" short of
+100% there.
+
 The recording is made on the speculative path because in 16-bit a verify forward and a plain decode
 step round differently (other kernels, other GEMM shapes), and random weights leave the top logits so
 close that the greedy tokens of the two paths part within a few dozen tokens; the verify path itself
@@ -32,22 +39,23 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class BenchmarkDrafts:
-    mode: str  # "record", "replay" or "wrong"
-    path: Path
+    mode: str  # "record", "replay", "wrong" or "accept"
+    path: Path | None
     vocab_size: int
     recorded: dict[tuple[int, ...], list[int]] = field(default_factory=dict)
 
     @classmethod
     def open(cls, spec: SpeculativeConfig, vocab_size: int) -> BenchmarkDrafts | None:
-        if spec.benchmark_draft is None or spec.benchmark_draft_file is None:
+        if spec.benchmark_draft is None:
             return None
-        source = cls(spec.benchmark_draft, Path(spec.benchmark_draft_file), vocab_size)
-        if source.mode != "record":
-            source.recorded = _read_recording(source.path)
+        path = None if spec.benchmark_draft_file is None else Path(spec.benchmark_draft_file)
+        source = cls(spec.benchmark_draft, path, vocab_size)
+        if path is not None and source.mode != "record":
+            source.recorded = _read_recording(path)
         logger.warning(
             "speculative decoding with benchmark-only drafts (%s, %s): not for serving",
             source.mode,
-            source.path,
+            source.path or "no recording",
         )
         return source
 
@@ -64,8 +72,17 @@ class BenchmarkDrafts:
             return [(t + 1) % self.vocab_size for t in nxt]
         return nxt
 
+    @property
+    def pins_draft_count(self) -> bool:
+        """Recording and forced acceptance verify every step at the configured draft count."""
+        return self.mode in ("record", "accept")
+
+    @property
+    def forces_acceptance(self) -> bool:
+        return self.mode == "accept"
+
     def record(self, prompt: Sequence[int], output: Sequence[int]) -> None:
-        if self.mode != "record":
+        if self.mode != "record" or self.path is None:
             return
         with self.path.open("a") as f:
             f.write(json.dumps({"prompt_token_ids": list(prompt), "output_token_ids": list(output)}) + "\n")

@@ -76,7 +76,7 @@ class SchedulerState:
         spec = config.speculative
         self.benchmark_drafts = BenchmarkDrafts.open(spec, config.vocab_size) if spec is not None else None
         drafts = self.benchmark_drafts
-        if drafts is not None and drafts.mode == "record":  # every step verifies: see benchmark_drafts
+        if drafts is not None and drafts.pins_draft_count:  # every step verifies: see benchmark_drafts
             spec = dataclasses.replace(spec, adaptive=False)
         self.guard = DraftGuard(spec) if spec is not None else None  # None: every step decodes plainly
         self.spec_counters = SpeculationCounters()

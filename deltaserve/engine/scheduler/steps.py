@@ -285,6 +285,7 @@ def _launch(
             prefill=chunk_rows,
             feed=feed,
             num_drafts=0 if spec is None else spec.num_drafts,
+            force_accept=spec is not None and _forced_acceptance(sched),
         )
         after = prefix.save_at_chunk_ends(sched, chunks)  # after every row's pages are reserved
         plan.copies_before, plan.copies_after = before.copies, after.copies
@@ -592,6 +593,11 @@ def _append_speculated(sched: SchedulerState, req: Request, spec: SpeculationRes
         if _append_token(sched, req, token, spec.logprobs[row][j]):
             return True
     return False
+
+
+def _forced_acceptance(sched: SchedulerState) -> bool:
+    source = sched.benchmark_drafts
+    return source is not None and source.forces_acceptance
 
 
 def _keep_proposals(sched: SchedulerState, req: Request, proposals: list[int], emitting: int) -> None:
