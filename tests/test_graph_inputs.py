@@ -34,18 +34,19 @@ def test_live_rows_then_padding_rows_on_the_reserved_page_and_slot():
 
 
 def test_verify_inputs_by_hand():
-    # Two verify rows of t = 2 tokens into a bucket of 4 (M = 4 rows), page size 4, 3 block-table columns.
+    # Two verify rows of t = 2 tokens into a bucket of 4 of buffers for M = 4 rows of up to 3 tokens,
+    # page size 4, 3 block-table columns: the layout's offsets follow M, not this step's t.
     rows = [
         BatchRow([5, 6], 5, (7, 8), 3, state_after=(10,)),
         BatchRow([9, 1], 2, (4,), 2, state_after=(11,)),
     ]
-    longs = np.full((6, 8), -1, dtype=np.int64)
+    longs = np.full((6, 4 * 3), -1, dtype=np.int64)
     ints = np.full(2 * 4 + 4 * 3, -1, dtype=np.int32)
-    fill_verify_inputs(longs, ints, rows, 4, 4, accept_limits=[1, 0])
-    assert longs[0].tolist() == [5, 6, 9, 1, 0, 0, 0, 0]  # token ids, then padding
-    assert longs[1].tolist() == [5, 6, 2, 3, 1, 1, 1, 1]  # positions
-    assert longs[2].tolist() == [8 * 4 + 1, 8 * 4 + 2, 4 * 4 + 2, 4 * 4 + 3, 1, 1, 1, 1]  # KV slots
-    assert longs[3].tolist() == [10, 3, 11, 2, 0, 0, 0, 0]  # state after each token: scratch, then own
+    fill_verify_inputs(longs, ints, rows, 4, 4, 4, accept_limits=[1, 0])
+    assert longs[0, :8].tolist() == [5, 6, 9, 1, 0, 0, 0, 0]  # token ids, then padding
+    assert longs[1, :8].tolist() == [5, 6, 2, 3, 1, 1, 1, 1]  # positions
+    assert longs[2, :8].tolist() == [8 * 4 + 1, 8 * 4 + 2, 4 * 4 + 2, 4 * 4 + 3, 1, 1, 1, 1]  # KV slots
+    assert longs[3, :8].tolist() == [10, 3, 11, 2, 0, 0, 0, 0]  # state after each token: scratch, then own
     assert longs[4, :4].tolist() == [3, 2, 0, 0] and longs[5, :4].tolist() == [1, 0, 0, 0]
     assert ints[:8].tolist() == [5, 2, 1, 1, 7, 4, 3, 3]  # context lengths, sequence lengths
     # Columns a row's drafts can reach past its pages point at the reserved page; others keep stale ids.

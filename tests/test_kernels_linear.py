@@ -40,7 +40,7 @@ def test_gemv_rejects_mismatched_inputs_naming_them():
         triton_linear.gemv(x, torch.zeros(4, 16, device=DEVICE, dtype=torch.bfloat16))
 
 
-def test_op_boundary_sends_16bit_rows_on_the_gpu_to_the_gemv_and_the_skinny_gemm(monkeypatch):
+def test_op_boundary_sends_16bit_rows_on_the_gpu_to_the_gemv_and_when_on_the_skinny_gemm(monkeypatch):
     calls = []
     monkeypatch.setattr(
         triton_linear, "gemv", lambda x, w: calls.append(("gemv", *x.shape)) or F.linear(x, w)
@@ -53,8 +53,11 @@ def test_op_boundary_sends_16bit_rows_on_the_gpu_to_the_gemv_and_the_skinny_gemm
     for m in (1, 2, 16, 17):  # M > 16: cuBLAS
         ops.linear(torch.randn(m, 16, dtype=torch.bfloat16), w)
     ops.linear(torch.randn(1, 16), w.float())  # fp32: cuBLAS
-    monkeypatch.setattr(ops, "SKINNY_GEMM", False)  # the A/B switch: cuBLAS for 2..16 rows
-    ops.linear(torch.randn(4, 16, dtype=torch.bfloat16), w)
+    assert calls == [("gemv", 1, 16)]  # the skinny GEMM is off by default: cuBLAS for 2..16 rows
+    calls.clear()
+    monkeypatch.setattr(ops, "SKINNY_GEMM", True)
+    for m in (1, 2, 16, 17):
+        ops.linear(torch.randn(m, 16, dtype=torch.bfloat16), w)
     assert calls == [("gemv", 1, 16), ("skinny", 2, 16), ("skinny", 16, 16)]
 
 

@@ -38,17 +38,18 @@ def fill_verify_inputs(
     rows: Sequence[BatchRow],
     bucket: int,
     page_size: int,
+    max_rows: int,
     accept_limits: Sequence[int] = (),
 ) -> None:
-    """Writes a verify graph's inputs for `rows` (t tokens each) padded to `bucket` rows. longs [6, M*t]
-    int64, per token: id, position, KV slot, state slot after it (its scratch slot, the row's own after
-    the last); per row in the first M entries: state slot, acceptance cap. ints [2M + M*P] int32:
+    """Writes a verify graph's inputs for `rows` (t tokens each) padded to `bucket` rows. M = max_rows
+    (the buffers' row capacity, whatever this step's t). longs [6, >= M*t] int64, per token: id,
+    position, KV slot, state slot after it (its scratch slot, the row's own after the last); per row in the first M entries: state slot, acceptance cap. ints [2M + M*P] int32:
     context lengths [M], sequence lengths [M], then the block table [M, P] row-major. Block-table
     columns a row's drafts can reach past its pages are zeroed (the reserved page): the greedy chain
     writes MTP K/V at positions up to context + 2t - 2 whether the row drafts or not. Padding rows hold
     their tokens from position 1 of the reserved page, with the reserved state slot."""
     n, t = len(rows), len(rows[0].token_ids)
-    m = longs.shape[1] // t
+    m = max_rows
     max_pages = (ints.shape[0] - 2 * m) // m
     tokens, positions, slots, after = [], [], [], []
     for r in rows:
@@ -344,6 +345,7 @@ class SpeculativeGraphs:
             rows,
             bucket,
             self.caches.page_size,
+            self.max_rows,
             accept_limits,
         )
         self._longs.copy_(self._longs_host, non_blocking=True)

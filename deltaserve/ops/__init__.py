@@ -19,8 +19,10 @@ from deltaserve.ops import rotary as _rotary_ref
 from deltaserve.ops.batch import ForwardBatch
 
 REFERENCE_ONLY = os.environ.get("DELTASERVE_REFERENCE_OPS", "") == "1"
-# DELTASERVE_SKINNY_GEMM=0 sends 2..16-row linears to cuBLAS instead (an A/B switch).
-SKINNY_GEMM = os.environ.get("DELTASERVE_SKINNY_GEMM", "1") != "0"
+# DELTASERVE_SKINNY_GEMM=1 sends 2..16-row 16-bit linears to the skinny GEMM instead of cuBLAS. Off by
+# default: on an H200 at the 4B shape it measured level with cuBLAS at 16 decode rows (see the record
+# in docs/benchmarks), and it has not yet been through the GPU gate.
+SKINNY_GEMM = os.environ.get("DELTASERVE_SKINNY_GEMM", "0") == "1"
 SKINNY_MAX_ROWS = 16
 
 
@@ -29,9 +31,8 @@ def use_kernels(t: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight^T. 16-bit rows on the GPU stream the weight once: one row (batch-1 decode) takes the
-    GEMV kernel, 2..16 rows (small decode batches, speculative verify rows) the skinny GEMM; everything
-    else is F.linear (cuBLAS, whose tensor-core tiles win at larger M)."""
+    """x @ weight^T. One 16-bit row on the GPU (batch-1 decode) takes the GEMV kernel; 2..16 rows take
+    the skinny GEMM when it is switched on (SKINNY_GEMM); everything else is F.linear (cuBLAS)."""
     rows = x.shape[0]
     if (
         rows <= SKINNY_MAX_ROWS
