@@ -58,6 +58,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--scheduler-policy", default=d.scheduler_policy, help="fcfs | auto (decode priority near a finish)"
     )
     g.add_argument(
+        "--decode-latency-budget-ms",
+        type=float,
+        default=d.decode_latency_budget_ms,
+        help="while requests decode, size each step's prefill from measured step times so the step "
+        "takes about this long (inter-token latency under load; at least a quarter of "
+        "--max-num-batched-tokens still prefills); 0 (default): off",
+    )
+    g.add_argument(
         "--prefill-overlap",
         action="store_true",
         help="launch prefill chunks asynchronously while decode continues",
@@ -138,6 +146,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         gpu_memory_utilization=args.gpu_memory_utilization,
         scheduler_policy=args.scheduler_policy,
         prefill_overlap=args.prefill_overlap,
+        decode_latency_budget_ms=args.decode_latency_budget_ms,
         decode_ahead=args.decode_ahead,
         mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
         enforce_eager=args.enforce_eager,

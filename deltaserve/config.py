@@ -535,6 +535,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     scheduler_policy: str = "fcfs"
     prefill_overlap: bool = False
+    # While requests decode, a step's prefill is sized from measured step times so the step takes about
+    # this long (at least a quarter of max_num_batched_tokens still prefills); 0: off.
+    decode_latency_budget_ms: float = 0.0
     decode_ahead: bool = True  # launch decode step N+1 before step N's tokens reach the host
     # SSM state dtype: auto = the checkpoint's mamba_ssm_dtype (float32 for Qwen3.5). A 16-bit state halves
     # the state memory but costs accuracy (docs/benchmarks/2026-11-30-ssm-state-bf16-accuracy.md): opt-in.
@@ -585,6 +588,9 @@ class EngineConfig:
             not isinstance(self.max_model_len, int) or self.max_model_len < 1
         ):
             raise fail("max_model_len", "an integer >= 1", self.max_model_len)
+        budget = self.decode_latency_budget_ms
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget >= 0:
+            raise fail("decode_latency_budget_ms", "a number of milliseconds >= 0 (0: off)", budget)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise fail("gpu_memory_utilization", "in (0, 1]", self.gpu_memory_utilization)
         if self.tensor_parallel_size > 1:

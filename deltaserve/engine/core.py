@@ -148,6 +148,7 @@ class EngineCore:
             eos_token_ids=self.model_config.eos_token_ids,
             policy=config.scheduler_policy,
             prefill_overlap=config.prefill_overlap,
+            decode_latency_budget_ms=config.decode_latency_budget_ms,
             decode_ahead=config.decode_ahead and self.workers is None,
             speculative=config.speculative_config,
         )

@@ -141,6 +141,59 @@ def choose_prefill_budget(
     return min(front_remaining, budget)
 
 
+# The step-latency budget (--decode-latency-budget-ms): weight of one step in the running cost estimate,
+# and the share of the token budget a step with decode rows keeps whatever the estimate says (prefill
+# always progresses, however long the decode rows alone take).
+STEP_COST_SMOOTHING = 0.2
+MIN_PREFILL_SHARE = 4  # at least max_num_batched_tokens // MIN_PREFILL_SHARE prefill tokens
+
+
+@dataclass(frozen=True, slots=True)
+class StepCost:
+    """Running estimate of what a step with prefill costs per prefill token: exponentially weighted
+    sums of measured step milliseconds and of their prefill tokens. The decode rows' share is folded
+    in, so sizing chunks by it converges to steps of the budget: a step of T tokens that took
+    a + b T ms gives T' = budget * T / (a + b T), whose fixed point is a + b T = budget."""
+
+    ms: float = 0.0
+    tokens: float = 0.0
+
+    @property
+    def ms_per_token(self) -> float | None:
+        return self.ms / self.tokens if self.tokens > 0 else None
+
+
+def observe_step_cost(cost: StepCost, step_ms: float, prefill_tokens: int) -> StepCost:
+    """The estimate after a step with `prefill_tokens` prefill tokens that took `step_ms`."""
+    if prefill_tokens <= 0:
+        return cost
+    if cost.tokens <= 0:
+        return StepCost(step_ms, float(prefill_tokens))
+    keep = 1.0 - STEP_COST_SMOOTHING
+    return StepCost(
+        keep * cost.ms + STEP_COST_SMOOTHING * step_ms,
+        keep * cost.tokens + STEP_COST_SMOOTHING * prefill_tokens,
+    )
+
+
+def cap_prefill_for_latency(
+    budget: int,
+    *,
+    latency_budget_ms: float,
+    cost: StepCost,
+    num_decode_rows: int,
+    max_num_batched_tokens: int,
+) -> int:
+    """The prefill budget of a step with decode rows, cut so the step is expected to take at most
+    `latency_budget_ms` (0: no cut); never below max_num_batched_tokens // MIN_PREFILL_SHARE, and
+    unchanged until a step with prefill has been measured."""
+    per_token = cost.ms_per_token
+    if latency_budget_ms <= 0 or num_decode_rows == 0 or per_token is None:
+        return budget
+    fit = int(latency_budget_ms / per_token)
+    return min(budget, max(fit, max_num_batched_tokens // MIN_PREFILL_SHARE))
+
+
 def plan_prefill_chunks(remaining: Sequence[int], budget: int, stops: Sequence[int | None] = ()) -> list[int]:
     """Chunk lengths for the prefilling FIFO, packed front to back within the budget. `stops[i]`: the
     tokens request i may take before its next cache point (None: none ahead). A chunk ends at its

@@ -18,6 +18,7 @@ from deltaserve.config import SpeculativeConfig, policy_error
 from deltaserve.engine.backend import Backend
 from deltaserve.engine.protocol import ClientMessage, LoadSnapshot, RequestUpdate, StepOutputs
 from deltaserve.engine.scheduler.benchmark_drafts import BenchmarkDrafts
+from deltaserve.engine.scheduler.plan import StepCost
 from deltaserve.engine.scheduler.request import LaunchedStep, Request
 from deltaserve.engine.scheduler.speculation import DraftGuard, SpeculationCounters
 from deltaserve.engine.structured import GrammarBackend
@@ -35,6 +36,9 @@ class SchedulerConfig:
     prefill_overlap: bool = False  # launch prefill chunks asynchronously while decode continues
     decode_ahead: bool = True  # launch decode step N+1 before reading step N's tokens
     speculative: SpeculativeConfig | None = None  # MTP speculative decoding (the backend has the head)
+    # While requests decode, size a step's prefill so the step takes about this long (0: off); see
+    # plan.cap_prefill_for_latency.
+    decode_latency_budget_ms: float = 0.0
 
     def validate(self) -> None:
         error = policy_error(self.policy, self.prefill_overlap)
@@ -86,5 +90,6 @@ class SchedulerState:
                 f"slots (max_batch {spec.max_batch} x {spec.num_speculative_tokens} drafts); the cache "
                 f"manager has {len(self.cache.scratch_slots)}"
             )
+        self.step_cost = StepCost()  # measured steps with decode rows and prefill (the latency budget)
         self.stopped = False
         self._admitted = 0

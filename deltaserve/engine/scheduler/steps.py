@@ -40,7 +40,9 @@ from deltaserve.engine.scheduler.plan import (
     PlanKind,
     admit_pending_requests,
     build_next_plan,
+    cap_prefill_for_latency,
     choose_prefill_budget,
+    observe_step_cost,
     pages_for,
     plan_prefill_chunks,
     preemptions_needed,
@@ -168,12 +170,20 @@ def _plan_work(
         decode_pages = sched.cache.kv.num_free - spec.free_pages
     if sched.inflight is not None or not sched.prefilling:
         return decode, [], spec
+    config = sched.config
     budget = choose_prefill_budget(
-        policy=sched.config.policy,
-        max_num_batched_tokens=sched.config.max_num_batched_tokens,
+        policy=config.policy,
+        max_num_batched_tokens=config.max_num_batched_tokens,
         num_decode_rows=len(decode),
         decode_tokens_left=[r.max_tokens - len(r.output_token_ids) for r in decode],
         front_remaining=sched.prefilling[0].num_pending,
+    )
+    budget = cap_prefill_for_latency(
+        budget,
+        latency_budget_ms=config.decode_latency_budget_ms,
+        cost=sched.step_cost,
+        num_decode_rows=len(decode),
+        max_num_batched_tokens=config.max_num_batched_tokens,
     )
     chunks = take_prefill_chunks(sched, budget, sched.cache.kv.num_free - decode_pages)
     if spec is not None:
@@ -324,10 +334,18 @@ def _run_now(
     chunks: list[ScheduledChunk],
     spec: SpeculativePlan | None = None,
 ) -> None:
-    """Pure decode, batch prefill or unified prefill+decode, read at once."""
+    """Pure decode, batch prefill or unified prefill+decode, read at once. A unified step's duration
+    feeds the latency budget's cost estimate when the budget is on."""
+    timed = sched.config.decode_latency_budget_ms > 0 and decode and chunks
+    started = time.monotonic() if timed else 0.0
     step = _launch(sched, decode, chunks, spec=spec)
-    if step is not None:
-        apply_step(sched, step, step.wait(sched.cache))
+    if step is None:
+        return
+    result = step.wait(sched.cache)
+    if timed:
+        elapsed_ms = (time.monotonic() - started) * 1e3
+        sched.step_cost = observe_step_cost(sched.step_cost, elapsed_ms, sum(c.length for c in chunks))
+    apply_step(sched, step, result)
 
 
 def apply_step(sched: SchedulerState, step: LaunchedStep, result: StepResult) -> None:
