@@ -1,6 +1,7 @@
 """MTP speculative decoding on the GPU under CUDA graphs (fp32): greedy outputs with speculation equal the
 outputs without, with the MTP head's own drafts and at known acceptance (its recording replayed, or
-every proposal wrong)."""
+every proposal wrong, which makes the guard step down through every draft count); forced acceptance
+accepts every proposal."""
 
 from __future__ import annotations
 
