@@ -32,6 +32,7 @@ from deltaserve.engine.protocol import (
     encode_engine_message,
 )
 from deltaserve.errors import ConfigError
+from deltaserve.process_clock import since_start_note
 
 if TYPE_CHECKING:
     from deltaserve.engine.core import EngineCore
@@ -61,7 +62,9 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str, 
     try:
         from deltaserve.engine.core import EngineCore
 
+        logger.info("engine process: imports done%s", since_start_note())
         core = EngineCore(config)
+        logger.info("engine ready%s", since_start_note())
     except ConfigError as exc:  # a flag or checkpoint that cannot be served: its one-line message is all
         ready.send(("error", str(exc)))
         raise SystemExit(1) from exc

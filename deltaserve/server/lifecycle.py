@@ -32,6 +32,7 @@ from deltaserve.config import EngineConfig, read_sampling_defaults
 from deltaserve.engine.client import AsyncEngineClient
 from deltaserve.engine.core import resolve_model_dir
 from deltaserve.errors import ConfigError
+from deltaserve.process_clock import since_start_note
 from deltaserve.server.admission import Admission
 from deltaserve.server.args import ServerConfig
 from deltaserve.server.grammar_check import GrammarChecker
@@ -287,7 +288,13 @@ async def serve(
     host, port = sock.getsockname()[:2]
     scheme = "https" if config.ssl_certfile else "http"
     logger.info(
-        "serving %r on %s://%s:%d%s (OpenAPI docs at /docs)", name, scheme, host, port, config.root_path
+        "serving %r on %s://%s:%d%s (OpenAPI docs at /docs)%s",
+        name,
+        scheme,
+        host,
+        port,
+        config.root_path,
+        since_start_note(),
     )
     try:
         await life.server.serve(sockets=[sock])
