@@ -43,8 +43,9 @@ def fill_verify_inputs(
 ) -> None:
     """Writes a verify graph's inputs for `rows` (t tokens each) padded to `bucket` rows. M = max_rows
     (the buffers' row capacity, whatever this step's t). longs [6, >= M*t] int64, per token: id,
-    position, KV slot, state slot after it (its scratch slot, the row's own after the last); per row in the first M entries: state slot, acceptance cap. ints [2M + M*P] int32:
-    context lengths [M], sequence lengths [M], then the block table [M, P] row-major. Block-table
+    position, KV slot, state slot after it (its scratch slot, the row's own after the last); per row,
+    in the first M entries: state slot, acceptance cap. ints [2M + M*P] int32: context lengths [M],
+    sequence lengths [M], then the block table [M, P] row-major. Block-table
     columns a row's drafts can reach past its pages are zeroed (the reserved page): the greedy chain
     writes MTP K/V at positions up to context + 2t - 2 whether the row drafts or not. Padding rows hold
     their tokens from position 1 of the reserved page, with the reserved state slot."""
