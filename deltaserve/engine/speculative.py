@@ -37,6 +37,12 @@ from deltaserve.ops.batch import BatchRow, build_forward_batch, logits_rows, to_
 ScorePrompts = Callable[[Sequence[PlannedRow], torch.Tensor], list[list[TokenLogprobs] | None]]
 
 
+def emitted_tokens(drafts: Sequence[int], targets: Sequence[int], accepted: int) -> list[int]:
+    """What a verify row emits: its accepted drafts (equal to the target's tokens unless acceptance is
+    forced), then the target's token after the last of them."""
+    return [*drafts[:accepted], targets[accepted]]
+
+
 def accepted_drafts(drafts: Sequence[int], targets: Sequence[int]) -> int:
     """How many leading drafts equal the target's token at their position (targets[i] is the
     target's token after the row's token i, so it judges drafts[i])."""
@@ -114,9 +120,7 @@ class SpeculativeStep:
                 limit = n_tokens - 1 if row.accept_limit is None else row.accept_limit
                 drafts = row.token_ids[1 : 1 + limit]
                 n_acc = limit if plan.force_accept else accepted_drafts(drafts, ys)
-                # The accepted drafts (equal to the target's tokens unless acceptance is forced), then
-                # the target's token after the last of them.
-                emitted.append([*drafts[:n_acc], ys[n_acc]])
+                emitted.append(emitted_tokens(drafts, ys, n_acc))
                 emitted_logprobs.append(logprobs[offset : offset + n_acc + 1])
                 num_drafted.append(n_tokens - 1)
                 if n_acc + 1 < n_tokens:
@@ -175,7 +179,8 @@ class SpeculativeStep:
         limits = [len(r.token_ids) - 1 if r.accept_limit is None else r.accept_limit for r in planned]
         targets, accepted, proposals = graphs.greedy_step(rows, limits, force_accept)
         emitted = [
-            [*r.token_ids[1 : 1 + n], ys[n]] for r, ys, n in zip(planned, targets, accepted, strict=True)
+            emitted_tokens(r.token_ids[1:], ys, n)
+            for r, ys, n in zip(planned, targets, accepted, strict=True)
         ]
         return StepResult(
             [e[0] for e in emitted],

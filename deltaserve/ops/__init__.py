@@ -23,7 +23,6 @@ REFERENCE_ONLY = os.environ.get("DELTASERVE_REFERENCE_OPS", "") == "1"
 # default: on an H200 at the 4B shape it measured level with cuBLAS at 16 decode rows (see the record
 # in docs/benchmarks), and it has not yet been through the GPU gate.
 SKINNY_GEMM = os.environ.get("DELTASERVE_SKINNY_GEMM", "0") == "1"
-SKINNY_MAX_ROWS = 16
 
 
 def use_kernels(t: torch.Tensor) -> bool:
@@ -35,8 +34,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     the skinny GEMM when it is switched on (SKINNY_GEMM); everything else is F.linear (cuBLAS)."""
     rows = x.shape[0]
     if (
-        rows <= SKINNY_MAX_ROWS
-        and x.dim() == 2
+        x.dim() == 2
         and x.dtype in (torch.bfloat16, torch.float16)
         and use_kernels(x)
         and x.stride(1) == 1
@@ -47,9 +45,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
             return gemv(x, weight)
         if SKINNY_GEMM:
-            from deltaserve.ops.triton.linear import skinny_gemm
+            from deltaserve.ops.triton.linear import SKINNY_MAX_ROWS, skinny_gemm
 
-            return skinny_gemm(x, weight)
+            if rows <= SKINNY_MAX_ROWS:
+                return skinny_gemm(x, weight)
     return F.linear(x, weight)
 
 
