@@ -46,6 +46,13 @@ class DeviceCaches:
                 states.conv[:, c.dst].copy_(states.conv[:, c.src])
                 states.ssm[:, c.dst].copy_(states.ssm[:, c.src])
 
+    def clear_states(self, slots: Sequence[int]) -> None:
+        """Zeroes the conv and SSM state of `slots`: the state before a sequence's first token."""
+        states = self.states
+        for slot in slots:
+            states.conv[:, slot].zero_()
+            states.ssm[:, slot].zero_()
+
 
 def build_device_caches(
     cfg: ModelConfig,

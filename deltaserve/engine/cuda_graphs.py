@@ -62,8 +62,9 @@ def fill_decode_inputs(
 
 
 class CudaGraphRunner:
-    """Replays captured decode forwards. `run(rows)` takes pure-decode rows (one token each, context >
-    0) and returns float32 logits [len(rows), vocab]; the caller advances the caches as usual."""
+    """Replays captured decode forwards. `run(rows)` takes one-token rows (decode rows, and one-token
+    prompts at context 0) and returns float32 logits [len(rows), vocab]; the caller advances the caches
+    as usual."""
 
     def __init__(
         self, model: Qwen35ForCausalLM, cache: DeviceCaches, max_num_seqs: int, max_model_len: int
@@ -143,9 +144,8 @@ class CudaGraphRunner:
         return time.monotonic() - started
 
     def can_run(self, rows: Sequence[BatchRow]) -> bool:
-        return 0 < len(rows) <= self.max_rows and all(
-            len(r.token_ids) == 1 and r.context_len > 0 for r in rows
-        )
+        """One-token rows: decode rows, and one-token prompts (context 0, whose state is cleared)."""
+        return 0 < len(rows) <= self.max_rows and all(len(r.token_ids) == 1 for r in rows)
 
     @torch.inference_mode()
     def run(self, rows: Sequence[BatchRow], fed: torch.Tensor | None = None) -> torch.Tensor:
@@ -162,6 +162,9 @@ class CudaGraphRunner:
         self._copied.record()
         if fed is not None:
             self.input_ids[: fed.shape[0]].copy_(fed)
+        # A one-token prompt runs as a decode row from the state before any token (the eager path
+        # starts a context-0 row from zeros whatever its slot holds).
+        self.cache.clear_states([r.state_slot for r in rows if r.context_len == 0])
         graph, logits = self.graphs[bucket]
         graph.replay()
         return logits[:n]
