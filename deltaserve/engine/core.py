@@ -59,6 +59,32 @@ def resolve_model_dir(model: str | None) -> Path:
     return path
 
 
+class _BackgroundGrammars:
+    """`build()` on a daemon thread from construction; `result()` waits for it (re-raising its error).
+    Daemonic, so a start-up that fails elsewhere exits without waiting for it."""
+
+    def __init__(self, build: Callable[[], GrammarBackend]) -> None:
+        self._value: GrammarBackend | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(build,), name="deltaserve-grammar-build", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, build: Callable[[], GrammarBackend]) -> None:
+        try:
+            self._value = build()
+        except BaseException as exc:
+            self._error = exc
+
+    def result(self) -> GrammarBackend:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._value is not None
+        return self._value
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         config.validate()
@@ -75,7 +101,13 @@ class EngineCore:
             self.model_config = dataclasses.replace(
                 self.model_config, ssm_state_dtype=config.mamba_ssm_cache_dtype
             )
-        self.tokenizer_vocab = Tokenizer.from_dir(self.model_dir).vocab_size
+        tokenizer = Tokenizer.from_dir(self.model_dir)
+        self.tokenizer_vocab = tokenizer.vocab_size
+        # The grammar compiler (seconds of CPU) builds while the model loads, warms up and captures its
+        # graphs, which mostly wait on the GPU; start() waits for it.
+        self._grammars = _BackgroundGrammars(
+            lambda: GrammarBackend(lambda: grammar_vocabulary(tokenizer), self.model_config.eos_token_ids)
+        )
         self.workers: RankWorkers | None = None
         if config.tensor_parallel_size > 1:
             self.model_config.shard(config.tensor_parallel_size)  # divisibility, before any process starts
@@ -197,13 +229,7 @@ class EngineCore:
 
     def start(self, publish: Callable[[StepOutputs], None]) -> None:
         self.scheduler, self.thread = start_scheduler(
-            self.scheduler_config, self.backend, publish, self._grammar_backend(), self.cache
-        )
-
-    def _grammar_backend(self) -> GrammarBackend:
-        model_dir = self.model_dir
-        return GrammarBackend(
-            lambda: grammar_vocabulary(Tokenizer.from_dir(model_dir)), self.model_config.eos_token_ids
+            self.scheduler_config, self.backend, publish, self._grammars.result(), self.cache
         )
 
     def submit(self, msg: ClientMessage) -> None:

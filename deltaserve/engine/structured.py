@@ -63,7 +63,8 @@ class GrammarBackend:
     The compiler (xgrammar, the vocabulary, the built-in JSON grammar: about 2 s on CPU) is built with
     the backend, so before the engine reports ready: built on the first structured-output request it
     would stall that request's caller, the scheduler thread, and every stream with it. (Built on a
-    background thread instead, it stalls them all the same: it holds the GIL for seconds at a time.)
+    background thread while serving, it stalls them all the same: it holds the GIL for seconds at a
+    time. The engine builds it during start-up, beside the model's warm-up.)
     """
 
     def __init__(self, vocabulary: Callable[[], list[str]], stop_token_ids: Sequence[int]) -> None:

@@ -195,8 +195,11 @@ async def open_state(
     config: ServerConfig, engine_config: EngineConfig, sampling_defaults: dict[str, float | int] | None = None
 ) -> ServerState:
     """Starts the engine process, the grammar compiler worker and loads the tokenizer (about a second
-    for Qwen's vocabulary) concurrently."""
+    for Qwen's vocabulary) concurrently. The engine process is spawned first: the tokenizer load holds
+    the GIL for most of its second, which would otherwise delay the spawn by as much."""
     model_dir = resolve_model_dir(engine_config.model)
+    engine_start = asyncio.create_task(AsyncEngineClient.start(engine_config, limits=config.hang_limits))
+    await asyncio.sleep(0)  # the task runs up to its wait for readiness: the process is spawned
     tokenizer_load = asyncio.get_running_loop().run_in_executor(
         None,
         functools.partial(
@@ -209,7 +212,7 @@ async def open_state(
     grammars = GrammarChecker(str(model_dir), config.structured_output_compile_timeout_s)
     grammars.start()
     try:
-        client = await AsyncEngineClient.start(engine_config, limits=config.hang_limits)
+        client = await engine_start
     except BaseException:
         grammars.close()
         with contextlib.suppress(Exception):
