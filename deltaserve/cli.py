@@ -1,4 +1,4 @@
-"""`deltaserve serve | generate | bench serve | bench latency | bench matrix | make-tiny`."""
+"""`deltaserve serve | generate | bench serve | bench latency | bench forward | bench steps | bench matrix | make-tiny`."""
 
 from __future__ import annotations
 
@@ -229,6 +229,20 @@ def _cmd_bench_latency(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_forward(args: argparse.Namespace) -> int:
+    from deltaserve.bench.forward_cost import run_bench_forward
+
+    run_bench_forward(args, engine_config_from_args(args))
+    return 0
+
+
+def _cmd_bench_steps(args: argparse.Namespace) -> int:
+    from deltaserve.bench.step_log import run_bench_steps
+
+    run_bench_steps(args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deltaserve", description="Serve Qwen3.5 hybrid models.")
     parser.add_argument("--version", action="version", version=f"deltaserve {__version__}")
@@ -285,6 +299,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_latency_arguments(bench_latency)
     bench_latency.set_defaults(func=_cmd_bench_latency, parser=bench_latency)
+    bench_forward = bench_sub.add_parser(
+        "forward", help="in-process cost of one forward per batch shape: wall and host time (no HTTP)"
+    )
+    add_engine_arguments(bench_forward)
+    from deltaserve.bench.forward_cost import add_bench_forward_arguments
+
+    add_bench_forward_arguments(bench_forward)
+    bench_forward.set_defaults(func=_cmd_bench_forward, parser=bench_forward)
+    bench_steps = bench_sub.add_parser(
+        "steps",
+        help="step intervals of a server log written with DELTASERVE_ITL_DEBUG=1, by kind and prefill",
+    )
+    from deltaserve.bench.step_log import add_bench_steps_arguments
+
+    add_bench_steps_arguments(bench_steps)
+    bench_steps.set_defaults(func=_cmd_bench_steps, parser=bench_steps)
     bench_matrix = bench_sub.add_parser(
         "matrix",
         help="start a server and run one group of the standard matrix with `bench serve`; write the record",

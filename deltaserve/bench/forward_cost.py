@@ -1,0 +1,150 @@
+"""`deltaserve bench forward`: what one forward of a given batch shape costs, in-process, for attribution.
+
+A shape is rows of `SEQSxTOKENS@CONTEXT` joined by `+` (decode rows first, as a step lays them out):
+`1x1@0` is a one-token prompt, `64x1@1100` 64 decode rows at context 1100, `61x1@1100+1x512@0` a
+unified step. Every row reads and writes only the reserved page and state slot, so the numbers are
+those of the kernels and the host work, not of any cached content. For each shape, medians of
+`--num-iters` runs after `--num-iters-warmup`:
+
+- eager: the model's forward and logits, launched from Python;
+- worker: the engine's forward path (a decode graph when every row has one token and fits one);
+- for each, the wall time (to the device's last kernel) and the host time (until the launch call
+  returns). Host time close to wall time means the step is bound by launching, not by the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from deltaserve.config import EngineConfig
+from deltaserve.engine.core import EngineCore
+from deltaserve.engine.warmup import dummy_rows
+from deltaserve.ops.batch import BatchRow, build_forward_batch
+
+
+@dataclass(frozen=True, slots=True)
+class RowGroup:
+    seqs: int
+    tokens: int
+    context: int
+
+
+@dataclass(slots=True)
+class ForwardCost:
+    shape: str
+    eager_wall_ms: float
+    eager_host_ms: float
+    worker_wall_ms: float
+    worker_host_ms: float
+
+
+def parse_shape(text: str) -> list[RowGroup]:
+    """'61x1@1100+1x512@0' -> [RowGroup(61, 1, 1100), RowGroup(1, 512, 0)]."""
+    groups = []
+    for part in text.split("+"):
+        try:
+            size, context = part.split("@")
+            seqs, tokens = size.split("x")
+            group = RowGroup(int(seqs), int(tokens), int(context))
+        except ValueError:
+            raise ValueError(f"--shape expects SEQSxTOKENS@CONTEXT[+...], got {text!r}") from None
+        if group.seqs < 1 or group.tokens < 1 or group.context < 0:
+            raise ValueError(f"--shape {text!r}: seqs and tokens must be >= 1, context >= 0")
+        groups.append(group)
+    return groups
+
+
+def shape_rows(groups: Sequence[RowGroup], page_size: int) -> list[BatchRow]:
+    rows: list[BatchRow] = []
+    for g in groups:
+        rows += dummy_rows(g.seqs, g.tokens, page_size, context=g.context)
+    return rows
+
+
+def _median_times(
+    run: Callable[[], object], sync: Callable[[], None], iters: int, warmup: int
+) -> tuple[float, float]:
+    """(wall ms, host ms) medians of `run`."""
+    for _ in range(warmup):
+        run()
+    sync()
+    walls, hosts = [], []
+    for _ in range(iters):
+        started = time.perf_counter()
+        run()
+        launched = time.perf_counter()
+        sync()
+        ended = time.perf_counter()
+        walls.append((ended - started) * 1e3)
+        hosts.append((launched - started) * 1e3)
+    return statistics.median(walls), statistics.median(hosts)
+
+
+@torch.inference_mode()
+def measure(engine: EngineCore, shape: str, iters: int, warmup: int) -> ForwardCost:
+    model, caches = engine.model, engine.backend.caches
+    worker = engine.backend.worker
+    device = model.device
+    groups = parse_shape(shape)
+    limit = engine.info.max_model_len
+    if any(g.context + g.tokens > limit for g in groups):
+        raise ValueError(f"--shape {shape!r}: a row's context + tokens exceeds max_model_len ({limit})")
+    rows = shape_rows(groups, caches.page_size)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def eager() -> object:
+        batch = build_forward_batch(rows, caches.page_size, device)
+        return model.compute_logits(model(batch, caches.kv, caches.states))
+
+    def through_worker() -> object:
+        return worker.run(rows)
+
+    eager_wall, eager_host = _median_times(eager, sync, iters, warmup)
+    worker_wall, worker_host = _median_times(through_worker, sync, iters, warmup)
+    return ForwardCost(shape, eager_wall, eager_host, worker_wall, worker_host)
+
+
+def add_bench_forward_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--shape",
+        action="append",
+        required=True,
+        metavar="SEQSxTOKENS@CONTEXT[+...]",
+        help="a batch shape (repeatable), e.g. --shape 1x1@0 --shape 64x1@1100 --shape 61x1@1100+1x512@0",
+    )
+    parser.add_argument("--num-iters", type=int, default=7)
+    parser.add_argument("--num-iters-warmup", type=int, default=3)
+    parser.add_argument("--output-json", default=None, help="write the results here")
+
+
+def run_bench_forward(args: argparse.Namespace, engine_config: EngineConfig) -> list[ForwardCost]:
+    for shape in args.shape:
+        parse_shape(shape)  # a typo fails before the model loads
+    engine = EngineCore(engine_config)
+    engine.start(lambda outputs: None)  # waits for the start-up's background work; then idles
+    try:
+        results = [measure(engine, s, args.num_iters, args.num_iters_warmup) for s in args.shape]
+    finally:
+        engine.shutdown("benchmark finished")
+    print(
+        f"{'shape':34s} {'eager wall':>10s} {'eager host':>10s} {'worker wall':>11s} {'worker host':>11s}  (ms)"
+    )
+    for r in results:
+        print(
+            f"{r.shape:34s} {r.eager_wall_ms:10.2f} {r.eager_host_ms:10.2f} "
+            f"{r.worker_wall_ms:11.2f} {r.worker_host_ms:11.2f}"
+        )
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps([asdict(r) for r in results], indent=2))
+    return results

@@ -1,0 +1,144 @@
+"""`deltaserve bench steps LOG...`: what the steps of a server run cost, from its per-step log lines.
+
+A server started with DELTASERVE_ITL_DEBUG=1 logs one ITL_STEP line per scheduler step (its kind,
+prefill tokens and requests, decode rows, end time and duration). A decoding request's inter-token
+latency is the interval between the ends of consecutive steps, so this groups those intervals, for the
+steps that carry decode rows, by step kind and by prefill size: where an ITL percentile comes from.
+Intervals of IDLE_GAP_MS or more are gaps between runs, not steps, and are left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+IDLE_GAP_MS = 2000.0
+PREFILL_BINS = ((0, 0), (1, 256), (257, 1024), (1025, 2048), (2049, 4096), (4097, None))
+
+_LINE = re.compile(
+    r"ITL_STEP mono_us=(\d+) kind=(\S+) prefill_tokens=(\d+) prefill_reqs=(\d+) decode_rows=(\d+) step_us=(\d+)"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    end_us: int
+    kind: str
+    prefill_tokens: int
+    prefill_reqs: int
+    decode_rows: int
+    step_us: int
+
+
+@dataclass(frozen=True, slots=True)
+class Interval:
+    """The time from the previous step's end to this step's end."""
+
+    ms: float
+    step: StepRecord
+
+
+@dataclass(frozen=True, slots=True)
+class GroupStats:
+    name: str
+    count: int
+    median_ms: float
+    p99_ms: float
+    max_ms: float
+    step_median_ms: float
+
+
+def parse_steps(lines: Iterable[str]) -> list[StepRecord]:
+    records = []
+    for line in lines:
+        m = _LINE.search(line)
+        if m:
+            end, kind, tokens, reqs, rows, step = m.groups()
+            records.append(StepRecord(int(end), kind, int(tokens), int(reqs), int(rows), int(step)))
+    return records
+
+
+def intervals(records: Sequence[StepRecord]) -> list[Interval]:
+    """Each step's interval from the previous step's end, for steps with decode rows (idle gaps out)."""
+    out = []
+    for prev, cur in zip(records, records[1:], strict=False):
+        ms = (cur.end_us - prev.end_us) / 1000
+        if cur.decode_rows > 0 and ms < IDLE_GAP_MS:
+            out.append(Interval(ms, cur))
+    return out
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The nearest-rank percentile: the smallest value with at least q% of the values at or below it."""
+    ordered = sorted(values)
+    rank = max(1, -(-len(ordered) * q // 100))
+    return ordered[int(rank) - 1]
+
+
+def group_stats(name: str, group: Sequence[Interval]) -> GroupStats | None:
+    if not group:
+        return None
+    ms = [i.ms for i in group]
+    return GroupStats(
+        name,
+        len(ms),
+        percentile(ms, 50),
+        percentile(ms, 99),
+        max(ms),
+        percentile([i.step.step_us / 1000 for i in group], 50),
+    )
+
+
+def summarize(records: Sequence[StepRecord]) -> list[GroupStats]:
+    """All intervals, then by step kind, then by the step's prefill tokens (PREFILL_BINS)."""
+    found = intervals(records)
+    groups: list[tuple[str, Callable[[Interval], bool]]] = [("steps with decode rows", lambda i: True)]
+    for kind in sorted({i.step.kind for i in found}):
+        groups.append((f"kind {kind}", lambda i, k=kind: i.step.kind == k))
+    for lo, hi in PREFILL_BINS:
+        label = f"prefill {lo}" if lo == hi else f"prefill {lo}-{hi if hi is not None else ''}"
+        groups.append(
+            (
+                label,
+                lambda i, lo=lo, hi=hi: (
+                    lo <= i.step.prefill_tokens and (hi is None or i.step.prefill_tokens <= hi)
+                ),
+            )
+        )
+    stats = (group_stats(name, [i for i in found if keep(i)]) for name, keep in groups)
+    return [s for s in stats if s is not None]
+
+
+def add_bench_steps_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("logs", nargs="+", help="server logs written with DELTASERVE_ITL_DEBUG=1")
+    parser.add_argument("--slowest", type=int, default=10, help="also list this many slowest intervals")
+
+
+def run_bench_steps(args: argparse.Namespace) -> list[GroupStats]:
+    records: list[StepRecord] = []
+    for path in args.logs:
+        records += parse_steps(Path(path).read_text(errors="replace").splitlines())
+    if not records:
+        raise SystemExit(
+            f"no ITL_STEP lines in {', '.join(args.logs)} (start the server with DELTASERVE_ITL_DEBUG=1)"
+        )
+    stats = summarize(records)
+    print(
+        f"{'interval to the step end, ms':28s} {'n':>6s} {'median':>8s} {'p99':>8s} {'max':>8s} {'step median':>12s}"
+    )
+    for s in stats:
+        print(
+            f"{s.name:28s} {s.count:6d} {s.median_ms:8.2f} {s.p99_ms:8.2f} {s.max_ms:8.2f} {s.step_median_ms:12.2f}"
+        )
+    slowest = sorted(intervals(records), key=lambda i: -i.ms)[: args.slowest]
+    if slowest:
+        print("slowest intervals: ms, kind, prefill tokens / requests, decode rows, step ms")
+        for i in slowest:
+            st = i.step
+            print(
+                f"  {i.ms:8.2f}  {st.kind:12s} {st.prefill_tokens:6d} / {st.prefill_reqs:<3d} {st.decode_rows:5d}  {st.step_us / 1000:8.2f}"
+            )
+    return stats

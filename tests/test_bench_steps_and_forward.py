@@ -1,0 +1,73 @@
+"""`bench steps` (server step-log summary, hand-computed) and `bench forward` (shape parsing; one CPU run)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from deltaserve.bench.forward_cost import RowGroup, parse_shape, run_bench_forward, shape_rows
+from deltaserve.bench.step_log import intervals, parse_steps, percentile, summarize
+from deltaserve.config import EngineConfig
+
+
+def line(end_ms: float, kind: str, tokens: int, reqs: int, rows: int, step_ms: float) -> str:
+    return (
+        f"2026-12-01 12:00:00,000 engine INFO ITL_STEP mono_us={int(end_ms * 1000)} kind={kind} "
+        f"prefill_tokens={tokens} prefill_reqs={reqs} decode_rows={rows} step_us={int(step_ms * 1000)}"
+    )
+
+
+LOG = [
+    line(1000.0, "prefill", 2048, 1, 0, 40.0),  # no decode rows: a previous step only
+    "2026-12-01 12:00:00,001 deltaserve.server INFO an unrelated line",
+    line(1006.0, "decode_ahead", 0, 0, 8, 5.5),
+    line(1012.0, "decode_ahead", 0, 0, 8, 5.5),
+    line(1062.0, "unified", 1990, 3, 8, 49.0),
+    line(1068.0, "decode_ahead", 0, 0, 8, 5.5),
+    line(9068.0, "decode_ahead", 0, 0, 8, 5.5),  # after an idle gap of 8 s: not an interval
+]
+
+
+def test_step_intervals_by_kind_and_prefill_size():
+    records = parse_steps(LOG)
+    assert len(records) == 6
+    assert [i.ms for i in intervals(records)] == [6.0, 6.0, 50.0, 6.0]
+    stats = {s.name: s for s in summarize(records)}
+    overall = stats["steps with decode rows"]
+    assert (overall.count, overall.median_ms, overall.p99_ms, overall.max_ms) == (4, 6.0, 50.0, 50.0)
+    assert (stats["kind decode_ahead"].count, stats["kind decode_ahead"].max_ms) == (3, 6.0)
+    assert (stats["kind unified"].count, stats["kind unified"].step_median_ms) == (1, 49.0)
+    assert stats["prefill 0"].count == 3 and stats["prefill 1025-2048"].count == 1
+    assert "prefill 1-256" not in stats  # empty groups are left out
+
+
+def test_nearest_rank_percentile():
+    values = list(range(1, 101))
+    assert percentile(values, 50) == 50
+    assert percentile(values, 99) == 99
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([1.0, 2.0, 3.0], 50) == 2.0
+
+
+def test_forward_shapes_parse_and_name_the_field_when_wrong():
+    assert parse_shape("61x1@1100+1x512@0") == [RowGroup(61, 1, 1100), RowGroup(1, 512, 0)]
+    rows = shape_rows(parse_shape("2x1@20+1x5@0"), page_size=16)
+    assert [(len(r.token_ids), r.context_len, len(r.pages)) for r in rows] == [
+        (1, 20, 2),
+        (1, 20, 2),
+        (5, 0, 1),
+    ]
+    for bad in ("61x1", "ax1@0", "0x1@0", "1x1@-1"):
+        with pytest.raises(ValueError, match="--shape"):
+            parse_shape(bad)
+
+
+def test_bench_forward_runs_on_cpu(capsys):
+    args = argparse.Namespace(
+        shape=["1x1@0", "2x1@8+1x6@0"], num_iters=1, num_iters_warmup=0, output_json=None
+    )
+    results = run_bench_forward(args, EngineConfig(device="cpu", max_model_len=256, max_num_seqs=4))
+    assert [r.shape for r in results] == ["1x1@0", "2x1@8+1x6@0"]
+    assert all(r.eager_wall_ms >= r.eager_host_ms > 0 and r.worker_wall_ms > 0 for r in results)
+    assert "2x1@8+1x6@0" in capsys.readouterr().out
