@@ -10,11 +10,12 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from deltaserve.errors import ConfigError
+
+if TYPE_CHECKING:  # torch is imported where a dtype or device is resolved: the server's CLI starts fast
+    import torch
 
 # model_type values at the top level of config.json, and the text model_type each implies.
 TEXT_MODEL_TYPES = {
@@ -27,7 +28,7 @@ LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
 # HF's default when a config carries no rope information at all (official configs always do).
 HF_DEFAULT_ROPE_THETA = 10000.0
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")  # names, as torch spells them
 # vLLM's other spellings of the same dtypes (`--dtype half`).
 DTYPE_ALIASES = {
     "half": "float16",
@@ -38,11 +39,18 @@ DTYPE_ALIASES = {
 }
 
 
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of one of DTYPES."""
+    import torch
+
+    return getattr(torch, name)
+
+
 def parse_dtype(name: str, *, what: str) -> torch.dtype:
     """`what` names the key or flag the value came from."""
     if name not in DTYPES:
         raise ConfigError(f"{what} must be one of {sorted(DTYPES)}, got {name!r}")
-    return DTYPES[name]
+    return torch_dtype(name)
 
 
 SHARDED_DENSE = (
@@ -120,17 +128,17 @@ class ModelConfig:
     def kv_bytes_per_token(self, dtype: torch.dtype, num_layers: int | None = None) -> int:
         """KV cache bytes one token occupies over `num_layers` KV layers (default: the full-attention
         layers; the GDN layers hold none. The MTP head's layer adds one)."""
-        per_layer = 2 * self.num_key_value_heads * self.head_dim * _itemsize(dtype)
+        per_layer = 2 * self.num_key_value_heads * self.head_dim * dtype.itemsize
         return per_layer * (len(self.full_attention_layers) if num_layers is None else num_layers)
 
     def state_bytes_per_sequence(self, conv_dtype: torch.dtype) -> int:
         """Recurrent state one sequence holds over all GDN layers: conv window + SSM state."""
-        conv = self.conv_dim * (self.linear_conv_kernel_dim - 1) * _itemsize(conv_dtype)
+        conv = self.conv_dim * (self.linear_conv_kernel_dim - 1) * conv_dtype.itemsize
         ssm = (
             self.linear_num_value_heads
             * self.linear_key_head_dim
             * self.linear_value_head_dim
-            * _itemsize(DTYPES[self.ssm_state_dtype])
+            * torch_dtype(self.ssm_state_dtype).itemsize
         )
         return (conv + ssm) * len(self.linear_attention_layers)
 
@@ -165,10 +173,6 @@ class ModelConfig:
         cls, raw: dict[str, Any], *, eos_token_ids: tuple[int, ...] | None = None, source: str = "config.json"
     ) -> ModelConfig:
         return _parse(raw, eos_token_ids, source)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -616,6 +620,8 @@ class EngineConfig:
             raise fail("num_kv_pages", "an integer >= 2 (one page is reserved)", self.num_kv_pages)
 
     def resolved_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         device = torch.device(self.device)
@@ -625,5 +631,5 @@ class EngineConfig:
 
     def resolved_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == "auto":
-            return torch.bfloat16 if device.type == "cuda" else torch.float32
-        return DTYPES[self.dtype]
+            return torch_dtype("bfloat16" if device.type == "cuda" else "float32")
+        return torch_dtype(self.dtype)

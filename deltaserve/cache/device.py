@@ -16,7 +16,7 @@ from deltaserve.cache.copies import CacheCopy, PageCopy, StateCommit, StateResto
 from deltaserve.cache.kv_pages import KVPages
 from deltaserve.cache.snapshots import StateSnapshots
 from deltaserve.cache.state_slots import StateSlots
-from deltaserve.config import DTYPES, ModelConfig
+from deltaserve.config import ModelConfig, torch_dtype
 
 
 @dataclass(slots=True)
@@ -88,7 +88,7 @@ def build_device_caches(
         key_head_dim=cfg.linear_key_head_dim,
         value_head_dim=cfg.linear_value_head_dim,
         conv_dtype=dtype,
-        ssm_dtype=ssm_dtype or DTYPES[cfg.ssm_state_dtype],
+        ssm_dtype=ssm_dtype or torch_dtype(cfg.ssm_state_dtype),
         device=device,
     )
     snapshots = None
