@@ -14,15 +14,14 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
-
-import torch
-from safetensors.torch import save_file
+from typing import TYPE_CHECKING, Any
 
 from deltaserve.cachedir import build_once
 from deltaserve.config import ModelConfig
-from deltaserve.model.qwen35 import Qwen35ForCausalLM
 from deltaserve.tokenizer_build import cached_tokenizer_dir
+
+if TYPE_CHECKING:  # torch is imported when weights are made: the CLI's parser reads PRESETS from here
+    import torch
 
 RECIPE_VERSION = 2  # 2: a complete MTP head (was a few placeholder mtp.* tensors)
 VOCAB_SIZE = 248320  # the checkpoint's padded vocabulary; the tokenizer's id space is 248077
@@ -189,36 +188,40 @@ def official_config(preset: str) -> dict[str, Any]:
     }
 
 
-@torch.inference_mode()
 def random_text_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     """Random weights under official checkpoint names (bf16; A_log fp32): linears N(0, 1/fan_in),
     embeddings N(0, 0.3^2), zero-centred norm weights N(0, 0.2^2), gated norm weights 1 + N(0, 0.2^2),
     A_log = log U(1, 16), dt_bias N(1, 0.5^2). MoE experts in the official fused 3-D form. The MTP
     head (top-level `mtp.*` names) by the same rules."""
-    gen = torch.Generator().manual_seed(seed)
-    model = Qwen35ForCausalLM(cfg, dtype=torch.float32, device=torch.device("meta"), mtp=True)
-    tensors: dict[str, torch.Tensor] = {}
-    for req in model.weight_requirements():
-        for spec in req.alternatives[0]:  # the first alternative is the official layout
-            shape = tuple(spec.target.shape)
-            name = spec.name
-            leaf = name.rsplit(".", 1)[-1]
-            if leaf == "A_log":
-                t = torch.empty(shape).uniform_(1.0, 16.0, generator=gen).log_()
-            elif leaf == "dt_bias":
-                t = torch.randn(shape, generator=gen) * 0.5 + 1.0
-            elif name.endswith("linear_attn.norm.weight"):
-                t = torch.randn(shape, generator=gen) * 0.2 + 1.0
-            elif len(shape) == 1:
-                t = torch.randn(shape, generator=gen) * 0.2
-            elif name == "embed_tokens.weight":
-                t = torch.randn(shape, generator=gen) * 0.3
-            else:
-                t = torch.randn(shape, generator=gen) / shape[-1] ** 0.5
-            dtype = torch.float32 if leaf == "A_log" else torch.bfloat16
-            top_level = name == "lm_head.weight" or name.startswith("mtp.")
-            tensors[("" if top_level else "model.language_model.") + name] = t.to(dtype).contiguous()
-    return tensors
+    import torch
+
+    from deltaserve.model.qwen35 import Qwen35ForCausalLM
+
+    with torch.inference_mode():
+        gen = torch.Generator().manual_seed(seed)
+        model = Qwen35ForCausalLM(cfg, dtype=torch.float32, device=torch.device("meta"), mtp=True)
+        tensors: dict[str, torch.Tensor] = {}
+        for req in model.weight_requirements():
+            for spec in req.alternatives[0]:  # the first alternative is the official layout
+                shape = tuple(spec.target.shape)
+                name = spec.name
+                leaf = name.rsplit(".", 1)[-1]
+                if leaf == "A_log":
+                    t = torch.empty(shape).uniform_(1.0, 16.0, generator=gen).log_()
+                elif leaf == "dt_bias":
+                    t = torch.randn(shape, generator=gen) * 0.5 + 1.0
+                elif name.endswith("linear_attn.norm.weight"):
+                    t = torch.randn(shape, generator=gen) * 0.2 + 1.0
+                elif len(shape) == 1:
+                    t = torch.randn(shape, generator=gen) * 0.2
+                elif name == "embed_tokens.weight":
+                    t = torch.randn(shape, generator=gen) * 0.3
+                else:
+                    t = torch.randn(shape, generator=gen) / shape[-1] ** 0.5
+                dtype = torch.float32 if leaf == "A_log" else torch.bfloat16
+                top_level = name == "lm_head.weight" or name.startswith("mtp.")
+                tensors[("" if top_level else "model.language_model.") + name] = t.to(dtype).contiguous()
+        return tensors
 
 
 def make_tiny(out_dir: str | Path, preset: str = "tiny", seed: int = 0, *, weights: bool = True) -> Path:
@@ -229,6 +232,8 @@ def make_tiny(out_dir: str | Path, preset: str = "tiny", seed: int = 0, *, weigh
     config = official_config(preset)
     model_cfg = ModelConfig.from_dict(config, eos_token_ids=tuple(EOS_TOKEN_IDS))
     if weights:
+        from safetensors.torch import save_file
+
         tensors = random_text_weights(model_cfg, seed)
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")

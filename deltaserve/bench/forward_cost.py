@@ -21,13 +21,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from deltaserve.config import EngineConfig
-from deltaserve.engine.core import EngineCore
-from deltaserve.engine.warmup import dummy_rows
-from deltaserve.ops.batch import BatchRow, build_forward_batch
+
+if TYPE_CHECKING:  # the engine (torch) is imported when the benchmark runs, not when the CLI parses
+    from deltaserve.engine.core import EngineCore
+    from deltaserve.ops.batch import BatchRow
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +63,8 @@ def parse_shape(text: str) -> list[RowGroup]:
 
 
 def shape_rows(groups: Sequence[RowGroup], page_size: int) -> list[BatchRow]:
+    from deltaserve.engine.warmup import dummy_rows
+
     rows: list[BatchRow] = []
     for g in groups:
         rows += dummy_rows(g.seqs, g.tokens, page_size, context=g.context)
@@ -88,8 +90,11 @@ def _median_times(
     return statistics.median(walls), statistics.median(hosts)
 
 
-@torch.inference_mode()
 def measure(engine: EngineCore, shape: str, iters: int, warmup: int) -> ForwardCost:
+    import torch
+
+    from deltaserve.ops.batch import build_forward_batch
+
     model, caches = engine.model, engine.backend.caches
     worker = engine.backend.worker
     device = model.device
@@ -110,8 +115,9 @@ def measure(engine: EngineCore, shape: str, iters: int, warmup: int) -> ForwardC
     def through_worker() -> object:
         return worker.run(rows)
 
-    eager_wall, eager_host = _median_times(eager, sync, iters, warmup)
-    worker_wall, worker_host = _median_times(through_worker, sync, iters, warmup)
+    with torch.inference_mode():
+        eager_wall, eager_host = _median_times(eager, sync, iters, warmup)
+        worker_wall, worker_host = _median_times(through_worker, sync, iters, warmup)
     return ForwardCost(shape, eager_wall, eager_host, worker_wall, worker_host)
 
 
@@ -129,6 +135,8 @@ def add_bench_forward_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_bench_forward(args: argparse.Namespace, engine_config: EngineConfig) -> list[ForwardCost]:
+    from deltaserve.engine.core import EngineCore
+
     for shape in args.shape:
         parse_shape(shape)  # a typo fails before the model loads
     engine = EngineCore(engine_config)

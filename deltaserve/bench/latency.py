@@ -17,13 +17,16 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from deltaserve.config import EngineConfig
-from deltaserve.engine.core import EngineCore
 from deltaserve.engine.protocol import AddRequest, StepOutputs
 from deltaserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the engine (torch) is imported when the benchmark runs, not when the CLI parses
+    from deltaserve.engine.core import EngineCore
 
 
 @dataclass(slots=True)
@@ -136,6 +139,8 @@ def bench_cells(args: argparse.Namespace) -> list[tuple[int, int, int]]:
 
 
 def run_bench_latency(args: argparse.Namespace, engine_config: EngineConfig) -> list[LatencyResult]:
+    from deltaserve.engine.core import EngineCore
+
     cells = bench_cells(args)
     engine = EngineCore(engine_config)
     collector = Collector()
