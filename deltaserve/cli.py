@@ -202,11 +202,28 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from deltaserve.server.app import run_server
+    """Flags are checked and the port bound first (a mistake fails at once); then the engine process
+    is spawned, so its start-up (model, warm-up, graphs) overlaps this process importing the server."""
+    from deltaserve.engine.process import spawn_engine
+    from deltaserve.server.args import ServerConfig
+    from deltaserve.server.listen import bind_socket
     from deltaserve.server.vllm_flags import check_vllm_arguments
 
     check_vllm_arguments(args)
-    return run_server(args, engine_config_from_args(args))
+    engine_config = engine_config_from_args(args)  # validated
+    server_config = ServerConfig.from_args(args)
+    sock = bind_socket(server_config.host, server_config.port)
+    try:
+        launch = spawn_engine(engine_config)
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        from deltaserve.server.app import run_server
+
+        return run_server(server_config, engine_config, sock=sock, launch=launch)
+    finally:
+        launch.abandon()  # a no-op after an orderly shutdown; a server that failed takes its engine along
 
 
 def _cmd_bench_serve(args: argparse.Namespace) -> int:

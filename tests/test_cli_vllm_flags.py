@@ -95,3 +95,24 @@ def test_an_engine_start_up_error_is_one_line_without_a_traceback() -> None:
     assert result.stderr.splitlines()[-1] == (
         "error: --max-model-len 999999 exceeds the model's max_position_embeddings (32768)"
     )
+
+
+def test_a_server_that_fails_after_spawning_its_engine_takes_the_engine_along(capsys) -> None:
+    """`serve` spawns the engine before the server's own start-up; a failure after the spawn (here a
+    --generation-config folder that does not exist) must not leave the engine process running."""
+    import multiprocessing
+
+    assert main(["serve", *SMALL_ENGINE, "--port", "0", "--generation-config", "/nonexistent"]) == 2
+    assert "--generation-config must be auto, vllm or a folder" in capsys.readouterr().err
+    assert multiprocessing.active_children() == []
+
+
+def test_an_invalid_engine_flag_fails_before_any_engine_process_starts(capsys, monkeypatch) -> None:
+    import deltaserve.engine.process as engine_process
+
+    def no_spawn(config):
+        raise AssertionError("the engine was spawned for an invalid flag")
+
+    monkeypatch.setattr(engine_process, "spawn_engine", no_spawn)
+    assert main(["serve", *SMALL_ENGINE, "--max-num-seqs", "0"]) == 2
+    assert "--max-num-seqs must be an integer >= 1" in capsys.readouterr().err

@@ -1,6 +1,7 @@
 """Asyncio client of an EngineCore running in its own process (what the API server uses).
 
-`AsyncEngineClient.start(config)` spawns the engine process and returns once the engine is ready (model
+`AsyncEngineClient.start(config)` spawns the engine process (or takes over one that
+engine/process.py's `spawn_engine` started earlier) and returns once the engine is ready (model
 loaded, caches sized). `generate()` submits one request and yields its RequestUpdates until the terminal
 one; leaving the iterator early (client disconnect, cancellation) aborts the engine request. If the
 engine process dies, or hangs, every in-flight request's iterator raises EngineDeadError, `dead` turns
@@ -18,7 +19,6 @@ import contextlib
 import logging
 import multiprocessing
 import os
-import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -29,7 +29,7 @@ import zmq.asyncio
 from deltaserve.config import EngineConfig
 from deltaserve.engine.core import EngineInfo
 from deltaserve.engine.liveness import HangLimits, hang_reason
-from deltaserve.engine.process import run_engine_process
+from deltaserve.engine.process import EngineLaunch, spawn_engine
 from deltaserve.engine.protocol import (
     AbortRequest,
     AddRequest,
@@ -96,35 +96,30 @@ class AsyncEngineClient:
 
     @classmethod
     async def start(
-        cls, config: EngineConfig, *, startup_timeout_s: float = 1800.0, limits: HangLimits | None = None
+        cls,
+        config: EngineConfig,
+        *,
+        launch: EngineLaunch | None = None,
+        startup_timeout_s: float = 1800.0,
+        limits: HangLimits | None = None,
     ) -> AsyncEngineClient:
-        sock_dir = tempfile.mkdtemp(prefix="deltaserve-")
-        input_addr = f"ipc://{os.path.join(sock_dir, 'input')}"
-        output_addr = f"ipc://{os.path.join(sock_dir, 'output')}"
+        """Connects to `launch` (an engine process already spawned by spawn_engine(config)) or spawns
+        one, and returns once the engine is ready."""
+        if launch is None:
+            launch = spawn_engine(config)
+        process, ready = launch.process, launch.ready
         ctx = zmq.asyncio.Context()
         push = ctx.socket(zmq.PUSH)
-        push.bind(input_addr)
+        push.bind(launch.input_addr)  # the engine connects once it is built, so binding now is in time
         pull = ctx.socket(zmq.PULL)
-        pull.bind(output_addr)
-        mp = multiprocessing.get_context("spawn")
-        parent_end, child_end = mp.Pipe(duplex=False)
-        process = mp.Process(
-            target=run_engine_process,
-            args=(config, input_addr, output_addr, child_end),
-            name="deltaserve-engine",
-            # A daemonic process may not start processes: with tensor parallelism the engine starts
-            # its rank processes, so it is not daemonic (it still exits when this process is gone).
-            daemon=config.tensor_parallel_size == 1,
-        )
-        process.start()
-        child_end.close()
+        pull.bind(launch.output_addr)
         loop = asyncio.get_running_loop()
         deadline = time.monotonic() + startup_timeout_s
 
         def wait_ready() -> tuple[str, object]:
             while time.monotonic() < deadline:
-                if parent_end.poll(0.2):
-                    return parent_end.recv()
+                if ready.poll(0.2):
+                    return ready.recv()
                 if not process.is_alive():
                     return (
                         "error",
@@ -134,12 +129,12 @@ class AsyncEngineClient:
 
         status, payload = await loop.run_in_executor(None, wait_ready)
         if status != "ready":
-            process.kill()
             push.close(0)
             pull.close(0)
             ctx.term()
+            launch.abandon()
             raise ConfigError(str(payload))
-        client = cls(EngineInfo(**payload), process, ctx, push, pull, sock_dir, limits or HangLimits())
+        client = cls(EngineInfo(**payload), process, ctx, push, pull, launch.sock_dir, limits or HangLimits())
         client._tasks = [asyncio.create_task(client._receive()), asyncio.create_task(client._watchdog())]
         return client
 

@@ -12,12 +12,17 @@ idle ones included, so a snapshot that is still the same object means no tick en
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import multiprocessing
 import os
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
@@ -50,6 +55,54 @@ def set_process_name(name: str) -> None:
             comm.write(name[:15])
     except OSError:
         pass
+
+
+@dataclass(slots=True)
+class EngineLaunch:
+    """A spawned engine process before its client connects: the client binds `input_addr` (the engine
+    pulls requests there) and `output_addr` (it pushes outputs there); `ready` receives the one
+    ("ready", EngineInfo fields) or ("error", message) of its start-up."""
+
+    process: multiprocessing.process.BaseProcess
+    ready: Connection
+    sock_dir: str
+    input_addr: str
+    output_addr: str
+
+    def abandon(self) -> None:
+        """For a server that fails before its client takes the launch over: kill the process (a
+        no-op once it has exited) and remove its socket directory."""
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout=5.0)
+        self.ready.close()
+        shutil.rmtree(self.sock_dir, ignore_errors=True)
+
+
+def spawn_engine(config: EngineConfig) -> EngineLaunch:
+    """Starts the engine process (it loads the model meanwhile); light enough to call before the
+    server imports its own modules, so the engine's start-up overlaps theirs."""
+    sock_dir = tempfile.mkdtemp(prefix="deltaserve-")
+    input_addr = f"ipc://{os.path.join(sock_dir, 'input')}"
+    output_addr = f"ipc://{os.path.join(sock_dir, 'output')}"
+    mp = multiprocessing.get_context("spawn")
+    parent_end, child_end = mp.Pipe(duplex=False)
+    process = mp.Process(
+        target=run_engine_process,
+        args=(config, input_addr, output_addr, child_end),
+        name="deltaserve-engine",
+        # A daemonic process may not start processes: with tensor parallelism the engine starts its
+        # rank processes, so it is not daemonic (it still exits when this process is gone).
+        daemon=config.tensor_parallel_size == 1,
+    )
+    try:
+        process.start()
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.rmdir(sock_dir)
+        raise
+    child_end.close()
+    return EngineLaunch(process, parent_end, sock_dir, input_addr, output_addr)
 
 
 def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str, ready: Connection) -> None:

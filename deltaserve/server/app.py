@@ -9,9 +9,9 @@ engine or a full queue (503), anything unexpected (500, logged). The OpenAPI doc
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
+import socket
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deltaserve import __version__
 from deltaserve.config import EngineConfig
+from deltaserve.engine.process import EngineLaunch
 from deltaserve.server import chat, completions, invocations, responses, service, tokenize
 from deltaserve.server.args import ServerConfig
 from deltaserve.server.disconnect import ClientDisconnected
@@ -141,8 +142,15 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     return _error(500, f"internal server error ({type(exc).__name__})", SERVER_ERROR, code=500)
 
 
-def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> int:
-    """Serves until SIGTERM/SIGINT (exit 0) or the engine dies (exit 1)."""
+def run_server(
+    config: ServerConfig,
+    engine_config: EngineConfig,
+    *,
+    sock: socket.socket | None = None,
+    launch: EngineLaunch | None = None,
+) -> int:
+    """Serves until SIGTERM/SIGINT (exit 0) or the engine dies (exit 1). `sock` and `launch`: the
+    listening socket and the engine process when the caller started them already."""
     from deltaserve.server.lifecycle import serve
 
-    return asyncio.run(serve(ServerConfig.from_args(args), engine_config, build_app))
+    return asyncio.run(serve(config, engine_config, build_app, sock=sock, launch=launch))

@@ -31,11 +31,13 @@ from fastapi import FastAPI
 from deltaserve.config import EngineConfig, read_sampling_defaults
 from deltaserve.engine.client import AsyncEngineClient
 from deltaserve.engine.core import resolve_model_dir
+from deltaserve.engine.process import EngineLaunch
 from deltaserve.errors import ConfigError
 from deltaserve.process_clock import since_start_note
 from deltaserve.server.admission import Admission
 from deltaserve.server.args import ServerConfig
 from deltaserve.server.grammar_check import GrammarChecker
+from deltaserve.server.listen import bind_socket
 from deltaserve.server.logprobs import TokenTexts
 from deltaserve.server.metrics import ServerMetrics
 from deltaserve.server.offload import TextWorkers
@@ -93,20 +95,6 @@ def generation_defaults(source: str, model_dir: Path) -> dict[str, float | int]:
     if defaults:
         logger.info("request defaults from %s (for fields a request omits): %s", path, defaults)
     return defaults
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise ConfigError(
-            f"cannot listen on {host}:{port} ({exc.strerror}); choose another --port or --host"
-        ) from exc
-    return sock
 
 
 class _Server(uvicorn.Server):
@@ -192,13 +180,19 @@ def _ignore_signal(sig: int, frame: FrameType | None) -> None:
 
 
 async def open_state(
-    config: ServerConfig, engine_config: EngineConfig, sampling_defaults: dict[str, float | int] | None = None
+    config: ServerConfig,
+    engine_config: EngineConfig,
+    sampling_defaults: dict[str, float | int] | None = None,
+    launch: EngineLaunch | None = None,
 ) -> ServerState:
-    """Starts the engine process, the grammar compiler worker and loads the tokenizer (about a second
-    for Qwen's vocabulary) concurrently. The engine process is spawned first: the tokenizer load holds
-    the GIL for most of its second, which would otherwise delay the spawn by as much."""
+    """Starts the engine process (unless `launch` is one already spawned), the grammar compiler worker
+    and loads the tokenizer (about a second for Qwen's vocabulary) concurrently. The engine process is
+    spawned first: the tokenizer load holds the GIL for most of its second, which would otherwise delay
+    the spawn by as much."""
     model_dir = resolve_model_dir(engine_config.model)
-    engine_start = asyncio.create_task(AsyncEngineClient.start(engine_config, limits=config.hang_limits))
+    engine_start = asyncio.create_task(
+        AsyncEngineClient.start(engine_config, launch=launch, limits=config.hang_limits)
+    )
     await asyncio.sleep(0)  # the task runs up to its wait for readiness: the process is spawned
     tokenizer_load = asyncio.get_running_loop().run_in_executor(
         None,
@@ -253,16 +247,28 @@ def quiet_writes_to_gone_clients() -> None:
 
 
 async def serve(
-    config: ServerConfig, engine_config: EngineConfig, build_app: Callable[[ServerState], FastAPI]
+    config: ServerConfig,
+    engine_config: EngineConfig,
+    build_app: Callable[[ServerState], FastAPI],
+    *,
+    sock: socket.socket | None = None,
+    launch: EngineLaunch | None = None,
 ) -> int:
+    """`sock`: the listening socket when the caller bound it already; `launch`: the engine process
+    when the caller spawned it already (`deltaserve serve` does both before importing the server)."""
     if engine_config.model is None:
         warn_random_weights()
-    model_dir = resolve_model_dir(engine_config.model)
-    sampling_defaults = generation_defaults(config.generation_config, model_dir)
-    sock = bind_socket(config.host, config.port)
+    if sock is None:
+        sock = bind_socket(config.host, config.port)
+    try:
+        model_dir = resolve_model_dir(engine_config.model)
+        sampling_defaults = generation_defaults(config.generation_config, model_dir)
+    except BaseException:
+        sock.close()
+        raise
     quiet_writes_to_gone_clients()
     try:
-        state = await open_state(config, engine_config, sampling_defaults)
+        state = await open_state(config, engine_config, sampling_defaults, launch)
     except BaseException:
         sock.close()
         raise
