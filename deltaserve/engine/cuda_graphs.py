@@ -17,7 +17,7 @@ from deltaserve.cache.device import DeviceCaches
 from deltaserve.cache.kv_pages import DUMMY_PAGE
 from deltaserve.cache.state_slots import DUMMY_SLOT
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
-from deltaserve.ops.batch import BatchRow, ForwardBatch
+from deltaserve.ops.batch import BatchRow, ForwardBatch, kv_slot
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
@@ -46,9 +46,7 @@ def fill_decode_inputs(
     longs[0, :n] = [r.token_ids[0] for r in rows]
     longs[1, :n] = ctx
     longs[2, :n] = [r.state_slot for r in rows]
-    longs[3, :n] = [
-        r.pages[c // page_size] * page_size + c % page_size for r, c in zip(rows, ctx, strict=True)
-    ]
+    longs[3, :n] = [kv_slot(r.pages, c, page_size) for r, c in zip(rows, ctx, strict=True)]
     ints[:n] = ctx
     ints[m : m + n] = longs[1, :n] + 1
     tables = ints[2 * m : 2 * m + bucket * max_pages].reshape(bucket, max_pages)

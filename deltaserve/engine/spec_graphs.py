@@ -29,7 +29,7 @@ from deltaserve.cache.kv_pages import DUMMY_PAGE
 from deltaserve.cache.state_slots import DUMMY_SLOT
 from deltaserve.engine.cuda_graphs import graph_buckets
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
-from deltaserve.ops.batch import BatchRow, ForwardBatch
+from deltaserve.ops.batch import BatchRow, ForwardBatch, kv_slot
 
 
 def fill_verify_inputs(
@@ -58,7 +58,7 @@ def fill_verify_inputs(
         for i in range(t):
             pos = r.context_len + i
             positions.append(pos)
-            slots.append(r.pages[pos // page_size] * page_size + pos % page_size)
+            slots.append(kv_slot(r.pages, pos, page_size))
         after += [*r.state_after, r.state_slot]
     used = n * t
     longs[0, :used] = tokens
@@ -401,7 +401,7 @@ class SpeculativeGraphs:
         _put(self.draft_positions, list(positions))
         _put(
             self.draft_slot_mapping,
-            [r.pages[p // page] * page + p % page for r, p in zip(rows, positions, strict=True)],
+            [kv_slot(r.pages, p, page) for r, p in zip(rows, positions, strict=True)],
         )
         _put(self.draft_context, list(positions))
         _put(self.draft_seq_lens, [p + 1 for p in positions])

@@ -94,6 +94,11 @@ def logits_rows(row: BatchRow) -> int:
     return 1 if row.need_logits else 0
 
 
+def kv_slot(pages: Sequence[int], position: int, page_size: int) -> int:
+    """The flat KV position of a sequence's `position` in its block table `pages`."""
+    return pages[position // page_size] * page_size + position % page_size
+
+
 def to_device(data: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Host values to `device` in one copy; on CUDA staged in pinned memory, so the copy blocks neither
     the host nor the stream."""
@@ -151,6 +156,7 @@ def build_forward_batch(rows: Sequence[BatchRow], page_size: int, device: torch.
         input_ids.extend(row.token_ids)
         for pos in range(row.context_len, end):
             positions.append(pos)
+            # kv_slot(row.pages, pos, page_size), inlined: this loop runs per token of the step
             slot_mapping.append(row.pages[pos // page_size] * page_size + pos % page_size)
         query_start.append(query_start[-1] + n)
         if kind == _VERIFY:
