@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 IDLE_GAP_MS = 2000.0
 PREFILL_BINS = ((0, 0), (1, 256), (257, 1024), (1025, 2048), (2049, 4096), (4097, None))
 
@@ -71,24 +73,17 @@ def intervals(records: Sequence[StepRecord]) -> list[Interval]:
     return out
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """The nearest-rank percentile: the smallest value with at least q% of the values at or below it."""
-    ordered = sorted(values)
-    rank = max(1, -(-len(ordered) * q // 100))
-    return ordered[int(rank) - 1]
-
-
 def group_stats(name: str, group: Sequence[Interval]) -> GroupStats | None:
     if not group:
         return None
-    ms = [i.ms for i in group]
+    ms = np.array([i.ms for i in group])
     return GroupStats(
         name,
         len(ms),
-        percentile(ms, 50),
-        percentile(ms, 99),
-        max(ms),
-        percentile([i.step.step_us / 1000 for i in group], 50),
+        float(np.percentile(ms, 50)),
+        float(np.percentile(ms, 99)),  # as `bench serve` computes ITL p99
+        float(ms.max()),
+        float(np.median([i.step.step_us / 1000 for i in group])),
     )
 
 
