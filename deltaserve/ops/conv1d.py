@@ -4,7 +4,8 @@ The conv state of a sequence is its last K-1 pre-conv inputs, [channels, K-1], i
 sequence with context 0 starts from a zero window (its slot's old contents are ignored); otherwise the
 window continues from the slot. After the step the slot holds the last K-1 inputs of the sequence. A
 verify row (ForwardBatch.num_verify) also leaves the window ending at each of its tokens t, in slot
-verify_state_slots[t] (the last one is the row's own slot).
+verify_state_slots[t] (the last one is the row's own slot). An empty sequence (no new tokens: graph
+padding) reads and writes nothing.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ def causal_conv1d(
     start = 0
     verified = 0  # tokens of the verify rows so far: the index into verify_state_slots
     for i, (n, ctx) in enumerate(zip(batch.query_lens_host, batch.context_lens_host, strict=True)):
+        if n == 0:
+            continue
         slot = batch.state_slots[i]
         if ctx > 0:
             window = conv_state[slot].to(x.dtype)

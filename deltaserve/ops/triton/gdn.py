@@ -262,7 +262,9 @@ class PrefillIndex:
     first: int  # first prefill sequence of the batch
     start: int  # its first token row
     cu_seqlens: torch.Tensor  # [P + 1] int64 on the device
-    cu_seqlens_cpu: torch.Tensor  # the same on the host
+    cu_seqlens_cpu: (
+        torch.Tensor | None
+    )  # the same on the host (None: fla needs it only without chunk_indices)
     chunk_indices: torch.Tensor  # [chunks, 2] int64 on the device: (sequence, chunk within it)
 
 
