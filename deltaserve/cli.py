@@ -92,6 +92,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument(
+        "--prefill-graph-max-tokens",
+        type=int,
+        default=d.prefill_graph_max_tokens,
+        help="steps with prompt chunks of up to this many tokens replay CUDA graphs, captured on first "
+        "use per (tokens, rows) bucket (default: min(--max-num-batched-tokens, 2048); 0: off)",
+    )
+    g.add_argument(
         "--tensor-parallel-size",
         "-tp",
         type=int,
@@ -150,6 +157,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         decode_ahead=args.decode_ahead,
         mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
         enforce_eager=args.enforce_eager,
+        prefill_graph_max_tokens=args.prefill_graph_max_tokens,
         tensor_parallel_size=args.tensor_parallel_size,
         enable_prefix_caching=args.enable_prefix_caching,
         prefix_cache_state_memory_gb=args.prefix_cache_state_memory_gb,

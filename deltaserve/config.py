@@ -521,6 +521,11 @@ class SpeculativeConfig:
         return cls(method, k, adaptive, max_batch, draft, draft_file)
 
 
+# Above ~2k tokens a step's device time hides its kernel launching (a 2,048-token 4B forward: ~50 ms of
+# host launches against ~45 ms on the GPU), while each larger graph holds more memory.
+DEFAULT_PREFILL_GRAPH_TOKENS = 2048
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """Engine flags, with vLLM's names. `validate()` runs before the model loads."""
@@ -547,6 +552,9 @@ class EngineConfig:
     # the state memory but costs accuracy (docs/benchmarks/2026-11-30-ssm-state-bf16-accuracy.md): opt-in.
     mamba_ssm_cache_dtype: str = "auto"
     enforce_eager: bool = False
+    # Steps with prompt chunks of up to this many tokens replay CUDA graphs captured on first use
+    # (engine/prefill_graphs.py); None: min(max_num_batched_tokens, 2048); 0: off.
+    prefill_graph_max_tokens: int | None = None
     # Ranks 1..N-1 run in their own processes (engine/tp.py); eager, without decode-ahead or prefill overlap.
     tensor_parallel_size: int = 1
     # Prefix cache (on by default, as in vLLM): shared KV pages + GDN state snapshots in a pool of this
@@ -567,6 +575,13 @@ class EngineConfig:
                 self.mamba_ssm_cache_dtype, self.mamba_ssm_cache_dtype
             )
 
+    @property
+    def prefill_graph_tokens(self) -> int:
+        """The largest step (in tokens) a prefill graph is captured for; 0: none."""
+        if self.prefill_graph_max_tokens is not None:
+            return min(self.prefill_graph_max_tokens, self.max_num_batched_tokens)
+        return min(self.max_num_batched_tokens, DEFAULT_PREFILL_GRAPH_TOKENS)
+
     def validate(self) -> None:
         def fail(flag: str, expected: str, found: Any) -> ConfigError:
             return ConfigError(f"--{flag.replace('_', '-')} must be {expected}, got {found!r}")
@@ -586,6 +601,11 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise fail(name, "an integer >= 1", value)
+        graph_tokens = self.prefill_graph_max_tokens
+        if graph_tokens is not None and (
+            isinstance(graph_tokens, bool) or not isinstance(graph_tokens, int) or graph_tokens < 0
+        ):
+            raise fail("prefill_graph_max_tokens", "an integer >= 0 (0: off)", graph_tokens)
         if self.page_size & (self.page_size - 1):
             raise fail("page_size", "a power of two", self.page_size)
         if self.max_model_len is not None and (

@@ -156,9 +156,24 @@ def test_missing_config_file_names_the_directory(tmp_path):
         ("scheduler_policy", "lifo", "--scheduler-policy must be one of ['fcfs', 'auto'], got 'lifo'"),
         ("dtype", "int8", "--dtype must be one of"),
         ("gpu_memory_utilization", 1.5, "--gpu-memory-utilization must be in (0, 1], got 1.5"),
+        (
+            "prefill_graph_max_tokens",
+            -1,
+            "--prefill-graph-max-tokens must be an integer >= 0 (0: off), got -1",
+        ),
     ],
 )
 def test_bad_engine_flags_fail_before_loading(field, value, message):
     with pytest.raises(ConfigError) as err:
         EngineConfig(**{field: value}).validate()
     assert message in str(err.value)
+
+
+def test_prefill_graph_tokens_default_to_the_step_budget_up_to_2048():
+    assert EngineConfig(max_num_batched_tokens=1024).prefill_graph_tokens == 1024
+    assert EngineConfig(max_num_batched_tokens=8192).prefill_graph_tokens == 2048
+    assert (
+        EngineConfig(max_num_batched_tokens=8192, prefill_graph_max_tokens=4096).prefill_graph_tokens == 4096
+    )
+    assert EngineConfig(max_num_batched_tokens=512, prefill_graph_max_tokens=4096).prefill_graph_tokens == 512
+    assert EngineConfig(prefill_graph_max_tokens=0).prefill_graph_tokens == 0

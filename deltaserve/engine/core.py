@@ -18,12 +18,14 @@ from deltaserve.cache.manager import CacheManager
 from deltaserve.config import EngineConfig, ModelConfig
 from deltaserve.engine.backend import Backend
 from deltaserve.engine.cuda_graphs import CudaGraphRunner
+from deltaserve.engine.prefill_graphs import PrefillGraphRunner
 from deltaserve.engine.protocol import ClientMessage, Shutdown, StepOutputs
 from deltaserve.engine.rank import build_rank, verify_scratch_slots
 from deltaserve.engine.scheduler import Scheduler, SchedulerConfig, start_scheduler
 from deltaserve.engine.spec_graphs import SpeculativeGraphs
 from deltaserve.engine.structured import GrammarBackend, grammar_vocabulary
 from deltaserve.engine.tp import RankWorkers, TensorParallelError, TensorParallelWorker
+from deltaserve.engine.worker import ModelWorker
 from deltaserve.errors import ConfigError
 from deltaserve.model.layers.parallel import TensorParallel
 from deltaserve.tiny import default_model_dir
@@ -167,8 +169,30 @@ class EngineCore:
                 spec.num_speculative_tokens,
                 seconds,
             )
+        prefill_graphs = None
+        if graphs is not None and config.prefill_graph_tokens > 0:
+            prefill_graphs = PrefillGraphRunner(
+                self.model,
+                caches,
+                config.max_num_seqs,
+                config.prefill_graph_tokens,
+                max_model_len,
+                pool=graphs.pool,
+            )
+            logger.info(
+                "prefill graphs: steps of up to %d tokens in up to %d rows, captured per bucket on first "
+                "use (the smallest at start-up: %.1f s)",
+                config.prefill_graph_tokens,
+                config.max_num_seqs,
+                prefill_graphs.warm(),
+            )
         self.backend = (
-            Backend(self.model, caches, graph_runner=graphs, spec_graphs=spec_graphs)
+            Backend(
+                self.model,
+                caches,
+                worker=ModelWorker(self.model, caches, graphs, prefill_graphs),
+                spec_graphs=spec_graphs,
+            )
             if self.workers is None
             else Backend(self.model, caches, worker=TensorParallelWorker(self.model, caches, self.workers))
         )

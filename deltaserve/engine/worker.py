@@ -13,17 +13,23 @@ import torch
 from deltaserve.cache.copies import CacheCopy
 from deltaserve.cache.device import DeviceCaches
 from deltaserve.engine.cuda_graphs import CudaGraphRunner
+from deltaserve.engine.prefill_graphs import PrefillGraphRunner
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
 from deltaserve.ops.batch import BatchRow, build_forward_batch
 
 
 class ModelWorker:
     def __init__(
-        self, model: Qwen35ForCausalLM, caches: DeviceCaches, graphs: CudaGraphRunner | None = None
+        self,
+        model: Qwen35ForCausalLM,
+        caches: DeviceCaches,
+        graphs: CudaGraphRunner | None = None,
+        prefill_graphs: PrefillGraphRunner | None = None,
     ) -> None:
         self.model = model
         self.caches = caches
         self.graphs = graphs
+        self.prefill_graphs = prefill_graphs
         self.device = model.device
 
     @torch.inference_mode()
@@ -36,8 +42,8 @@ class ModelWorker:
         copies_before: Sequence[CacheCopy] = (),
         copies_after: Sequence[CacheCopy] = (),
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The cache copies before, the forward over `rows` (a decode graph when one fits; none when
-        there are no rows), the copies after. With `logits`: float32 logits of the rows that need them
+        """The cache copies before, the forward over `rows` (a decode graph when one fits, else a
+        prefill graph when one fits; none when there are no rows), the copies after. With `logits`: float32 logits of the rows that need them
         and the hidden states of the scored tokens (None when no row scores); without (a rank that
         does not sample), (None, None). `fed`: input tokens of the first fed.shape[0] rows, on the
         device."""
@@ -53,6 +59,11 @@ class ModelWorker:
         scoring = any(r.scored for r in rows)
         if logits and graphs is not None and not scoring and _all_need_logits(rows) and graphs.can_run(rows):
             return graphs.run(rows, fed), None
+        prefill = self.prefill_graphs
+        if logits and prefill is not None and prefill.can_run(rows):
+            out = prefill.run(rows, fed)
+            if out is not None:  # None: the bucket's capture failed, eager below
+                return out, None
         batch = build_forward_batch(rows, self.caches.page_size, self.device)
         if fed is not None:
             batch.input_ids[: fed.shape[0]] = fed

@@ -1,0 +1,370 @@
+"""CUDA-graph prefill (GPU only): steps with prompt chunks, replayed from graphs captured per
+(token bucket, row bucket) on first use.
+
+An eager forward with a prefill chunk costs ~45 ms of kernel launching on the host whatever its size
+(docs/benchmarks/2026-12-01-h200-step-host-cost.md); a replay costs two input copies and the launch.
+Every row of a graphed step, decode rows included, runs as a varlen sequence (num_decodes = 0), so one
+graph of bucket (T, S) covers any mix of decode rows and prompt chunks of at most T tokens in at most
+S rows.
+
+Padding, all of it on the reserved KV page and state slot (nothing live is read or written):
+  * tokens past the live ones belong to no sequence: their K/V go to the reserved page and their
+    outputs are never read;
+  * sequences past the live ones are empty (they start and end at the live token count), with the
+    reserved slot and page, and there is always at least one (S + 1 sequences in all): fla's chunk
+    list has the fixed length T // 64 + S and is padded with chunks of the last, empty sequence, which
+    fla's chunked kernels skip (the real sequences' outputs and states are bit-identical to an
+    unpadded call, checked on an H200).
+The kernels read nothing from the host but shapes (attention, conv1d, fla given its chunk list, MoE
+grouping), so a replay with new inputs computes what an eager forward of the same rows computes.
+
+Graphs share the decode graphs' memory pool; a capture that fails (out of memory) leaves that bucket
+eager, with a warning, and serving goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import numpy as np
+import torch
+
+from deltaserve.cache.device import DeviceCaches
+from deltaserve.cache.kv_pages import DUMMY_PAGE
+from deltaserve.cache.state_slots import DUMMY_SLOT
+from deltaserve.model.qwen35 import Qwen35ForCausalLM
+from deltaserve.ops.batch import BatchRow, ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+FLA_CHUNK = 64  # fla's chunk length: its chunk list names (sequence, chunk) per 64 tokens of a sequence
+MIN_TOKEN_BUCKET = 16
+FINE_FROM, FINE_STEP = 512, 128  # token buckets past 512 are 128 apart
+
+A = TypeVar("A", np.ndarray, torch.Tensor)
+
+
+def pow2_buckets(smallest: int, largest: int) -> list[int]:
+    """Powers of two from `smallest` below `largest`, then `largest` itself."""
+    buckets, b = [], smallest
+    while b < largest:
+        buckets.append(b)
+        b *= 2
+    return [*buckets, largest]
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """Powers of two from 16 to 512, then every 128 tokens up to `max_tokens` (always included): above
+    512 tokens a step's GEMMs cost in proportion to its padded size, so the padding stays under 25%."""
+    small = pow2_buckets(min(MIN_TOKEN_BUCKET, max_tokens), min(max_tokens, FINE_FROM))
+    return (
+        small
+        + list(range(FINE_FROM + FINE_STEP, max_tokens, FINE_STEP))
+        + ([max_tokens] if max_tokens > FINE_FROM else [])
+    )
+
+
+def bucket_for(value: int, buckets: Sequence[int]) -> int | None:
+    return next((b for b in buckets if b >= value), None)
+
+
+def max_chunks(tokens: int, rows: int) -> int:
+    """An upper bound on fla's chunk count for `rows` sequences of `tokens` tokens in all:
+    sum(ceil(n_i / 64)) <= tokens // 64 + rows."""
+    return tokens // FLA_CHUNK + rows
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillLayout:
+    """Where each input of a prefill graph lives in the two flat input buffers (int64 and int32), for
+    graphs of up to `max_tokens` tokens and `max_rows` rows (max_rows + 1 sequences). A bucket's
+    inputs are prefixes of these fields, so every graph reads the same buffers."""
+
+    max_tokens: int
+    max_rows: int
+    max_pages: int
+
+    @property
+    def seqs(self) -> int:
+        return self.max_rows + 1
+
+    @property
+    def chunks(self) -> int:
+        return max_chunks(self.max_tokens, self.max_rows)
+
+    @property
+    def longs_size(self) -> int:
+        return 3 * self.max_tokens + 2 * self.seqs + (self.seqs + 1) + 2 * self.chunks
+
+    @property
+    def ints_size(self) -> int:
+        return (self.seqs + 1) + 2 * self.seqs + self.seqs * self.max_pages
+
+    def ints_used(self, rows_bucket: int) -> int:
+        """The int32 prefix a bucket reads (its block-table rows come last)."""
+        return (self.seqs + 1) + 2 * self.seqs + (rows_bucket + 1) * self.max_pages
+
+    def views(self, longs: A, ints: A, tokens_bucket: int, rows_bucket: int) -> PrefillInputs[A]:
+        """A bucket's inputs as views of `longs` [longs_size] and `ints` [ints_size] (host numpy
+        arrays or device tensors alike)."""
+        t, s, n = self.max_tokens, self.seqs, rows_bucket + 1
+        chunk_start = 3 * t + 3 * s + 1
+        i = self.seqs + 1
+        return PrefillInputs(
+            input_ids=longs[:tokens_bucket],
+            positions=longs[t : t + tokens_bucket],
+            slot_mapping=longs[2 * t : 2 * t + tokens_bucket],
+            state_slots=longs[3 * t : 3 * t + n],
+            logits_indices=longs[3 * t + s : 3 * t + s + n],
+            cu_seqlens=longs[3 * t + 2 * s : 3 * t + 2 * s + n + 1],
+            chunk_indices=longs[
+                chunk_start : chunk_start + 2 * max_chunks(tokens_bucket, rows_bucket)
+            ].reshape(-1, 2),
+            query_start_loc=ints[: n + 1],
+            context_lens=ints[i : i + n],
+            seq_lens=ints[i + s : i + s + n],
+            block_tables=ints[i + 2 * s : i + 2 * s + n * self.max_pages].reshape(n, self.max_pages),
+        )
+
+
+@dataclass(slots=True)
+class PrefillInputs(Generic[A]):
+    """One bucket's inputs: tokens_bucket tokens, rows_bucket + 1 sequences, its chunk list."""
+
+    input_ids: A  # [T]
+    positions: A  # [T]
+    slot_mapping: A  # [T]
+    state_slots: A  # [S + 1]
+    logits_indices: A  # [S + 1]: last tokens of the rows that need logits (row order), then padding
+    cu_seqlens: A  # [S + 2] int64 (fla's), the same values as query_start_loc
+    chunk_indices: A  # [T // 64 + S, 2]: (sequence, chunk) per 64-token chunk, then padding chunks
+    query_start_loc: A  # [S + 2] int32
+    context_lens: A  # [S + 1]
+    seq_lens: A  # [S + 1]
+    block_tables: A  # [S + 1, max_pages]
+
+
+def fill_prefill_inputs(inputs: PrefillInputs[np.ndarray], rows: Sequence[BatchRow], page_size: int) -> int:
+    """Writes the host inputs of `rows` padded to the bucket of `inputs`; returns how many rows need
+    logits (their hidden states are the graph's first outputs). Padding tokens sit at position 0 of the
+    reserved page; padding sequences are empty, at the live token count, with the reserved slot and
+    page; padding chunks are chunk 0 of the last sequence, which is always padding."""
+    tokens_bucket = inputs.input_ids.shape[0]
+    seqs = inputs.state_slots.shape[0]
+    if len(rows) >= seqs:
+        raise ValueError(f"{len(rows)} rows do not fit a prefill graph of {seqs - 1} rows")
+    starts = [0]
+    chunks: list[tuple[int, int]] = []
+    need: list[int] = []
+    for i, row in enumerate(rows):
+        n = len(row.token_ids)
+        start, ctx = starts[-1], row.context_len
+        end = start + n
+        if end > tokens_bucket:
+            raise ValueError(f"rows of {end}+ tokens do not fit a prefill graph of {tokens_bucket} tokens")
+        inputs.input_ids[start:end] = row.token_ids
+        positions = np.arange(ctx, ctx + n)
+        inputs.positions[start:end] = positions
+        pages = np.asarray(row.pages, dtype=np.int64)
+        inputs.slot_mapping[start:end] = pages[positions // page_size] * page_size + positions % page_size
+        inputs.block_tables[i, : len(pages)] = pages  # later columns keep stale ids: never read
+        chunks += [(i, c) for c in range(-(-n // FLA_CHUNK))]
+        if row.need_logits:
+            need.append(end - 1)
+        starts.append(end)
+    live_rows, live_tokens = len(rows), starts[-1]
+    inputs.input_ids[live_tokens:] = 0
+    inputs.positions[live_tokens:] = 0
+    inputs.slot_mapping[live_tokens:] = DUMMY_PAGE * page_size
+    inputs.state_slots[:live_rows] = [r.state_slot for r in rows]
+    inputs.state_slots[live_rows:] = DUMMY_SLOT
+    context = [r.context_len for r in rows]
+    inputs.context_lens[:live_rows] = context
+    inputs.context_lens[live_rows:] = 0
+    inputs.seq_lens[:live_rows] = np.add(context, np.diff(starts))
+    inputs.seq_lens[live_rows:] = 0
+    inputs.query_start_loc[: live_rows + 1] = starts
+    inputs.query_start_loc[live_rows + 1 :] = live_tokens
+    inputs.cu_seqlens[:] = inputs.query_start_loc
+    inputs.block_tables[live_rows:, 0] = DUMMY_PAGE
+    inputs.logits_indices[: len(need)] = need
+    inputs.logits_indices[len(need) :] = 0
+    if chunks:  # none at all for the all-padding inputs of a capture
+        inputs.chunk_indices[: len(chunks)] = chunks
+    inputs.chunk_indices[len(chunks) :] = (seqs - 1, 0)
+    return len(need)
+
+
+def graph_batch(
+    inputs: PrefillInputs[torch.Tensor],
+    query_lens_host: tuple[int, ...] | None = None,
+    context_lens_host: tuple[int, ...] | None = None,
+) -> ForwardBatch:
+    """The forward batch over a bucket's inputs: every row a varlen sequence (num_decodes = 0). The
+    GPU path reads no host lengths but their count; the torch reference ops loop over them, so a test
+    that runs the reference over these inputs passes the real ones."""
+    seqs = inputs.state_slots.shape[0]
+    index = None
+    if inputs.input_ids.is_cuda:
+        from deltaserve.ops.triton.gdn import PrefillIndex
+
+        # fla reads cu_seqlens_cpu only to build a chunk list, which it is given here.
+        index = PrefillIndex(0, 0, inputs.cu_seqlens, None, inputs.chunk_indices)
+    return ForwardBatch(
+        input_ids=inputs.input_ids,
+        positions=inputs.positions,
+        query_start_loc=inputs.query_start_loc,
+        context_lens=inputs.context_lens,
+        seq_lens=inputs.seq_lens,
+        block_tables=inputs.block_tables,
+        slot_mapping=inputs.slot_mapping,
+        state_slots=inputs.state_slots,
+        logits_indices=inputs.logits_indices,
+        num_decodes=0,
+        query_lens_host=query_lens_host or (0,) * seqs,
+        context_lens_host=context_lens_host or (0,) * seqs,
+        gdn_prefill_index=index,
+    )
+
+
+class PrefillGraphRunner:
+    """Replays captured forwards of steps with prompt chunks. `can_run(rows)`: no verify rows, no
+    scored prompt tokens, at most `max_tokens` tokens in at most `max_rows` rows. `run(rows)` returns
+    float32 logits of the rows that need them, in row order, as an eager forward does."""
+
+    def __init__(
+        self,
+        model: Qwen35ForCausalLM,
+        cache: DeviceCaches,
+        max_rows: int,
+        max_tokens: int,
+        max_model_len: int,
+        pool: object | None = None,
+    ) -> None:
+        self.model = model
+        self.cache = cache
+        self.device = model.device
+        self.token_buckets = token_buckets(max_tokens)
+        self.row_buckets = pow2_buckets(1, max_rows)
+        self.layout = PrefillLayout(max_tokens, max_rows, -(-max_model_len // cache.page_size))
+        self._longs = torch.zeros(self.layout.longs_size, dtype=torch.int64, device=self.device)
+        self._ints = torch.zeros(self.layout.ints_size, dtype=torch.int32, device=self.device)
+        self._longs_host = torch.zeros(self._longs.shape, dtype=torch.int64).pin_memory()
+        self._ints_host = torch.zeros(self._ints.shape, dtype=torch.int32).pin_memory()
+        self._copied = torch.cuda.Event()  # the host twins may be rewritten once this has passed
+        self._stream: torch.cuda.Stream | None = None
+        self.pool = pool
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.failed: set[tuple[int, int]] = set()  # buckets whose capture failed: they run eager
+
+    def bucket(self, rows: Sequence[BatchRow]) -> tuple[int, int] | None:
+        """The (tokens, rows) bucket that runs `rows` in a graph; None: they run eager."""
+        key = self._key(rows)
+        return None if key is None or key in self.failed else key
+
+    def _key(self, rows: Sequence[BatchRow]) -> tuple[int, int] | None:
+        if any(r.is_verify or r.scored for r in rows):
+            return None
+        tokens = bucket_for(sum(len(r.token_ids) for r in rows), self.token_buckets)
+        seqs = bucket_for(len(rows), self.row_buckets)
+        return None if tokens is None or seqs is None else (tokens, seqs)
+
+    def can_run(self, rows: Sequence[BatchRow]) -> bool:
+        return len(rows) > 0 and self.bucket(rows) is not None
+
+    @torch.inference_mode()
+    def run(self, rows: Sequence[BatchRow], fed: torch.Tensor | None = None) -> torch.Tensor | None:
+        """`fed`: input tokens of the first fed.shape[0] rows (decode rows, one token each), on the
+        device. Returns None when the bucket's graph could not be captured (the caller runs eager)."""
+        key = self.bucket(rows)
+        assert key is not None, "run() takes rows that can_run() accepts"
+        captured = self.graphs.get(key) or self._capture(key)
+        if captured is None:
+            return None
+        graph, hidden = captured
+        need = self._stage(rows, fed, key)
+        graph.replay()
+        return self.model.compute_logits(hidden[:need])
+
+    @torch.inference_mode()
+    def run_eager(self, rows: Sequence[BatchRow], fed: torch.Tensor | None = None) -> torch.Tensor:
+        """The same padded forward as `run`, launched eagerly: the replay's oracle."""
+        key = self._key(rows)
+        assert key is not None, "run_eager() takes rows that fit a bucket"
+        need = self._stage(rows, fed, key)
+        batch = graph_batch(self.layout.views(self._longs, self._ints, *key))
+        hidden = self.model(batch, self.cache.kv, self.cache.states)
+        return self.model.compute_logits(hidden[:need])
+
+    def _stage(self, rows: Sequence[BatchRow], fed: torch.Tensor | None, key: tuple[int, int]) -> int:
+        """Writes the padded inputs of `rows` and starts their copy; returns how many rows need logits."""
+        self._copied.synchronize()  # the previous replay's inputs have left the host twins
+        host = self.layout.views(self._longs_host.numpy(), self._ints_host.numpy(), *key)
+        need = fill_prefill_inputs(host, rows, self.cache.page_size)
+        self._copy_inputs(key)
+        if fed is not None:
+            self._longs[: fed.shape[0]].copy_(fed)  # decode rows lead, one token each: token i is row i
+        return need
+
+    def _copy_inputs(self, key: tuple[int, int]) -> None:
+        self._longs.copy_(self._longs_host, non_blocking=True)
+        used = self.layout.ints_used(key[1])
+        self._ints[:used].copy_(self._ints_host[:used], non_blocking=True)
+        self._copied.record()
+
+    @torch.inference_mode()
+    def warm(self) -> float:
+        """Captures the smallest bucket at start-up, so the kernels every prefill graph runs are
+        compiled then rather than in the first step that needs a graph. Returns the seconds taken."""
+        started = time.monotonic()
+        self._capture((self.token_buckets[0], self.row_buckets[0]))
+        return time.monotonic() - started
+
+    def _capture(self, key: tuple[int, int]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
+        """Captures bucket `key` over all-padding inputs: one eager forward first (compiles and
+        autotunes every kernel at this shape; it writes only the reserved page and slot)."""
+        started = time.monotonic()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        stream = self._stream
+        try:
+            self._copied.synchronize()
+            host = self.layout.views(self._longs_host.numpy(), self._ints_host.numpy(), *key)
+            fill_prefill_inputs(host, [], self.cache.page_size)
+            self._copy_inputs(key)
+            kv, states = self.cache.kv, self.cache.states
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self.model(graph_batch(self.layout.views(self._longs, self._ints, *key)), kv, states)
+                # A second batch over the same buffers, of new tensor objects: fla memoises what it
+                # derives from cu_seqlens by object identity, so the capture must miss that cache and
+                # record the derivation (with the warm-up's objects it would bake in the warm-up's result).
+                batch = graph_batch(self.layout.views(self._longs, self._ints, *key))
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(
+                    graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"
+                ):
+                    hidden = self.model(batch, kv, states)
+        except Exception:  # out of memory, or a kernel that cannot be captured: serve this bucket eager
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            self.failed.add(key)
+            logger.warning(
+                "prefill graph for %d tokens x %d rows not captured; those steps run eager",
+                *key,
+                exc_info=True,
+            )
+            return None
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.graphs[key] = (graph, hidden)
+        logger.info(
+            "captured the prefill graph for %d tokens x %d rows in %.0f ms",
+            *key,
+            (time.monotonic() - started) * 1e3,
+        )
+        return graph, hidden
