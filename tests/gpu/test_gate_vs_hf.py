@@ -36,6 +36,8 @@ from deltaserve.cache.prefix import extend_page_keys
 from deltaserve.config import ModelConfig
 from deltaserve.engine.backend import Backend
 from deltaserve.engine.cuda_graphs import CudaGraphRunner
+from deltaserve.engine.prefill_graphs import PrefillGraphRunner
+from deltaserve.engine.worker import ModelWorker
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
 from deltaserve.model.weights import load_state_dict
 from deltaserve.ops.batch import build_forward_batch
@@ -103,7 +105,7 @@ class Reference:
 
 
 class Engine:
-    """The engine's model in one precision, its caches and its decode graphs."""
+    """The engine's model in one precision, its caches, its decode and prefill graphs."""
 
     def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
         self.model = Qwen35ForCausalLM(config, dtype=dtype, device=DEVICE)
@@ -114,11 +116,16 @@ class Engine:
         self.cache = CacheManager.for_device(self.caches)
         self.graphs = CudaGraphRunner(self.model, self.caches, max_num_seqs=8, max_model_len=9000)
         self.graphs.capture()
+        self.prefill_graphs = PrefillGraphRunner(self.model, self.caches, 8, 512, 9000, pool=self.graphs.pool)
 
     def backend(self, graphs: bool) -> Driver:
-        return Driver(
-            Backend(self.model, self.caches, graph_runner=self.graphs if graphs else None), self.cache
+        """With `graphs`, steps run in the decode graphs and (through `forward`) the prefill graphs."""
+        worker = (
+            ModelWorker(self.model, self.caches, self.graphs, self.prefill_graphs)
+            if graphs
+            else ModelWorker(self.model, self.caches)
         )
+        return Driver(Backend(self.model, self.caches, worker=worker), self.cache)
 
 
 class Pair:
@@ -285,13 +292,20 @@ def replay(
             for k in compared:
                 where = f"prompt {i} position {refs[i].positions[k]}"
                 gate.check(next(logits), *refs[i].at(precision, k), where)
+    decode_teacher_forced(backend, precision, refs, seqs, gate)
+    for seq in seqs:
+        engine.cache.release(seq)
+
+
+def decode_teacher_forced(
+    backend: Driver, precision: str, refs: list[Reference], seqs: list, gate: Gate
+) -> None:
+    """Every sequence decodes together, each step fed HF's greedy token."""
     for step in range(DECODE_STEPS):
-        items = [StepItem(seqs[i], [refs[i].tokens[step]]) for i in range(len(prompts))]
+        items = [StepItem(seqs[i], [refs[i].tokens[step]]) for i in range(len(refs))]
         logits = backend.forward(items, all_logits=True)
         for i, ref in enumerate(refs):
             gate.check(logits[i], *ref.at(precision, len(ref.positions) + step), f"prompt {i} decode {step}")
-    for seq in seqs:
-        engine.cache.release(seq)
 
 
 @pytest.fixture(scope="module", params=["0.8b-shape", "4b-shape"])
@@ -444,3 +458,33 @@ def test_free_running_greedy_does_not_collapse_into_a_token_loop(pair):
                 if len(run) > LOOP_RUN:
                     assert all(regrets[i] <= REGRET for i in run), (seed, ours, run, regrets)
                 run_start = t
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_prefill_steps_in_the_prefill_graphs(pair, precision):
+    """Both prompts prefill through the step path, every step ending each prompt's chunk at its next
+    compared position (chunks of 1..13 tokens beside each other), so each step runs a prefill graph."""
+    gate = Gate(f"{precision} prefill graphs")
+    engine = pair.engines[precision]
+    backend = engine.backend(True)
+    prompts = [prompt_of(300, 2), prompt_of(140, 3)]
+    refs = [pair.reference(p) for p in prompts]
+    seqs = [engine.cache.open() for _ in prompts]
+    done, compared = [0, 0], [0, 0]
+    while any(k < len(r.positions) for k, r in zip(compared, refs, strict=True)):
+        items, owners = [], []
+        for i, prompt in enumerate(prompts):
+            k = compared[i]
+            if k < len(refs[i].positions):
+                end = refs[i].positions[k] + 1
+                items.append(StepItem(seqs[i], prompt[done[i] : end]))
+                owners.append((i, k))
+                done[i], compared[i] = end, k + 1
+        logits = backend.forward(items, all_logits=True)
+        for row, (i, k) in enumerate(owners):
+            gate.check(logits[row], *refs[i].at(precision, k), f"prompt {i} position {refs[i].positions[k]}")
+    assert engine.prefill_graphs.graphs and not engine.prefill_graphs.failed, "the steps ran eager"
+    decode_teacher_forced(backend, precision, refs, seqs, gate)
+    for seq in seqs:
+        engine.cache.release(seq)
+    gate.finish()
