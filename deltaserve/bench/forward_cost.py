@@ -7,7 +7,8 @@ those of the kernels and the host work, not of any cached content. For each shap
 `--num-iters` runs after `--num-iters-warmup`:
 
 - eager: the model's forward and logits, launched from Python;
-- worker: the engine's forward path (a decode graph when every row has one token and fits one);
+- worker: the engine's forward path (a decode graph when every row has one token and fits one, else a
+  prefill graph when the step fits one: its first run captures it, inside the warm-up iterations);
 - for each, the wall time (to the device's last kernel) and the host time (until the launch call
   returns). Host time close to wall time means the step is bound by launching, not by the GPU.
 """
