@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from deltaserve.cache.manager import CacheManager
+from deltaserve.cachedir import use_kernel_cache
 from deltaserve.config import EngineConfig, ModelConfig
 from deltaserve.engine.backend import Backend
 from deltaserve.engine.cuda_graphs import CudaGraphRunner
@@ -91,6 +92,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         config.validate()
         self.config = config
+        logger.info("kernel cache: %s", use_kernel_cache())
         self.model_dir = resolve_model_dir(config.model)
         self.model_config = ModelConfig.from_dir(self.model_dir)
         if config.mamba_ssm_cache_dtype not in ("auto", self.model_config.ssm_state_dtype):
