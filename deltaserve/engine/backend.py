@@ -23,7 +23,6 @@ from collections.abc import Sequence
 import torch
 
 from deltaserve.cache.device import DeviceCaches
-from deltaserve.engine.cuda_graphs import CudaGraphRunner
 from deltaserve.engine.protocol import TokenLogprobs
 from deltaserve.engine.sampler import Sampler, logprobs_of
 from deltaserve.engine.spec_graphs import SpeculativeGraphs
@@ -42,14 +41,13 @@ class Backend:
         model: Qwen35ForCausalLM,
         caches: DeviceCaches,
         sampler: Sampler | None = None,
-        graph_runner: CudaGraphRunner | None = None,
         worker: ModelWorker | None = None,
         spec_graphs: SpeculativeGraphs | None = None,
     ) -> None:
         self.model = model
         self.caches = caches
         self.sampler = sampler or Sampler()
-        self.worker = worker or ModelWorker(model, caches, graph_runner)
+        self.worker = worker or ModelWorker(model, caches)  # eager unless given a worker with graphs
         self.device = model.device
         self.speculative = (
             SpeculativeStep(model, caches, self.sampler, spec_graphs) if model.mtp is not None else None

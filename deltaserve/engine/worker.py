@@ -43,9 +43,9 @@ class ModelWorker:
         copies_after: Sequence[CacheCopy] = (),
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The cache copies before, the forward over `rows` (a decode graph when one fits, else a
-        prefill graph when one fits; none when there are no rows), the copies after. With `logits`: float32 logits of the rows that need them
-        and the hidden states of the scored tokens (None when no row scores); without (a rank that
-        does not sample), (None, None). `fed`: input tokens of the first fed.shape[0] rows, on the
+        prefill graph when one fits; none when there are no rows), the copies after. With `logits`:
+        float32 logits of the rows that need them and the hidden states of the scored tokens (None when
+        no row scores); without (a rank that does not sample), (None, None). `fed`: input tokens of the first fed.shape[0] rows, on the
         device."""
         self.caches.copy(copies_before)
         out = self._forward(rows, fed, logits) if rows else (None, None)
