@@ -27,11 +27,12 @@ import struct
 import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 import aiohttp
+
+from deltaserve.bench.proc_stats import tree_rss_mib
 
 OVERLOAD_FACTOR = 8
 REQUEST_TIMEOUT_S = 120.0
@@ -70,18 +71,6 @@ class Tally:
     server_errors: int = 0  # 5xx other than a shed 503, or an error event of a 5xx mid-stream
     disconnects: int = 0
     unexpected: int = 0  # a bad request that got a 2xx
-
-
-def _rss_mib(pid: int) -> float:
-    """Resident memory of `pid` and its children, in MiB (Linux /proc)."""
-    pids = [pid]
-    with contextlib.suppress(OSError):
-        pids += [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    total = 0
-    for p in pids:
-        with contextlib.suppress(OSError):
-            total += int(Path(f"/proc/{p}/statm").read_text().split()[1])
-    return total * 4096 / 2**20
 
 
 def _encode(body: Any) -> bytes:
@@ -180,7 +169,7 @@ async def soak(
     async with aiohttp.ClientSession(base_url=url, timeout=timeout, connector=connector) as http:
         async with http.get("/load") as response:
             slots = (await response.json())["state_slots_total"]
-        before = _rss_mib(server_pid) if server_pid else None
+        before = tree_rss_mib(server_pid) if server_pid else None
         tally = Tally()
         started = time.monotonic()
         deadline = started + duration_s
@@ -190,7 +179,7 @@ async def soak(
         await asyncio.gather(*workers)
         elapsed = time.monotonic() - started
         idle = await _idle(http)
-        after = _rss_mib(server_pid) if server_pid else None
+        after = tree_rss_mib(server_pid) if server_pid else None
     result = {**asdict(tally), "duration_s": round(elapsed, 1), "returned_to_idle": idle}
     if before is not None and after is not None:
         result |= {"rss_before_mib": round(before), "rss_after_mib": round(after)}
