@@ -371,6 +371,10 @@ def test_smoke_group_runs_server_and_cells_end_to_end_on_cpu(tmp_path):
     }
     md = path.with_suffix(".md").read_text()
     assert "| tiny, 8 in / 4 out, concurrency 2 | 4 / 0 |" in md and "## Per turn: " in md
+    # Host CPU over each measured run: the server streamed the tokens, the engine computed them.
+    cpu = next(c for c in record["cells"] if c["name"] == "8-4-c2")["host_cpu"]
+    assert cpu["wall_s"] > 0 and cpu["server_s"] > 0 and cpu["engine_s"] > 0
+    assert "## Host CPU over each measured run" in md
 
 
 @pytest.mark.slow

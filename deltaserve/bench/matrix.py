@@ -41,6 +41,7 @@ from deltaserve.bench.matrix_server import (
     stop_server,
     wait_ready,
 )
+from deltaserve.bench.proc_stats import tree_cpu_seconds
 from deltaserve.bench.records import PREVIOUS_RECORD_DATE, reference
 
 # Every timed run reports p100 (the max) beside vLLM's percentiles.
@@ -275,7 +276,9 @@ class GroupRun:
             return
         argvs = [self.plan.bench_argv(cell, s, url, warmup=False) for s in cell.streams]
         logs = [raw / _file(cell, s, ".log") for s in cell.streams]
+        cpu_before, started = tree_cpu_seconds(self.server.proc.pid), time.perf_counter()
         codes = _run_parallel(argvs, logs, cell.timeout_s)
+        cell_record["host_cpu"] = host_cpu(cpu_before, tree_cpu_seconds(self.server.proc.pid), started)
         for stream, stream_record, rc, log in zip(
             cell.streams, cell_record["streams"], codes, logs, strict=True
         ):
@@ -337,6 +340,7 @@ def initial_record(plan: Plan, environment: dict[str, Any], date: str) -> dict[s
                 "title": cell.title,
                 "streams": streams,
                 "startup": None,
+                "host_cpu": None,
                 "floor": [asdict(f) | {"text": str(f)} for f in ref.floor],
                 "previous": [asdict(f) | {"text": str(f)} for f in ref.previous],
                 "note": ref.note,
@@ -364,6 +368,17 @@ def initial_record(plan: Plan, environment: dict[str, Any], date: str) -> dict[s
         "wall_s": None,
         "error": "",
     }
+
+
+def host_cpu(
+    before: dict[str, float] | None, after: dict[str, float] | None, started: float
+) -> dict[str, float] | None:
+    """CPU seconds the API server and its child processes (the engine) spent over a measured run,
+    beside the run's wall time; None without /proc."""
+    if before is None or after is None:
+        return None
+    wall = time.perf_counter() - started
+    return {"wall_s": wall} | {f"{k}_s": max(after[k] - before[k], 0.0) for k in ("server", "engine")}
 
 
 def record_ok(record: dict[str, Any]) -> bool:

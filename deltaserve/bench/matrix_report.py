@@ -176,7 +176,38 @@ def _results_section(record: dict[str, Any]) -> list[str]:
                 f"| {_floor(cell, s)} | {_previous(cell)} |"
             )
     notes = [f"- {c['title']}: {c['note']}" for c in record["cells"] if c.get("note")]
-    return [*lines, "", *notes, *([""] if notes else [])]
+    return [*lines, "", *notes, *([""] if notes else []), *_host_cpu_section(record)]
+
+
+def _host_cpu_section(record: dict[str, Any]) -> list[str]:
+    """CPU time of the server and its children over each cell's measured run (where /proc told)."""
+    rows = []
+    for cell in record["cells"]:
+        cpu = cell.get("host_cpu")
+        if not cpu:
+            continue
+        summaries = [StreamSummary.from_record(st["summary"]) for st in cell["streams"] if st.get("summary")]
+        tokens = sum(x.output_tok_s * x.duration_s for x in summaries)
+        per_token = f"{cpu['server_s'] * 1e6 / tokens:.0f}" if tokens > 0 else "—"
+        rows.append(
+            f"| {cell['title']} | {cpu['wall_s']:.1f} s | {cpu['server_s']:.2f} s "
+            f"({100 * cpu['server_s'] / cpu['wall_s']:.0f}%) | {cpu['engine_s']:.2f} s "
+            f"({100 * cpu['engine_s'] / cpu['wall_s']:.0f}%) | {per_token} |"
+        )
+    if not rows:
+        return []
+    return [
+        "## Host CPU over each measured run",
+        "",
+        "CPU seconds (user + system, from /proc) of the API server process and of its child processes "
+        "(the engine, and the grammar worker when one runs), against the run's wall time. 100% is one "
+        "core; the server's event loop runs on one.",
+        "",
+        "| cell | wall | API server | child processes | server µs per output token |",
+        "|---|---|---|---|---|",
+        *rows,
+        "",
+    ]
 
 
 def _startup_section(record: dict[str, Any]) -> list[str]:
