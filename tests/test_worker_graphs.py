@@ -1,0 +1,76 @@
+"""Which graph runs which rows of a step (engine/worker.py), with recording stand-ins for the runners:
+one-token steps in the decode graphs, steps with prompt chunks in a prefill graph, the rest eager."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from deltaserve.engine.worker import ModelWorker
+from deltaserve.ops.batch import BatchRow
+
+
+class Runner:
+    """Takes rows when `fits(rows)`; returns one logits row per row (its first token id), or None."""
+
+    def __init__(self, fits, fails: bool = False) -> None:
+        self.fits, self.fails, self.calls = fits, fails, []
+
+    def can_run(self, rows) -> bool:
+        return self.fits(rows)
+
+    def run(self, rows, fed=None):
+        self.calls.append(([r.token_ids[0] for r in rows], fed))
+        if self.fails:
+            return None
+        return torch.tensor([[float(r.token_ids[0])] for r in rows if r.need_logits])
+
+
+class EagerModel:
+    device = torch.device("cpu")
+
+    def __call__(self, *args, **kwargs):
+        raise AssertionError("eager forward")
+
+
+def worker(decode: Runner, prefill: Runner) -> ModelWorker:
+    return ModelWorker(
+        EagerModel(),
+        SimpleNamespace(page_size=16, copy=lambda copies: None, kv=None, states=None),
+        decode,
+        prefill,
+    )
+
+
+def one_token(rows) -> bool:
+    return all(len(r.token_ids) == 1 for r in rows)
+
+
+DECODE = [BatchRow([1], 5, [1], 1), BatchRow([2], 9, [2], 2)]
+CHUNK = BatchRow([3, 4, 5], 0, [3], 3)
+
+
+def test_a_step_with_a_chunk_replays_in_a_prefill_graph_and_a_decode_step_in_the_decode_graph():
+    decode, prefill = Runner(one_token), Runner(lambda rows: True)
+    fed = torch.tensor([7])
+    logits, _ = worker(decode, prefill).run([*DECODE, CHUNK], fed)
+    assert logits.flatten().tolist() == [1.0, 2.0, 3.0]
+    assert decode.calls == [] and prefill.calls == [([1, 2, 3], fed)]
+    logits, _ = worker(decode, prefill).run(DECODE, fed)
+    assert logits.flatten().tolist() == [1.0, 2.0] and decode.calls == [([1, 2], fed)]
+
+
+def test_a_failed_capture_leaves_the_step_eager():
+    decode, prefill = Runner(one_token), Runner(lambda rows: True, fails=True)
+    with pytest.raises(AssertionError, match="eager forward"):
+        worker(decode, prefill).run([*DECODE, CHUNK])
+    assert decode.calls == [] and [rows for rows, _ in prefill.calls] == [[1, 2, 3]]
+
+
+def test_rows_no_prefill_graph_fits_run_eager():
+    decode, prefill = Runner(one_token), Runner(lambda rows: False)
+    with pytest.raises(AssertionError, match="eager forward"):
+        worker(decode, prefill).run([*DECODE, CHUNK])
+    assert decode.calls == [] and prefill.calls == []
