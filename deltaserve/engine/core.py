@@ -181,12 +181,13 @@ class EngineCore:
                 max_model_len,
                 pool=graphs.pool,
             )
+            seconds = prefill_graphs.warm()
             logger.info(
                 "prefill graphs: steps of up to %d tokens in up to %d rows, captured per bucket on first "
                 "use (the smallest at start-up: %.1f s)",
                 config.prefill_graph_tokens,
                 config.max_num_seqs,
-                prefill_graphs.warm(),
+                seconds,
             )
         self.backend = (
             Backend(

@@ -37,11 +37,10 @@ from deltaserve.cache.device import DeviceCaches
 from deltaserve.cache.kv_pages import DUMMY_PAGE
 from deltaserve.cache.state_slots import DUMMY_SLOT
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
-from deltaserve.ops.batch import BatchRow, ForwardBatch
+from deltaserve.ops.batch import FLA_CHUNK, BatchRow, ForwardBatch, fla_chunk_list
 
 logger = logging.getLogger(__name__)
 
-FLA_CHUNK = 64  # fla's chunk length: its chunk list names (sequence, chunk) per 64 tokens of a sequence
 MIN_TOKEN_BUCKET = 16
 FINE_FROM, FINE_STEP = 512, 128  # token buckets past 512 are 128 apart
 
@@ -158,7 +157,6 @@ def fill_prefill_inputs(inputs: PrefillInputs[np.ndarray], rows: Sequence[BatchR
     if len(rows) >= seqs:
         raise ValueError(f"{len(rows)} rows do not fit a prefill graph of {seqs - 1} rows")
     starts = [0]
-    chunks: list[tuple[int, int]] = []
     need: list[int] = []
     for i, row in enumerate(rows):
         n = len(row.token_ids)
@@ -172,11 +170,11 @@ def fill_prefill_inputs(inputs: PrefillInputs[np.ndarray], rows: Sequence[BatchR
         pages = np.asarray(row.pages, dtype=np.int64)
         inputs.slot_mapping[start:end] = pages[positions // page_size] * page_size + positions % page_size
         inputs.block_tables[i, : len(pages)] = pages  # later columns keep stale ids: never read
-        chunks += [(i, c) for c in range(-(-n // FLA_CHUNK))]
         if row.need_logits:
             need.append(end - 1)
         starts.append(end)
     live_rows, live_tokens = len(rows), starts[-1]
+    chunks = fla_chunk_list(np.diff(starts).tolist())
     inputs.input_ids[live_tokens:] = 0
     inputs.positions[live_tokens:] = 0
     inputs.slot_mapping[live_tokens:] = DUMMY_PAGE * page_size

@@ -99,6 +99,16 @@ def kv_slot(pages: Sequence[int], position: int, page_size: int) -> int:
     return pages[position // page_size] * page_size + position % page_size
 
 
+# fla's chunk length: its chunked GDN kernels take a chunk list naming (sequence, chunk) for every
+# 64-token chunk of every sequence of a varlen batch.
+FLA_CHUNK = 64
+
+
+def fla_chunk_list(lengths: Sequence[int]) -> list[tuple[int, int]]:
+    """fla's chunk list of sequences of these lengths, in order (an empty sequence has no chunk)."""
+    return [(seq, c) for seq, n in enumerate(lengths) for c in range(-(-n // FLA_CHUNK))]
+
+
 def to_device(data: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Host values to `device` in one copy; on CUDA staged in pinned memory, so the copy blocks neither
     the host nor the stream."""

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deltaserve.ops.batch import ForwardBatch, to_device
+from deltaserve.ops.batch import ForwardBatch, fla_chunk_list, to_device
 
 
 @triton.jit
@@ -249,10 +249,6 @@ def gdn_verify(
     )
 
 
-# fla's chunk length; its chunk index lists (sequence, chunk) for every 64-token chunk of every sequence.
-_FLA_CHUNK = 64
-
-
 @dataclass(slots=True)
 class PrefillIndex:
     """The prefill sequences' varlen layout for fla, built once per batch. Passing the chunk index (and
@@ -276,7 +272,7 @@ def prefill_index(batch: ForwardBatch, first: int) -> PrefillIndex:
     cu = [0]
     for n in lens:
         cu.append(cu[-1] + n)
-    chunks = [(seq, c) for seq, n in enumerate(lens) for c in range(-(-n // _FLA_CHUNK))]
+    chunks = fla_chunk_list(lens)
     device = batch.query_start_loc.device
     index = PrefillIndex(
         first=first,
