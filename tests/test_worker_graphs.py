@@ -1,5 +1,5 @@
 """Which graph runs which rows of a step (engine/worker.py), with recording stand-ins for the runners:
-one-token steps in the decode graphs, steps with prompt chunks in a prefill graph, the rest eager."""
+decode rows in the decode graphs and prompt chunks in a prefill graph, the logits in row order."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from deltaserve.engine.worker import ModelWorker
+from deltaserve.engine.worker import ModelWorker, leading_decode_rows
 from deltaserve.ops.batch import BatchRow
 
 
@@ -52,21 +52,35 @@ DECODE = [BatchRow([1], 5, [1], 1), BatchRow([2], 9, [2], 2)]
 CHUNK = BatchRow([3, 4, 5], 0, [3], 3)
 
 
-def test_a_step_with_a_chunk_replays_in_a_prefill_graph_and_a_decode_step_in_the_decode_graph():
+def test_decode_rows_in_the_decode_graph_chunks_in_a_prefill_graph():
     decode, prefill = Runner(one_token), Runner(lambda rows: True)
     fed = torch.tensor([7])
     logits, _ = worker(decode, prefill).run([*DECODE, CHUNK], fed)
+    assert logits.flatten().tolist() == [1.0, 2.0, 3.0]  # row order: decode rows, then the chunk
+    assert decode.calls == [([1, 2], fed)] and prefill.calls == [([3], None)]
+
+
+def test_the_whole_step_in_a_prefill_graph_when_its_decode_rows_do_not_fit_the_decode_graphs():
+    decode, prefill = Runner(lambda rows: False), Runner(lambda rows: True)
+    logits, _ = worker(decode, prefill).run([*DECODE, CHUNK])
     assert logits.flatten().tolist() == [1.0, 2.0, 3.0]
-    assert decode.calls == [] and prefill.calls == [([1, 2, 3], fed)]
-    logits, _ = worker(decode, prefill).run(DECODE, fed)
-    assert logits.flatten().tolist() == [1.0, 2.0] and decode.calls == [([1, 2], fed)]
+    assert decode.calls == [] and prefill.calls == [([1, 2, 3], None)]
 
 
-def test_a_failed_capture_leaves_the_step_eager():
+def test_a_failed_capture_runs_nothing_and_leaves_the_step_eager():
     decode, prefill = Runner(one_token), Runner(lambda rows: True, fails=True)
     with pytest.raises(AssertionError, match="eager forward"):
         worker(decode, prefill).run([*DECODE, CHUNK])
-    assert decode.calls == [] and [rows for rows, _ in prefill.calls] == [[1, 2, 3]]
+    assert decode.calls == [] and [rows for rows, _ in prefill.calls] == [[3]]
+
+
+def test_leading_decode_rows():
+    prompt = BatchRow([9], 0, [4], 4)  # a one-token prompt is not a decode row
+    verify = BatchRow([1, 2], 5, [1], 1, state_after=(6,))
+    assert leading_decode_rows([*DECODE, CHUNK]) == 2
+    assert leading_decode_rows([prompt, *DECODE]) == 0
+    assert leading_decode_rows([DECODE[0], verify, DECODE[1]]) == 1
+    assert leading_decode_rows([]) == 0
 
 
 def test_rows_no_prefill_graph_fits_run_eager():

@@ -52,6 +52,28 @@ class ModelWorker:
         self.caches.copy(copies_after)
         return out
 
+    def _in_graphs(self, rows: list[BatchRow], fed: torch.Tensor | None) -> torch.Tensor | None:
+        """Logits of a step with prompt chunks replayed from graphs, or None to run it eager. Decode rows
+        that fit the decode graphs replay there and the chunks in a prefill graph (in a prefill graph a
+        decode row runs as a one-token varlen sequence, at several times the decode graph's cost);
+        otherwise the whole step replays in a prefill graph. The chunks go first: when their graph
+        cannot be captured nothing has run yet and the whole step goes eager."""
+        graphs, prefill = self.graphs, self.prefill_graphs
+        assert prefill is not None
+        nd = leading_decode_rows(rows)
+        if (
+            0 < nd < len(rows)
+            and graphs is not None
+            and graphs.can_run(rows[:nd])
+            and prefill.can_run(rows[nd:])
+        ):
+            chunks = prefill.run(rows[nd:])
+            if chunks is None:
+                return None
+            # fed covers decode rows only: the first fed.shape[0] <= nd rows.
+            return torch.cat([graphs.run(rows[:nd], fed), chunks])
+        return prefill.run(rows, fed) if prefill.can_run(rows) else None
+
     def _forward(
         self, rows: list[BatchRow], fed: torch.Tensor | None, logits: bool
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -59,10 +81,9 @@ class ModelWorker:
         scoring = any(r.scored for r in rows)
         if logits and graphs is not None and not scoring and _all_need_logits(rows) and graphs.can_run(rows):
             return graphs.run(rows, fed), None
-        prefill = self.prefill_graphs
-        if logits and prefill is not None and prefill.can_run(rows):
-            out = prefill.run(rows, fed)
-            if out is not None:  # None: the bucket's capture failed, eager below
+        if logits and self.prefill_graphs is not None and not scoring:
+            out = self._in_graphs(rows, fed)
+            if out is not None:
                 return out, None
         batch = build_forward_batch(rows, self.caches.page_size, self.device)
         if fed is not None:
@@ -72,6 +93,14 @@ class ModelWorker:
             return None, None
         sampled = sum(r.need_logits for r in rows)
         return self.model.compute_logits(hidden[:sampled]), hidden[sampled:] if scoring else None
+
+
+def leading_decode_rows(rows: Sequence[BatchRow]) -> int:
+    """How many rows at the front are decode rows (one token after a context), as a batch lays them out."""
+    n = 0
+    while n < len(rows) and len(rows[n].token_ids) == 1 and rows[n].context_len > 0 and not rows[n].is_verify:
+        n += 1
+    return n
 
 
 def _all_need_logits(rows: list[BatchRow]) -> bool:

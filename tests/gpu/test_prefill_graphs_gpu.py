@@ -1,6 +1,7 @@
 """Prefill graphs against the eager forward on the GPU (tiny model, fp32): logits, the live caches,
 nothing else touched but the reserved page and slot; replays of one bucket with new rows; the device
-token feed of decode rows; a capture that fails leaves its bucket eager."""
+token feed of decode rows; a unified step split between the decode and the prefill graphs; a capture
+that fails leaves its bucket eager."""
 
 from __future__ import annotations
 
@@ -45,23 +46,27 @@ def setup():
     eager.run(
         [BatchRow(list(range(40)), 0, [1, 2, 3], 1), BatchRow(list(range(100, 200)), 0, range(4, 11), 2)]
     )
-    return eager, ModelWorker(model, caches, prefill_graphs=prefill), prefill, pools
+    split = ModelWorker(model, caches, decode, prefill)  # decode rows in the decode graphs
+    return eager, ModelWorker(model, caches, prefill_graphs=prefill), prefill, pools, split
 
 
-def compare(setup, rows: list[BatchRow], fed: torch.Tensor | None = None) -> None:
+def compare(setup, rows: list[BatchRow], fed: torch.Tensor | None = None, split: bool = False) -> None:
     """The replay against (1) the same padded batch launched eagerly: the same kernels on the same
     inputs, so the same logits and caches; (2) the ordinary eager forward of the rows, whose decode rows
     take the decode kernels (exact fp32) where the graph runs them through fla's chunked kernel (tf32
     dots over the state): the same greedy tokens, the top-8 log-probs within 5e-2 (measured on an H200:
-    at most 0.029, on a decode row). The caches go on from (2)."""
-    eager, graphed, prefill, pools = setup
+    at most 0.029, on a decode row). The caches go on from (2). With `split`, the decode rows replay in
+    the decode graphs and only the chunks in a prefill graph: (1) does not apply, the rest does."""
+    eager, graphed, prefill, pools, split_worker = setup
+    if split:
+        graphed = split_worker
     before = [t.clone() for t in pools]
 
     def restore(state: list[torch.Tensor]) -> None:
         for dst, src in zip(pools, state, strict=True):
             dst.copy_(src)
 
-    padded = prefill.run_eager(rows, fed)
+    padded = None if split else prefill.run_eager(rows, fed)
     after_padded = [t.clone() for t in pools]
     restore(before)
     assert prefill.can_run(rows)
@@ -69,15 +74,16 @@ def compare(setup, rows: list[BatchRow], fed: torch.Tensor | None = None) -> Non
     after_graph = [t.clone() for t in pools]
     restore(before)
     want, _ = eager.run(rows, fed)
-    torch.testing.assert_close(got, padded, atol=1e-5, rtol=1e-5)
-    # Not the reserved page and slot: padding tokens hold whatever their garbage rows compute.
-    real = (
-        [p for p in range(NUM_PAGES) if p != DUMMY_PAGE],
-        [s for s in range(NUM_SLOTS) if s != DUMMY_SLOT],
-    )
-    for i, (g, p) in enumerate(zip(after_graph, after_padded, strict=True)):
-        kept = real[i // 2]  # k, v by page; conv, ssm by slot
-        torch.testing.assert_close(g[:, kept], p[:, kept], atol=1e-5, rtol=1e-5)
+    if padded is not None:
+        torch.testing.assert_close(got, padded, atol=1e-5, rtol=1e-5)
+        # Not the reserved page and slot: padding tokens hold whatever their garbage rows compute.
+        real = (
+            [p for p in range(NUM_PAGES) if p != DUMMY_PAGE],
+            [s for s in range(NUM_SLOTS) if s != DUMMY_SLOT],
+        )
+        for i, (g, p) in enumerate(zip(after_graph, after_padded, strict=True)):
+            kept = real[i // 2]  # k, v by page; conv, ssm by slot
+            torch.testing.assert_close(g[:, kept], p[:, kept], atol=1e-5, rtol=1e-5)
     got_lp, want_lp = got.log_softmax(-1), want.log_softmax(-1)
     assert torch.equal(got_lp.argmax(-1), want_lp.argmax(-1))
     top = want_lp.topk(8, dim=-1).indices
@@ -119,8 +125,19 @@ def test_decode_rows_take_the_fed_tokens(setup):
     compare(setup, rows, fed)
 
 
+def test_a_unified_step_with_its_decode_rows_in_the_decode_graphs(setup):
+    # Slot 1 holds 42 tokens and slot 2 104 after the tests above; the fed token replaces row 0's.
+    fed = torch.tensor([77], dtype=torch.int64, device=DEVICE)
+    rows = [
+        BatchRow([0], 42, [1, 2, 3], 1),
+        BatchRow([5], 104, range(4, 11), 2),
+        BatchRow(list(range(800, 870)), 0, [32, 33, 34, 35, 36], 6),
+    ]
+    compare(setup, rows, fed, split=True)
+
+
 def test_a_bucket_whose_capture_fails_runs_eager(setup, monkeypatch):
-    _, graphed, prefill, _ = setup
+    _, graphed, prefill, _, _ = setup
     rows = [BatchRow(list(range(200)), 0, range(31, 44), 5)]  # 256 x 1: not captured yet
 
     def fail(*args, **kwargs):
