@@ -63,7 +63,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.decode_latency_budget_ms,
         help="while requests decode, size each step's prefill from measured step times so the step "
         "takes about this long (inter-token latency under load; at least a quarter of "
-        "--max-num-batched-tokens still prefills); 0 (default): off",
+        "--max-num-batched-tokens, and a 16th of the prompt tokens waiting, still prefill); 0 (default): off",
     )
     g.add_argument(
         "--prefill-overlap",

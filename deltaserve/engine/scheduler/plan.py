@@ -142,10 +142,16 @@ def choose_prefill_budget(
 
 
 # The step-latency budget (--decode-latency-budget-ms): weight of one step in the running cost estimate,
-# and the share of the token budget a step with decode rows keeps whatever the estimate says (prefill
-# always progresses, however long the decode rows alone take).
+# and the shares a step with decode rows prefills whatever the estimate says: a quarter of the token
+# budget (prefill always progresses, however long the decode rows alone take) and a 16th of the prompt
+# tokens waiting (a burst of prompts, or a server whose queue grows, prefills at full size: there the
+# cut would only trade throughput for decoders that are about to wait on admission anyway).
 STEP_COST_SMOOTHING = 0.2
 MIN_PREFILL_SHARE = 4  # at least max_num_batched_tokens // MIN_PREFILL_SHARE prefill tokens
+BACKLOG_PREFILL_SHARE = 16  # at least ceil(backlog / BACKLOG_PREFILL_SHARE) prefill tokens
+# What fits the budget is rounded down to a multiple of this (the backlog's share up), so a cut step fills
+# a prefill graph's token bucket (they are 128 apart above 512) and the steps it cuts share few buckets.
+LATENCY_CUT_GRAIN = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,15 +189,20 @@ def cap_prefill_for_latency(
     cost: StepCost,
     num_decode_rows: int,
     max_num_batched_tokens: int,
+    backlog_tokens: int = 0,
 ) -> int:
     """The prefill budget of a step with decode rows, cut so the step is expected to take at most
-    `latency_budget_ms` (0: no cut); never below max_num_batched_tokens // MIN_PREFILL_SHARE, and
-    unchanged until a step with prefill has been measured."""
+    `latency_budget_ms` (0: no cut); never below max_num_batched_tokens // MIN_PREFILL_SHARE nor below a
+    BACKLOG_PREFILL_SHARE-th of the `backlog_tokens` (prompt tokens not yet prefilled, admitted or
+    waiting), and unchanged until a step with prefill has been measured. Both bounds come in multiples
+    of LATENCY_CUT_GRAIN."""
     per_token = cost.ms_per_token
     if latency_budget_ms <= 0 or num_decode_rows == 0 or per_token is None:
         return budget
-    fit = int(latency_budget_ms / per_token)
-    return min(budget, max(fit, max_num_batched_tokens // MIN_PREFILL_SHARE))
+    fit = int(latency_budget_ms / per_token) // LATENCY_CUT_GRAIN * LATENCY_CUT_GRAIN
+    backlog_share = -(-backlog_tokens // (BACKLOG_PREFILL_SHARE * LATENCY_CUT_GRAIN)) * LATENCY_CUT_GRAIN
+    floor = max(max_num_batched_tokens // MIN_PREFILL_SHARE, backlog_share)
+    return min(budget, max(fit, floor))
 
 
 def plan_prefill_chunks(remaining: Sequence[int], budget: int, stops: Sequence[int | None] = ()) -> list[int]:

@@ -184,11 +184,17 @@ def _plan_work(
         cost=sched.step_cost,
         num_decode_rows=len(decode),
         max_num_batched_tokens=config.max_num_batched_tokens,
+        backlog_tokens=_prefill_backlog(sched) if config.decode_latency_budget_ms > 0 and decode else 0,
     )
     chunks = take_prefill_chunks(sched, budget, sched.cache.kv.num_free - decode_pages)
     if spec is not None:
         spec.free_pages = sched.cache.kv.num_free - decode_pages - _chunk_pages(sched, chunks)
     return decode, chunks, spec
+
+
+def _prefill_backlog(sched: SchedulerState) -> int:
+    """Tokens still to prefill: the admitted prompts' pending tokens and the waiting requests' tokens."""
+    return sum(r.num_pending for r in sched.prefilling) + sum(r.num_tokens for r in sched.waiting)
 
 
 def _chunk_pages(sched: SchedulerState, chunks: list[ScheduledChunk]) -> int:
