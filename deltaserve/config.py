@@ -555,7 +555,7 @@ class EngineConfig:
     # Steps with prompt chunks of up to this many tokens replay CUDA graphs captured on first use
     # (engine/prefill_graphs.py); None: min(max_num_batched_tokens, 2048); 0: off.
     prefill_graph_max_tokens: int | None = None
-    # Ranks 1..N-1 run in their own processes (engine/tp.py); eager, without decode-ahead or prefill overlap.
+    # Ranks 1..N-1 run in their own processes (engine/tp.py); eager, without prefill overlap.
     tensor_parallel_size: int = 1
     # Prefix cache (on by default, as in vLLM): shared KV pages + GDN state snapshots in a pool of this
     # many GiB (None: 8% of the GPU's memory, 0.25 GiB on CPU).

@@ -185,6 +185,13 @@ def test_the_start_gate_releases_a_step_only_after_every_rank_has_it() -> None:
     assert group.poisoned is None
 
 
+def test_a_step_names_its_fed_rows_to_every_rank() -> None:
+    log: list = []
+    group = RankGroup([FakeChannel(r, log, replies=(RankReply(r, 0),)) for r in (1, 2)], timeout_s=1)
+    group.dispatch(ROWS, fed_rows=1)
+    assert [msg for _, msg in log[:2]] == [RankStep(0, ROWS, fed_rows=1)] * 2
+
+
 def test_a_rank_that_cannot_take_a_step_cancels_it_everywhere_and_poisons_the_group() -> None:
     log: list = []
     channels = [FakeChannel(1, log), FakeChannel(2, log, broken=True), FakeChannel(3, log)]
@@ -263,8 +270,18 @@ def _generate(model_dir: Path, tp: int) -> list:
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
-def test_two_ranks_generate_what_one_rank_generates(checkpoints, preset) -> None:
+def test_two_ranks_generate_what_one_rank_generates(checkpoints, preset, monkeypatch) -> None:
+    fed_rows: list[int] = []
+    dispatch = RankGroup.dispatch
+
+    def recording(self, rows, copies_before=(), copies_after=(), fed=0):
+        fed_rows.append(fed)
+        return dispatch(self, rows, copies_before, copies_after, fed)
+
+    monkeypatch.setattr(RankGroup, "dispatch", recording)
     one, two = _generate(checkpoints[preset], 1), _generate(checkpoints[preset], 2)
+    # Decode-ahead ran: steps fed the previous step's tokens, which rank 1 got from rank 0's broadcast.
+    assert any(n > 0 for n in fed_rows), fed_rows
     scored = list(zip(one[3].prompt_logprobs[1:], two[3].prompt_logprobs[1:], strict=True))
     assert len(scored) == 89 and all(abs(x.logprob - y.logprob) < 1e-4 for x, y in scored)
     for a, b in zip([o.outputs[0] for o in one], [o.outputs[0] for o in two], strict=True):

@@ -141,7 +141,7 @@ class EngineCore:
         graphs = None
         if self.workers is not None:
             logger.info(
-                "tensor parallel over %d ranks: eager (no decode graphs), decode-ahead off",
+                "tensor parallel over %d ranks: eager (no decode graphs)",
                 config.tensor_parallel_size,
             )
         elif device.type == "cuda" and not config.enforce_eager:
@@ -208,7 +208,7 @@ class EngineCore:
             policy=config.scheduler_policy,
             prefill_overlap=config.prefill_overlap,
             decode_latency_budget_ms=config.decode_latency_budget_ms,
-            decode_ahead=config.decode_ahead and self.workers is None,
+            decode_ahead=config.decode_ahead,
             speculative=config.speculative_config,
         )
         self.info = EngineInfo(

@@ -14,8 +14,10 @@ is sharded). The forwards meet in their all-reduces, so every rank must run ever
   fatal path gives every request its one terminal and the rank processes are stopped. Never a hang:
   collectives time out (`DELTASERVE_TP_TIMEOUT_S`, also the reply deadline).
 
-Tensor parallelism runs eager (no decode graphs) and without decode-ahead or prefill overlap: each rank
-needs the step's input tokens on the host.
+Tensor parallelism runs eager (no decode graphs) and without prefill overlap. Decode-ahead runs: a step
+whose first rows are fed the previous step's tokens on rank 0's device says how many (`fed_rows`), and
+rank 0 broadcasts those tokens to every rank before the forward, device to device, so no rank waits for
+them on the host; the broadcast is the step's first collective on every rank.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class RankStep:
     rows: list[BatchRow]
     copies_before: tuple[CacheCopy, ...] = ()  # the prefix cache's device copies, run on every rank
     copies_after: tuple[CacheCopy, ...] = ()
+    fed_rows: int = 0  # the first rows' input tokens come from rank 0's broadcast, not from `rows`
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,13 +138,14 @@ class RankGroup:
         rows: list[BatchRow],
         copies_before: Sequence[CacheCopy] = (),
         copies_after: Sequence[CacheCopy] = (),
+        fed_rows: int = 0,
     ) -> int:
         """Start gate: the step reaches every rank before any rank is released into it. Returns its id."""
         if self.poisoned is not None:
             raise TensorParallelError(self.poisoned)
         step_id = self._next_step
         self._next_step += 1
-        command = RankStep(step_id, rows, tuple(copies_before), tuple(copies_after))
+        command = RankStep(step_id, rows, tuple(copies_before), tuple(copies_after), fed_rows)
         for i, channel in enumerate(self.channels):
             try:
                 channel.send(command)
@@ -203,13 +207,14 @@ class TensorParallelWorker(ModelWorker):
         copies_before: Sequence[CacheCopy] = (),
         copies_after: Sequence[CacheCopy] = (),
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        if fed is not None:
-            raise ValueError("tensor parallelism takes every input token from the host (no token feed)")
         group = self.workers.group
-        step_id = group.dispatch(rows, copies_before, copies_after)
+        step_id = group.dispatch(rows, copies_before, copies_after, 0 if fed is None else fed.shape[0])
         try:
+            if fed is not None:
+                fed = fed.to(torch.int64).contiguous()
+                dist.broadcast(fed, src=0)
             out = super().run(
-                rows, None, logits=logits, copies_before=copies_before, copies_after=copies_after
+                rows, fed, logits=logits, copies_before=copies_before, copies_after=copies_after
             )
         except Exception as exc:
             raise group.poison(f"rank 0 failed step {step_id}: {type(exc).__name__}: {exc}") from exc
@@ -408,8 +413,13 @@ def _serve_steps(rank: int, worker: ModelWorker, channel: Connection) -> None:
                 return
             error = None
             try:
+                fed = None
+                if pending.fed_rows:
+                    fed = torch.empty(pending.fed_rows, dtype=torch.int64, device=worker.device)
+                    dist.broadcast(fed, src=0)
                 worker.run(  # rank 0 alone computes logits and samples
                     pending.rows,
+                    fed,
                     logits=False,
                     copies_before=pending.copies_before,
                     copies_after=pending.copies_after,
