@@ -144,8 +144,8 @@ def choose_prefill_budget(
 # The step-latency budget (--decode-latency-budget-ms): weight of one step in the running cost estimate,
 # and the shares a step with decode rows prefills whatever the estimate says: a quarter of the token
 # budget (prefill always progresses, however long the decode rows alone take) and a 16th of the prompt
-# tokens waiting (a burst of prompts, or a server whose queue grows, prefills at full size: there the
-# cut would only trade throughput for decoders that are about to wait on admission anyway).
+# tokens waiting (a burst of prompts, or a server whose queue grows, prefills at the step budget's full
+# size: there every waiting request's first token depends on prefill throughput).
 STEP_COST_SMOOTHING = 0.2
 MIN_PREFILL_SHARE = 4  # at least max_num_batched_tokens // MIN_PREFILL_SHARE prefill tokens
 BACKLOG_PREFILL_SHARE = 16  # at least ceil(backlog / BACKLOG_PREFILL_SHARE) prefill tokens
