@@ -272,7 +272,7 @@ def test_markdown_puts_the_floor_and_previous_record_beside_each_number(tmp_path
     ) in md
     assert (
         "| 4B, 1024 in / 256 out, concurrency 64 | **failed: bench serve exited with 1; see 1024-256-c64.log: "
-        "HTTP 500** | | | | | | — | TPOT 8.7 ms; ITL p99 135 ms |"
+        "HTTP 500** | | | | | | — | output 5.6k tok/s; TPOT 10.3 ms; ITL p99 42.9 ms |"
     ) in md
     assert "python3 -m deltaserve.cli bench matrix --group decode-4b --cells 1-256-c1,1024-256-c64" in md
     assert "python3 -m deltaserve.cli make-tiny $MODEL_DIR --preset 4b-shape --config-only" in md
@@ -319,8 +319,8 @@ def test_markdown_of_the_startup_group_lists_each_start(tmp_path):
     }
     md = render_markdown(record).splitlines()
     title = record["cells"][0]["title"]
-    assert f"| {title} | 27.0 s | 66.5 s | 2.2 s | HTTP ready 25–32 s |" in md
-    assert f"| {record['cells'][1]['title']} | **failed: exited** | | | HTTP ready 25–32 s |" in md
+    assert f"| {title} | 27.0 s | 66.5 s | 2.2 s | HTTP ready 18.3 s |" in md
+    assert f"| {record['cells'][1]['title']} | **failed: exited** | | | HTTP ready 17.1 s |" in md
     assert not record_ok(record)
 
 

@@ -46,11 +46,15 @@ _DECODE_4B_FLOOR = (Figure("TPOT", 1.95, "ms", metric="tpot_ms.median", approx=T
 # Keyed by "<preset>:<cell name>" (the cell names of matrix_plan.py).
 REFERENCES: dict[str, CellReference] = {
     "4b-shape:1-256-c1": CellReference(_DECODE_4B_FLOOR, (Figure("TPOT", 3.03, "ms"),)),
-    "4b-shape:1-1-c1": CellReference(previous=(Figure("TTFT", 56, "ms"),)),
+    "4b-shape:1-1-c1": CellReference(previous=(Figure("TTFT", 7.1, "ms"),)),
     "4b-shape:1024-256-c1": CellReference(_DECODE_4B_FLOOR),
     "4b-shape:1024-256-c16": CellReference(previous=(Figure("TPOT", 4.72, "ms"),)),
     "4b-shape:1024-256-c64": CellReference(
-        previous=(Figure("TPOT", 8.7, "ms"), Figure("ITL p99", 135, "ms"))
+        previous=(
+            Figure("output", 5.6e3, "tok/s", text="5.6k tok/s"),
+            Figure("TPOT", 10.3, "ms"),
+            Figure("ITL p99", 42.9, "ms"),
+        )
     ),
     "4b-shape:128-512-c256": CellReference(
         previous=(Figure("output", 14.7e3, "tok/s", text="14.7k tok/s"), Figure("ITL p99", 528, "ms"))
@@ -62,8 +66,11 @@ REFERENCES: dict[str, CellReference] = {
     ),
     "4b-shape:32768-1-c1": CellReference(previous=(Figure("TTFT", 0.76, "s"),)),
     "4b-shape:131072-1-c1": CellReference(previous=(Figure("TTFT", 6.0, "s"),)),
-    "4b-shape:first-start": CellReference(previous=(Figure("HTTP ready", 25, "s", text="25–32 s"),)),
-    "4b-shape:restart": CellReference(previous=(Figure("HTTP ready", 25, "s", text="25–32 s"),)),
+    "4b-shape:first-start": CellReference(previous=(Figure("HTTP ready", 18.3, "s"),)),
+    "4b-shape:restart": CellReference(previous=(Figure("HTTP ready", 17.1, "s"),)),
+    "4b-shape:mixed": CellReference(
+        previous=(Figure("decoder ITL p99", 9.69, "ms"), Figure("decoder ITL max", 180, "ms"))
+    ),
     "4b-shape:multi-turn-c32": CellReference(
         note="published elsewhere: SGLang, 4B on one H200, 128 multi-turn clients, prefix hit rate 0.83"
     ),
