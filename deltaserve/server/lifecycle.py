@@ -54,6 +54,10 @@ DEFAULT_MODEL_NAME = "deltaserve-tiny-random"
 SHUTDOWN_REASON = "the server is shutting down"
 FORCED_REASON = "the server was stopped (a second signal)"
 FORCED_ENGINE_SHUTDOWN_S = 5.0
+# A connection closed at shutdown whose reply is fully written is aborted after this long: asyncio gives
+# a closing TLS connection 30 s to receive the peer's close_notify, which an idle keep-alive client never
+# sends, and uvicorn waits for every connection to be gone.
+CLOSE_NOTIFY_GRACE_S = 0.5
 
 
 class _DropWritesToGoneClients(logging.Filter):
@@ -107,6 +111,27 @@ class _Server(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self._on_signal()
         super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        reaper = asyncio.create_task(self._abort_written_closing_connections())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            reaper.cancel()
+
+    async def _abort_written_closing_connections(self) -> None:
+        """Aborts each connection that has been closing for CLOSE_NOTIFY_GRACE_S with nothing left to
+        write (only the TLS close handshake pending); one still writing a reply is left to finish it."""
+        closing_since: dict[int, float] = {}
+        while True:
+            now = time.monotonic()
+            for connection in list(self.server_state.connections):
+                transport = connection.transport
+                if not transport.is_closing() or transport.get_write_buffer_size():
+                    continue
+                if now - closing_since.setdefault(id(connection), now) >= CLOSE_NOTIFY_GRACE_S:
+                    transport.abort()
+            await asyncio.sleep(0.1)
 
 
 class _Lifecycle:
