@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from deltaserve.engine.worker import ModelWorker, leading_decode_rows
-from deltaserve.ops.batch import BatchRow
+from deltaserve.engine.worker import ModelWorker
+from deltaserve.ops.batch import BatchRow, leading_decode_rows
 
 
 class Runner:

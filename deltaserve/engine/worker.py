@@ -15,7 +15,7 @@ from deltaserve.cache.device import DeviceCaches
 from deltaserve.engine.cuda_graphs import CudaGraphRunner
 from deltaserve.engine.prefill_graphs import PrefillGraphRunner
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
-from deltaserve.ops.batch import BatchRow, build_forward_batch
+from deltaserve.ops.batch import BatchRow, build_forward_batch, leading_decode_rows
 
 
 class ModelWorker:
@@ -93,14 +93,6 @@ class ModelWorker:
             return None, None
         sampled = sum(r.need_logits for r in rows)
         return self.model.compute_logits(hidden[:sampled]), hidden[sampled:] if scoring else None
-
-
-def leading_decode_rows(rows: Sequence[BatchRow]) -> int:
-    """How many rows at the front are decode rows (one token after a context), as a batch lays them out."""
-    n = 0
-    while n < len(rows) and len(rows[n].token_ids) == 1 and rows[n].context_len > 0 and not rows[n].is_verify:
-        n += 1
-    return n
 
 
 def _all_need_logits(rows: list[BatchRow]) -> bool:

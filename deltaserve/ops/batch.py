@@ -120,12 +120,24 @@ def to_device(data: Sequence, dtype: torch.dtype, device: torch.device) -> torch
 _DECODE, _VERIFY, _PREFILL = 0, 1, 2
 
 
+def _decode_shaped(row: BatchRow) -> bool:
+    return len(row.token_ids) == 1 and row.context_len > 0 and not row.is_verify
+
+
+def leading_decode_rows(rows: Sequence[BatchRow]) -> int:
+    """How many rows a batch of `rows` runs as decode rows: the decode-shaped rows at its front."""
+    n = 0
+    while n < len(rows) and _decode_shaped(rows[n]):
+        n += 1
+    return n
+
+
 def _row_kind(index: int, row: BatchRow, previous: int) -> int:
     """The kind of row `index` of a batch whose previous row was of kind `previous`. A decode-shaped row
     after the decode rows is a prefill chunk; a verify row after a prefill chunk is an error."""
     n = len(row.token_ids)
     if not row.is_verify:
-        return _DECODE if n == 1 and row.context_len > 0 and previous == _DECODE else _PREFILL
+        return _DECODE if _decode_shaped(row) and previous == _DECODE else _PREFILL
     if row.context_len < 1 or n < 2 or len(row.state_after) != n - 1 or not row.need_logits:
         raise ValueError(
             f"verify row {index} has context {row.context_len}, {n} tokens, {len(row.state_after)} "
