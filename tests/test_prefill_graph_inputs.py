@@ -13,6 +13,7 @@ from deltaserve.cache.state_slots import DUMMY_SLOT
 from deltaserve.config import ModelConfig
 from deltaserve.engine.prefill_graphs import (
     PrefillLayout,
+    ahead_of_need,
     bucket_for,
     fill_prefill_inputs,
     graph_batch,
@@ -39,6 +40,17 @@ def test_buckets_by_hand():
     )
     # 64 tokens in one row: 1 chunk; 65 tokens in two rows of 64 + 1: 2 chunks; the bound covers both.
     assert max_chunks(64, 1) == 2 and max_chunks(65, 2) == 3
+
+
+def test_buckets_captured_ahead_of_need_by_hand():
+    # Rows 1, 2 and 4 (not 8: more than four chunks in a step is rare); the largest tokens first in each.
+    assert ahead_of_need([16, 32, 512, 640], [1, 2, 4, 8]) == [
+        (640, 1), (512, 1), (32, 1), (16, 1),
+        (640, 2), (512, 2), (32, 2), (16, 2),
+        (640, 4), (512, 4), (32, 4), (16, 4),
+    ]  # fmt: skip
+    assert ahead_of_need([16, 32], [1, 3]) == [(32, 1), (16, 1), (32, 3), (16, 3)]
+    assert ahead_of_need([16], [1]) == [(16, 1)]
 
 
 def test_rows_then_padding_by_hand():

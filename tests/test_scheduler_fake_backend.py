@@ -3,12 +3,14 @@ pages, slots, context) and owns every cache allocation; the backend only execute
 
 from __future__ import annotations
 
+import threading
+import time
 from collections import defaultdict
 
 import torch
 
 from deltaserve.cache.manager import CacheManager
-from deltaserve.engine.protocol import AddRequest, RequestUpdate, StepOutputs
+from deltaserve.engine.protocol import AddRequest, RequestUpdate, Shutdown, StepOutputs
 from deltaserve.engine.scheduler import Scheduler, SchedulerConfig
 from deltaserve.engine.step import PendingStep, StagedResult, StepPlan
 from deltaserve.sampling_params import SamplingParams
@@ -105,3 +107,45 @@ def test_decode_ahead_plans_feed_the_previous_steps_tokens_on_the_device():
     assert fed[0] is None and fed[1] is None  # the prefill, then the first decode-ahead launch
     assert all(f is not None and f.rows == [0] for f in fed[2:])
     assert [t for u in updates["a"] for t in u.new_token_ids] == [3, 4, 5, 6, 7]
+
+
+class CapturingBackend(PositionBackend):
+    """Has `captures` graph captures to make ahead of need; records launches and captures in order."""
+
+    def __init__(self, captures: int) -> None:
+        super().__init__()
+        self.left = captures
+        self.events: list[str] = []
+
+    def launch(self, plan: StepPlan) -> PendingStep:
+        self.events.append("step")
+        return super().launch(plan)
+
+    def capture_ahead(self) -> bool:
+        if self.left == 0:
+            return False
+        self.left -= 1
+        self.events.append("capture")
+        return True
+
+
+def test_the_loop_captures_ahead_of_need_only_when_idle_and_one_capture_per_idle_tick():
+    sched, _, updates = make(budget=64)
+    backend = CapturingBackend(captures=3)
+    sched.backend = backend
+    sched.submit(AddRequest("a", list(range(3)), greedy(2)))
+    loop = threading.Thread(target=sched.run, kwargs={"idle_wait_s": 0.01})
+    loop.start()
+    deadline = time.monotonic() + 10
+    while backend.left and time.monotonic() < deadline:
+        time.sleep(0.005)
+    sched.submit(AddRequest("b", list(range(4)), greedy(1)))  # after the captures: served as usual
+    while not (updates["b"] and updates["b"][-1].finish_reason) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    sched.submit(Shutdown("test over"))
+    loop.join(timeout=10)
+    assert not loop.is_alive()
+    # a: a prefill step and a decode step, then the idle ticks capture, one each; then b's prefill.
+    assert backend.events == ["step", "step", "capture", "capture", "capture", "step"]
+    assert [t for u in updates["a"] for t in u.new_token_ids] == [3, 4]
+    assert [t for u in updates["b"] for t in u.new_token_ids] == [4]

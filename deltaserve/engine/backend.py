@@ -53,6 +53,10 @@ class Backend:
             SpeculativeStep(model, caches, self.sampler, spec_graphs) if model.mtp is not None else None
         )
 
+    def capture_ahead(self) -> bool:
+        """Idle time: one graph capture ahead of need (engine/prefill_graphs.py); False: none left."""
+        return self.worker.capture_ahead()
+
     @torch.inference_mode()
     def logits(self, rows: list[BatchRow]) -> torch.Tensor:
         """float32 logits [R, vocab] of the rows that need them (every row by default), in row order:

@@ -20,6 +20,12 @@ grouping), so a replay with new inputs computes what an eager forward of the sam
 
 Graphs share the decode graphs' memory pool; a capture that fails (out of memory) leaves that bucket
 eager, with a warning, and serving goes on.
+
+Ahead of need: while the engine is idle it captures the buckets serving is likely to need
+(`ahead_of_need`), one per idle tick, so that a first step of each size replays instead of stalling
+every running request for a capture (120-220 ms each at the 4B shape on an H200). A request that
+arrives during one of these captures waits for that one capture; once the list is done nothing runs
+while idle.
 """
 
 from __future__ import annotations
@@ -69,6 +75,21 @@ def token_buckets(max_tokens: int) -> list[int]:
 
 def bucket_for(value: int, buckets: Sequence[int]) -> int | None:
     return next((b for b in buckets if b >= value), None)
+
+
+AHEAD_MAX_ROWS = 4  # prompt chunks in one step: more than 4 is rare (a burst of short prompts)
+
+
+def ahead_of_need(token_buckets: Sequence[int], row_buckets: Sequence[int]) -> list[tuple[int, int]]:
+    """The buckets captured while idle, in order: one chunk (any prompt's steps), then two and four
+    chunks (a step where prompts meet); the largest token bucket first within each, so smaller graphs
+    reuse the shared pool's blocks instead of growing it."""
+    return [
+        (tokens, rows)
+        for rows in row_buckets
+        if rows <= AHEAD_MAX_ROWS
+        for tokens in sorted(token_buckets, reverse=True)
+    ]
 
 
 def max_chunks(tokens: int, rows: int) -> int:
@@ -258,6 +279,8 @@ class PrefillGraphRunner:
         self.pool = pool
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.failed: set[tuple[int, int]] = set()  # buckets whose capture failed: they run eager
+        self._ahead = ahead_of_need(self.token_buckets, self.row_buckets)
+        self._ahead_seconds = 0.0
 
     def bucket(self, rows: Sequence[BatchRow]) -> tuple[int, int] | None:
         """The (tokens, rows) bucket that runs `rows` in a graph; None: they run eager."""
@@ -321,6 +344,26 @@ class PrefillGraphRunner:
         started = time.monotonic()
         self._capture((self.token_buckets[0], self.row_buckets[0]))
         return time.monotonic() - started
+
+    @torch.inference_mode()
+    def capture_ahead(self) -> bool:
+        """Captures the next bucket of `ahead_of_need` not captured (or failed) yet; False when none is
+        left. For idle time only: it blocks for one capture."""
+        while self._ahead:
+            key = self._ahead.pop(0)
+            if key in self.graphs or key in self.failed:
+                continue
+            started = time.monotonic()
+            self._capture(key)
+            self._ahead_seconds += time.monotonic() - started
+            if not self._ahead:
+                logger.info(
+                    "prefill graphs ahead of need: done, %d graphs in all, %.1f s of idle time",
+                    len(self.graphs),
+                    self._ahead_seconds,
+                )
+            return True
+        return False
 
     def _capture(self, key: tuple[int, int]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
         """Captures bucket `key` over all-padding inputs: one eager forward first (compiles and

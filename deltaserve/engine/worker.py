@@ -52,6 +52,11 @@ class ModelWorker:
         self.caches.copy(copies_after)
         return out
 
+    def capture_ahead(self) -> bool:
+        """Idle time: captures one prefill graph serving is likely to need; False when there is none
+        left to capture (or no prefill graphs)."""
+        return self.prefill_graphs is not None and self.prefill_graphs.capture_ahead()
+
     def _in_graphs(self, rows: list[BatchRow], fed: torch.Tensor | None) -> torch.Tensor | None:
         """Logits of a step with prompt chunks replayed from graphs, or None to run it eager. Decode rows
         that fit the decode graphs replay there and the chunks in a prefill graph (in a prefill graph a

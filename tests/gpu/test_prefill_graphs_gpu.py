@@ -1,7 +1,7 @@
 """Prefill graphs against the eager forward on the GPU (tiny model, fp32): logits, the live caches,
 nothing else touched but the reserved page and slot; replays of one bucket with new rows; the device
 token feed of decode rows; a unified step split between the decode and the prefill graphs; a capture
-that fails leaves its bucket eager."""
+that fails leaves its bucket eager; captures ahead of need (last: they capture every likely bucket)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from deltaserve.cache.kv_pages import DUMMY_PAGE
 from deltaserve.cache.state_slots import DUMMY_SLOT
 from deltaserve.config import ModelConfig
 from deltaserve.engine.cuda_graphs import CudaGraphRunner
-from deltaserve.engine.prefill_graphs import PrefillGraphRunner
+from deltaserve.engine.prefill_graphs import PrefillGraphRunner, ahead_of_need
 from deltaserve.engine.worker import ModelWorker
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
 from deltaserve.model.weights import load_weights
@@ -148,3 +148,17 @@ def test_a_bucket_whose_capture_fails_runs_eager(setup, monkeypatch):
     monkeypatch.undo()
     got, _ = graphed.run(rows)  # eager, through the worker
     assert got.shape[0] == 1 and bool(torch.isfinite(got).all())
+
+
+def test_captures_ahead_of_need_then_a_first_step_of_a_new_size_replays_without_one(setup):
+    _, _, prefill, _, _ = setup
+    captures = 0
+    while prefill.capture_ahead():
+        captures += 1
+    assert captures > 0 and not prefill.capture_ahead()
+    expected = set(ahead_of_need(prefill.token_buckets, prefill.row_buckets)) - prefill.failed
+    assert expected <= set(prefill.graphs)
+    graphs = len(prefill.graphs)
+    rows = [BatchRow(list(range(90)), 0, range(31, 37), 5), BatchRow(list(range(7)), 0, [40], 6)]
+    compare(setup, rows)  # 128 x 2: from the graph captured ahead
+    assert len(prefill.graphs) == graphs

@@ -64,10 +64,13 @@ class Scheduler(SchedulerState):
 
     def run(self, idle_wait_s: float = 0.05) -> None:
         """The loop: tick until a Shutdown message or a fatal error. Fatal errors fan out one error
-        terminal to every owned request before the loop exits."""
+        terminal to every owned request before the loop exits. Idle ticks go to the backend's graph
+        captures ahead of need, one per tick, until none is left; then the loop sleeps until work."""
         try:
             while not self.stopped:
-                if not self.tick():
+                if self.tick() or self.stopped:
+                    continue
+                if not self.backend.capture_ahead():
                     self._wait_for_work(idle_wait_s)
         except Exception as exc:  # any escape is fatal: every owned request gets its one terminal
             logger.exception("scheduler failed")
