@@ -39,6 +39,7 @@ from deltaserve.bench.matrix_server import (
     free_port,
     start_server,
     stop_server,
+    wait_graphs_ahead,
     wait_ready,
 )
 from deltaserve.bench.proc_stats import tree_cpu_seconds
@@ -48,6 +49,7 @@ from deltaserve.bench.records import PREVIOUS_RECORD_DATE, reference
 _CLIENT_FLAGS = ("--metric-percentiles", "50,90,99,100", "--ready-check-timeout-sec", "60")
 _DISPLAY_PYTHON = "python3"
 _DISPLAY_PORT = 8000
+GRAPHS_AHEAD_TIMEOUT_S = 120.0  # the idle-time captures take ~8 s at the 4B shape on an H200
 
 
 class Interrupted(Exception):
@@ -252,6 +254,10 @@ class GroupRun:
         self.server = start_server(self.plan.serve_argv(port), url, self.plan.raw_dir / "server.log")
         self.record["server"]["ready_s"] = wait_ready(self.server, self.ready_timeout_s)
         print(f"server ready after {self.record['server']['ready_s']:.1f} s", flush=True)
+        graphs = wait_graphs_ahead(self.server, GRAPHS_AHEAD_TIMEOUT_S)
+        self.record["server"]["graphs_ahead_s"] = graphs
+        if graphs is not None:
+            print(f"graph captures ahead of need done after {graphs:.1f} s", flush=True)
         self._write()
         for cell, cell_record in zip(self.plan.group.cells, self.record["cells"], strict=True):
             self._run_cell(cell, cell_record, url)
@@ -360,6 +366,7 @@ def initial_record(plan: Plan, environment: dict[str, Any], date: str) -> dict[s
             "flags": plan.server_flags(),
             "command": command_text(plan.serve_argv(_DISPLAY_PORT, display=True)),
             "ready_s": None,
+            "graphs_ahead_s": None,
             "stop_s": None,
         },
         "cells": cells,

@@ -144,6 +144,14 @@ def _header_table(record: dict[str, Any]) -> list[str]:
         ("server start -> HTTP ready", _seconds(server.get("ready_s"))),
         ("group wall time", f"{_seconds(record.get('wall_s'))} (expected ~{record['expected_wall_s']} s)"),
     ]
+    if server.get("graphs_ahead_s") is not None:
+        rows.insert(
+            -1,
+            (
+                "server start -> idle-time graph captures done (the cells start after)",
+                _seconds(server["graphs_ahead_s"]),
+            ),
+        )
     if not record["startup_group"]:
         rows.append(("completed / failed", f"{ok} / {failed} (all cells)"))
     return ["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)]

@@ -79,6 +79,26 @@ def wait_ready(server: ServerProcess, timeout_s: float) -> float:
         time.sleep(0.1)
 
 
+# Lines of the engine's log (engine/core.py, engine/prefill_graphs.py).
+PREFILL_GRAPHS_ON = "prefill graphs: steps of up to"
+AHEAD_OF_NEED_DONE = "prefill graphs ahead of need: done"
+
+
+def wait_graphs_ahead(server: ServerProcess, timeout_s: float) -> float | None:
+    """Seconds from process start until the server has logged that its idle-time graph captures are
+    done (engine/prefill_graphs.py), so that a measured cell meets replays where a server that has been
+    up a while would; None when it captures none (no prefill graphs) or the timeout passes first."""
+    deadline = time.perf_counter() + timeout_s
+    while time.perf_counter() < deadline and server.proc.poll() is None:
+        text = server.log_path.read_text(errors="replace") if server.log_path.exists() else ""
+        if PREFILL_GRAPHS_ON not in text:
+            return None
+        if AHEAD_OF_NEED_DONE in text:
+            return time.perf_counter() - server.started_at
+        time.sleep(0.2)
+    return None
+
+
 def first_completion_s(server: ServerProcess, model: str, timeout_s: float = 300.0) -> float:
     """Seconds from process start until a 1-token completion of a 1-token prompt has returned."""
     body = {"model": model, "prompt": [0], "max_tokens": 1, "ignore_eos": True, "temperature": 0.0}

@@ -1,0 +1,51 @@
+"""bench matrix starts its cells once the server's idle-time graph captures are done (read from its
+log), and does not wait for a server that captures none."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+from deltaserve.bench.matrix_server import (
+    AHEAD_OF_NEED_DONE,
+    PREFILL_GRAPHS_ON,
+    ServerProcess,
+    wait_graphs_ahead,
+)
+
+
+def _server(tmp_path, text: str) -> ServerProcess:
+    log = tmp_path / "server.log"
+    log.write_text(text)
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    return ServerProcess(proc, "http://127.0.0.1:1", log, time.perf_counter())
+
+
+def test_waits_for_the_captures_ahead_of_need(tmp_path):
+    server = _server(tmp_path, f"engine INFO {PREFILL_GRAPHS_ON} 2048 tokens\n")
+    try:
+
+        def finish() -> None:
+            time.sleep(0.5)
+            with open(server.log_path, "a") as f:
+                f.write(f"engine INFO {AHEAD_OF_NEED_DONE}, 54 graphs in all, 8.1 s of idle time\n")
+
+        threading.Thread(target=finish).start()
+        waited = wait_graphs_ahead(server, timeout_s=10)
+        assert waited is not None and 0.5 <= waited < 5
+    finally:
+        server.proc.kill()
+
+
+def test_no_wait_without_prefill_graphs_nor_past_the_timeout(tmp_path):
+    server = _server(tmp_path, "engine INFO engine ready\n")
+    try:
+        started = time.perf_counter()
+        assert wait_graphs_ahead(server, timeout_s=10) is None
+        assert time.perf_counter() - started < 1
+        server.log_path.write_text(f"engine INFO {PREFILL_GRAPHS_ON} 2048 tokens\n")
+        assert wait_graphs_ahead(server, timeout_s=0.5) is None
+    finally:
+        server.proc.kill()
