@@ -552,7 +552,7 @@ class EngineConfig:
     # the state memory but costs accuracy (docs/benchmarks/2026-11-30-ssm-state-bf16-accuracy.md): opt-in.
     mamba_ssm_cache_dtype: str = "auto"
     enforce_eager: bool = False
-    # Steps with prompt chunks of up to this many tokens replay CUDA graphs captured on first use
+    # Steps with prompt chunks of up to this many tokens replay CUDA graphs captured while idle or on first use
     # (engine/prefill_graphs.py); None: min(max_num_batched_tokens, 2048); 0: off.
     prefill_graph_max_tokens: int | None = None
     # Ranks 1..N-1 run in their own processes (engine/tp.py); eager, without prefill overlap.

@@ -183,8 +183,8 @@ class EngineCore:
             )
             seconds = prefill_graphs.warm()
             logger.info(
-                "prefill graphs: steps of up to %d tokens in up to %d rows, captured per bucket on first "
-                "use (the smallest at start-up: %.1f s)",
+                "prefill graphs: steps of up to %d tokens in up to %d rows, captured per bucket while idle "
+                "(the likely ones) or on first use (the smallest at start-up: %.1f s)",
                 config.prefill_graph_tokens,
                 config.max_num_seqs,
                 seconds,

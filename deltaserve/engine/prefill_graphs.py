@@ -1,5 +1,5 @@
 """CUDA-graph prefill (GPU only): steps with prompt chunks, replayed from graphs captured per
-(token bucket, row bucket) on first use.
+(token bucket, row bucket) while idle (ahead of need) or on first use.
 
 An eager forward with a prefill chunk costs ~45 ms of kernel launching on the host whatever its size
 (docs/benchmarks/2026-12-01-h200-step-host-cost.md); a replay costs two input copies and the launch.
