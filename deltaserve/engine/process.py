@@ -37,6 +37,7 @@ from deltaserve.engine.protocol import (
     encode_engine_message,
 )
 from deltaserve.errors import ConfigError
+from deltaserve.heap import freeze_startup_heap
 from deltaserve.process_clock import since_start_note
 
 if TYPE_CHECKING:
@@ -117,6 +118,7 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str, 
 
         logger.info("engine process: imports done%s", since_start_note())
         core = EngineCore(config)
+        freeze_startup_heap()
         logger.info("engine ready%s", since_start_note())
     except ConfigError as exc:  # a flag or checkpoint that cannot be served: its one-line message is all
         ready.send(("error", str(exc)))

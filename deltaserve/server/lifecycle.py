@@ -33,6 +33,7 @@ from deltaserve.engine.client import AsyncEngineClient
 from deltaserve.engine.core import resolve_model_dir
 from deltaserve.engine.process import EngineLaunch
 from deltaserve.errors import ConfigError
+from deltaserve.heap import freeze_startup_heap
 from deltaserve.process_clock import since_start_note
 from deltaserve.server.admission import Admission
 from deltaserve.server.args import ServerConfig
@@ -321,6 +322,7 @@ async def serve(
     )
     host, port = sock.getsockname()[:2]
     scheme = "https" if config.ssl_certfile else "http"
+    freeze_startup_heap()
     logger.info(
         "serving %r on %s://%s:%d%s (OpenAPI docs at /docs)%s",
         name,
