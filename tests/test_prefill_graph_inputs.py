@@ -18,6 +18,7 @@ from deltaserve.engine.prefill_graphs import (
     fill_prefill_inputs,
     graph_batch,
     max_chunks,
+    next_uncaptured,
     pow2_buckets,
     token_buckets,
 )
@@ -51,6 +52,14 @@ def test_buckets_captured_ahead_of_need_by_hand():
     ]  # fmt: skip
     assert ahead_of_need([16, 32], [1, 3]) == [(32, 1), (16, 1), (32, 3), (16, 3)]
     assert ahead_of_need([16], [1]) == [(16, 1)]
+
+
+def test_the_next_bucket_to_capture_skips_those_captured_meanwhile():
+    pending = [(64, 1), (32, 1), (16, 1), (64, 2)]
+    assert next_uncaptured(pending, {(64, 1)}) == (32, 1) and pending == [(16, 1), (64, 2)]
+    # The last ones captured on first use meanwhile: none left, so the list is done.
+    assert next_uncaptured(pending, {(16, 1), (64, 2)}) is None and pending == []
+    assert next_uncaptured(pending, set()) is None
 
 
 def test_rows_then_padding_by_hand():

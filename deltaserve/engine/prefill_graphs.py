@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -90,6 +90,18 @@ def ahead_of_need(token_buckets: Sequence[int], row_buckets: Sequence[int]) -> l
         if rows <= AHEAD_MAX_ROWS
         for tokens in sorted(token_buckets, reverse=True)
     ]
+
+
+def next_uncaptured(
+    pending: list[tuple[int, int]], settled: Container[tuple[int, int]]
+) -> tuple[int, int] | None:
+    """Pops the buckets at the front of `pending` that are `settled` (captured, or failed), then its
+    next bucket; None when none is left."""
+    while pending:
+        key = pending.pop(0)
+        if key not in settled:
+            return key
+    return None
 
 
 def max_chunks(tokens: int, rows: int) -> int:
@@ -281,6 +293,7 @@ class PrefillGraphRunner:
         self.failed: set[tuple[int, int]] = set()  # buckets whose capture failed: they run eager
         self._ahead = ahead_of_need(self.token_buckets, self.row_buckets)
         self._ahead_seconds = 0.0
+        self._ahead_done = False
 
     def bucket(self, rows: Sequence[BatchRow]) -> tuple[int, int] | None:
         """The (tokens, rows) bucket that runs `rows` in a graph; None: they run eager."""
@@ -348,22 +361,23 @@ class PrefillGraphRunner:
     @torch.inference_mode()
     def capture_ahead(self) -> bool:
         """Captures the next bucket of `ahead_of_need` not captured (or failed) yet; False when none is
-        left. For idle time only: it blocks for one capture."""
-        while self._ahead:
-            key = self._ahead.pop(0)
-            if key in self.graphs or key in self.failed:
-                continue
-            started = time.monotonic()
-            self._capture(key)
-            self._ahead_seconds += time.monotonic() - started
-            if not self._ahead:
-                logger.info(
-                    "prefill graphs ahead of need: done, %d graphs in all, %.1f s of idle time",
-                    len(self.graphs),
-                    self._ahead_seconds,
-                )
-            return True
-        return False
+        left, and the first time, logs that the list is done. For idle time only: it blocks for one
+        capture."""
+        if self._ahead_done:
+            return False
+        key = next_uncaptured(self._ahead, self.graphs.keys() | self.failed)
+        if key is None:
+            self._ahead_done = True
+            logger.info(
+                "prefill graphs ahead of need: done, %d graphs in all, %.1f s of idle time",
+                len(self.graphs),
+                self._ahead_seconds,
+            )
+            return False
+        started = time.monotonic()
+        self._capture(key)
+        self._ahead_seconds += time.monotonic() - started
+        return True
 
     def _capture(self, key: tuple[int, int]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
         """Captures bucket `key` over all-padding inputs: one eager forward first (compiles and
