@@ -37,7 +37,7 @@ class PositionBackend:
         return PendingStep(tokens, StagedResult.start([tokens]), [r.sampling for r in sampled])
 
 
-def make(budget: int, decode_ahead: bool = False, pages: int = 64, seqs: int = 4):
+def make(budget: int, decode_ahead: bool = False, pages: int = 64, seqs: int = 4, max_model_len: int = 256):
     backend = PositionBackend()
     updates: dict[str, list[RequestUpdate]] = defaultdict(list)
 
@@ -46,7 +46,7 @@ def make(budget: int, decode_ahead: bool = False, pages: int = 64, seqs: int = 4
             updates[u.request_id].append(u)
 
     config = SchedulerConfig(
-        max_model_len=256,
+        max_model_len=max_model_len,
         max_num_seqs=seqs,
         max_num_batched_tokens=budget,
         vocab_size=VOCAB,
@@ -85,6 +85,30 @@ def test_each_tick_builds_one_plan_of_decode_rows_then_chunks_within_the_budget(
     assert [t for u in updates["a"] for t in u.new_token_ids] == [5, 6, 7]
     assert [t for u in updates["b"] for t in u.new_token_ids] == [10, 11]
     assert sched.cache.kv.num_used == 0 and sched.cache.states.num_free == 4
+
+
+def _prefill_beside_a_decoder(prompts: list[int]) -> list[list[int]]:
+    """Chunk lengths of the steps with decode rows when `prompts` arrive beside a running decoder,
+    under a 512-token step budget (511 prefill tokens beside the decoder)."""
+    sched, backend, _ = make(budget=512, pages=512, max_model_len=2048)
+    sched.submit(AddRequest("decoder", list(range(4)), greedy(100)))
+    sched.tick()
+    for i, n in enumerate(prompts):
+        sched.submit(AddRequest(f"p{i}", [t % VOCAB for t in range(n)], greedy(1)))
+    for _ in range(6):
+        sched.tick()
+    return [[len(r.token_ids) for r in p.prefill] for p in backend.plans[1:] if p.prefill]
+
+
+def test_a_lone_prompt_beside_decoders_is_prefilled_in_even_chunks():
+    # 1100 tokens need 3 steps of 511: evened, ceil(1100 / 3) = 367, + 1 decode row rounded up to 384
+    # tokens; then 717 left: 2 steps, 359 -> 384 again; then the 334 left. Packed, the steps would be
+    # 511, 511 and a 78-token tail.
+    assert _prefill_beside_a_decoder([1100]) == [[383], [383], [334]]
+
+
+def test_prompts_queued_together_are_packed_to_the_step_budget():
+    assert _prefill_beside_a_decoder([1100, 100]) == [[511], [511], [78, 100]]
 
 
 def test_the_scheduler_reserves_every_page_a_plan_names_and_the_backend_allocates_none():

@@ -12,6 +12,7 @@ from deltaserve.engine.scheduler.plan import (
     admit_pending_requests,
     build_next_plan,
     choose_prefill_budget,
+    even_prefill_budget,
     max_kv_tokens,
     pages_for,
     plan_prefill_chunks,
@@ -112,6 +113,19 @@ def test_chunks_pack_short_prompts_and_only_the_last_is_partial():
     assert plan_prefill_chunks([50, 3], budget=7) == [7]
     assert plan_prefill_chunks([5, 3], budget=0) == []
     assert plan_prefill_chunks([5, 3], budget=5) == [5]
+
+
+def test_a_lone_prompts_chunks_are_evened_over_the_fewest_steps_in_graph_buckets():
+    # 8192 tokens beside 4 decoders, 2044 a step: 5 steps (4 x 2044 = 8176 < 8192); 8192 / 5 -> 1639,
+    # + 4 rows = 1643, rounded up to 1664 tokens: 1660. Packed: 2044 x 4 and a 16-token tail.
+    assert even_prefill_budget(2044, 8192, 4) == 1660
+    assert even_prefill_budget(2044, 8192 - 4 * 1660, 4) == 2044  # the last 1552 fit one step
+    assert even_prefill_budget(2044, 6532, 4) == 1660  # 4 steps: 1633 -> 1637 -> 1664
+    assert even_prefill_budget(2044, 4088, 4) == 2044  # exactly 2 full steps
+    assert even_prefill_budget(2044, 4100, 4) == 1404  # 3 steps: 1367 -> 1371 -> 1408
+    assert even_prefill_budget(2044, 1000, 4) == 2044  # one step: the budget stays
+    assert even_prefill_budget(0, 500, 4) == 0
+    assert even_prefill_budget(511, 1200, 1) == 511  # 3 steps of 400 -> 401 -> 512: never past the budget
 
 
 def test_fcfs_budget_subtracts_decode_rows():

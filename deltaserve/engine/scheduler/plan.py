@@ -205,6 +205,21 @@ def cap_prefill_for_latency(
     return min(budget, max(fit, floor))
 
 
+def even_prefill_budget(budget: int, remaining: int, num_decode_rows: int) -> int:
+    """The prefill budget of a step whose only prefill work is one prompt with `remaining` tokens left,
+    beside `num_decode_rows` decode rows: the prompt's chunks evened out over the fewest steps the
+    budget allows, ceil(remaining / budget). Packed greedily, its last step would be a short tail and
+    the others full; evened, the longest step of the prompt (the decoders' worst interval) shrinks and
+    the step count stays. The step's tokens, prefill and decode rows, round up to a multiple of
+    LATENCY_CUT_GRAIN (a prefill graph's token bucket), never past `budget`."""
+    if budget <= 0 or remaining <= budget:
+        return budget
+    steps = -(-remaining // budget)
+    even = -(-remaining // steps)
+    step_tokens = -(-(even + num_decode_rows) // LATENCY_CUT_GRAIN) * LATENCY_CUT_GRAIN
+    return min(budget, step_tokens - num_decode_rows)
+
+
 def plan_prefill_chunks(remaining: Sequence[int], budget: int, stops: Sequence[int | None] = ()) -> list[int]:
     """Chunk lengths for the prefilling FIFO, packed front to back within the budget. `stops[i]`: the
     tokens request i may take before its next cache point (None: none ahead). A chunk ends at its

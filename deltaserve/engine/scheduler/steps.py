@@ -42,6 +42,7 @@ from deltaserve.engine.scheduler.plan import (
     build_next_plan,
     cap_prefill_for_latency,
     choose_prefill_budget,
+    even_prefill_budget,
     observe_step_cost,
     pages_for,
     plan_prefill_chunks,
@@ -162,7 +163,7 @@ def _plan_work(
 ) -> tuple[list[Request], list[ScheduledChunk], SpeculativePlan | None]:
     """This step's decode rows (every running request, with its next page ensured, preempting the
     newest page holders when the pool cannot), its speculation, and prefill chunks (within the budget
-    and free pages)."""
+    and free pages; a lone prompt beside decoders, with nothing queued behind it, in even chunks)."""
     decode_pages = _ensure_decode_pages(sched)
     decode = list(sched.running)
     spec = _plan_speculation(sched, decode, sched.cache.kv.num_free - decode_pages)
@@ -178,6 +179,8 @@ def _plan_work(
         decode_tokens_left=[r.max_tokens - len(r.output_token_ids) for r in decode],
         front_remaining=sched.prefilling[0].num_pending,
     )
+    if decode and len(sched.prefilling) == 1 and not sched.waiting:
+        budget = even_prefill_budget(budget, sched.prefilling[0].num_pending, len(decode))
     budget = cap_prefill_for_latency(
         budget,
         latency_budget_ms=config.decode_latency_budget_ms,
