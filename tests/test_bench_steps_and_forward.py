@@ -59,9 +59,20 @@ def test_forward_shapes_parse_and_name_the_field_when_wrong():
 
 def test_bench_forward_runs_on_cpu(capsys):
     args = argparse.Namespace(
-        shape=["1x1@0", "2x1@8+1x6@0"], num_iters=1, num_iters_warmup=0, output_json=None
+        shape=["1x1@0", "2x1@8+1x6@0"], num_iters=1, num_iters_warmup=0, output_json=None, kernels=0
     )
     results = run_bench_forward(args, EngineConfig(device="cpu", max_model_len=256, max_num_seqs=4))
     assert [r.shape for r in results] == ["1x1@0", "2x1@8+1x6@0"]
     assert all(r.eager_wall_ms >= r.eager_host_ms > 0 and r.worker_wall_ms > 0 for r in results)
     assert "2x1@8+1x6@0" in capsys.readouterr().out
+
+
+def test_bench_forward_lists_where_a_forward_spends_its_time(capsys):
+    args = argparse.Namespace(shape=["1x6@0"], num_iters=2, num_iters_warmup=0, output_json=None, kernels=3)
+    (result,) = run_bench_forward(args, EngineConfig(device="cpu", max_model_len=256, max_num_seqs=4))
+    kernels = result.kernels
+    assert len(kernels) > 3 and sum(k.share for k in kernels) == pytest.approx(1.0)
+    assert [k.us for k in kernels] == sorted((k.us for k in kernels), reverse=True)
+    assert any("mm" in k.name for k in kernels)  # the projections, as CPU operators
+    out = capsys.readouterr().out
+    assert "kernels of 1x6@0" in out and f"({len(kernels) - 3} others)" in out

@@ -10,7 +10,8 @@ those of the kernels and the host work, not of any cached content. For each shap
 - worker: the engine's forward path (a decode graph when every row has one token and fits one, else a
   prefill graph when the step fits one: its first run captures it, inside the warm-up iterations);
 - for each, the wall time (to the device's last kernel) and the host time (until the launch call
-  returns). Host time close to wall time means the step is bound by launching, not by the GPU.
+  returns). Host time close to wall time means the step is bound by launching, not by the GPU;
+- with `--kernels N`, the eager forward's N kernels with the most device time (kernel_table.py).
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from deltaserve.bench.kernel_table import KernelTime, kernel_table_lines, profile_kernels
 from deltaserve.config import EngineConfig
 
 if TYPE_CHECKING:  # the engine (torch) is imported when the benchmark runs, not when the CLI parses
@@ -45,6 +47,7 @@ class ForwardCost:
     eager_host_ms: float
     worker_wall_ms: float
     worker_host_ms: float
+    kernels: list[KernelTime] = field(default_factory=list)  # with --kernels: the eager forward's
 
 
 def parse_shape(text: str) -> list[RowGroup]:
@@ -91,7 +94,7 @@ def _median_times(
     return statistics.median(walls), statistics.median(hosts)
 
 
-def measure(engine: EngineCore, shape: str, iters: int, warmup: int) -> ForwardCost:
+def measure(engine: EngineCore, shape: str, iters: int, warmup: int, kernels: bool = False) -> ForwardCost:
     import torch
 
     from deltaserve.ops.batch import build_forward_batch
@@ -119,7 +122,8 @@ def measure(engine: EngineCore, shape: str, iters: int, warmup: int) -> ForwardC
     with torch.inference_mode():
         eager_wall, eager_host = _median_times(eager, sync, iters, warmup)
         worker_wall, worker_host = _median_times(through_worker, sync, iters, warmup)
-    return ForwardCost(shape, eager_wall, eager_host, worker_wall, worker_host)
+        table = profile_kernels(eager, sync, iters, device.type == "cuda") if kernels else []
+    return ForwardCost(shape, eager_wall, eager_host, worker_wall, worker_host, table)
 
 
 def add_bench_forward_arguments(parser: argparse.ArgumentParser) -> None:
@@ -133,6 +137,14 @@ def add_bench_forward_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-iters", type=int, default=7)
     parser.add_argument("--num-iters-warmup", type=int, default=3)
     parser.add_argument("--output-json", default=None, help="write the results here")
+    parser.add_argument(
+        "--kernels",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also profile each shape's eager forward and list its N kernels with the most device time "
+        "(CPU operators without a GPU)",
+    )
 
 
 def run_bench_forward(args: argparse.Namespace, engine_config: EngineConfig) -> list[ForwardCost]:
@@ -143,7 +155,10 @@ def run_bench_forward(args: argparse.Namespace, engine_config: EngineConfig) -> 
     engine = EngineCore(engine_config)
     engine.start(lambda outputs: None)  # waits for the start-up's background work; then idles
     try:
-        results = [measure(engine, s, args.num_iters, args.num_iters_warmup) for s in args.shape]
+        results = [
+            measure(engine, s, args.num_iters, args.num_iters_warmup, kernels=args.kernels > 0)
+            for s in args.shape
+        ]
     finally:
         engine.shutdown("benchmark finished")
     print(
@@ -154,6 +169,9 @@ def run_bench_forward(args: argparse.Namespace, engine_config: EngineConfig) -> 
             f"{r.shape:34s} {r.eager_wall_ms:10.2f} {r.eager_host_ms:10.2f} "
             f"{r.worker_wall_ms:11.2f} {r.worker_host_ms:11.2f}"
         )
+    for r in results:
+        if r.kernels:
+            print("\n".join(kernel_table_lines(r.shape, r.kernels, args.kernels)))
     if args.output_json:
         Path(args.output_json).write_text(json.dumps([asdict(r) for r in results], indent=2))
     return results

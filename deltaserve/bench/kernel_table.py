@@ -1,0 +1,55 @@
+"""Where one forward spends its device time, kernel by kernel, from torch's profiler (`bench forward
+--kernels N`): for attribution, beside the wall and host times. Without a GPU the table lists the CPU
+operators instead, so the path runs in CI."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+NAME_WIDTH = 90  # CUTLASS and Triton names run long; the table keeps their heads
+
+
+@dataclass(frozen=True, slots=True)
+class KernelTime:
+    name: str
+    calls: float  # per forward
+    us: float  # self time per forward: device time on a GPU, CPU time without one
+    share: float  # of the forward's summed kernel time
+
+
+def profile_kernels(
+    run: Callable[[], object], sync: Callable[[], None], iters: int, on_gpu: bool
+) -> list[KernelTime]:
+    """Runs `run` `iters` times under the profiler; the kernels (or CPU operators), most time first."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if on_gpu else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
+        for _ in range(iters):
+            run()
+        sync()
+    wanted = DeviceType.CUDA if on_gpu else DeviceType.CPU
+    times = [
+        (e.key, e.count, e.self_device_time_total if on_gpu else e.self_cpu_time_total)
+        for e in prof.key_averages()
+        if e.device_type == wanted
+    ]
+    total = sum(t for _, _, t in times) or 1.0
+    times.sort(key=lambda item: item[2], reverse=True)
+    return [KernelTime(name, count / iters, t / iters, t / total) for name, count, t in times if t > 0]
+
+
+def kernel_table_lines(shape: str, kernels: list[KernelTime], top: int) -> list[str]:
+    """The `top` kernels of one shape, then the rest summed, and the total per forward."""
+    total_us = sum(k.us for k in kernels)
+    lines = [f"kernels of {shape}: {total_us / 1e3:.2f} ms per forward in {len(kernels)} kernels"]
+    lines.append(f"  {'us':>9s} {'share':>6s} {'calls':>6s}  name")
+    for k in kernels[:top]:
+        lines.append(f"  {k.us:9.1f} {k.share:6.1%} {k.calls:6.1f}  {k.name[:NAME_WIDTH]}")
+    rest = kernels[top:]
+    if rest:
+        rest_us = sum(k.us for k in rest)
+        lines.append(f"  {rest_us:9.1f} {rest_us / (total_us or 1.0):6.1%} {'':6s}  ({len(rest)} others)")
+    return lines
