@@ -9,6 +9,7 @@ import pytest
 from deltaserve.bench.forward_cost import RowGroup, parse_shape, run_bench_forward, shape_rows
 from deltaserve.bench.step_log import intervals, parse_steps, summarize
 from deltaserve.config import EngineConfig
+from deltaserve.engine.core import EngineCore
 
 
 def line(end_ms: float, kind: str, tokens: int, reqs: int, rows: int, step_ms: float) -> str:
@@ -76,3 +77,16 @@ def test_bench_forward_lists_where_a_forward_spends_its_time(capsys):
     assert any("mm" in k.name for k in kernels)  # the projections, as CPU operators
     out = capsys.readouterr().out
     assert "kernels of 1x6@0" in out and f"({len(kernels) - 3} others)" in out
+
+
+def test_bench_forward_never_starts_the_scheduler(monkeypatch):
+    """Its forwards run on the caller's thread; a started scheduler captures graphs on the same device
+    while idle, and a capture breaks when another thread launches kernels during it."""
+
+    def refuse(self, publish):
+        raise AssertionError("bench forward started the scheduler")
+
+    monkeypatch.setattr(EngineCore, "start", refuse)
+    args = argparse.Namespace(shape=["1x1@0"], num_iters=1, num_iters_warmup=0, output_json=None, kernels=0)
+    (result,) = run_bench_forward(args, EngineConfig(device="cpu", max_model_len=256, max_num_seqs=4))
+    assert result.worker_wall_ms > 0

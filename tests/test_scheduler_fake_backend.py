@@ -159,10 +159,13 @@ def test_the_loop_captures_ahead_of_need_only_when_idle_and_one_capture_per_idle
     sched.backend = backend
     sched.submit(AddRequest("a", list(range(3)), greedy(2)))
     loop = threading.Thread(target=sched.run, kwargs={"idle_wait_s": 0.01})
+    assert not sched.captures_ahead_done.is_set()
     loop.start()
     deadline = time.monotonic() + 10
     while backend.left and time.monotonic() < deadline:
         time.sleep(0.005)
+    # Set by the first idle tick with no capture left, not before: what benchmarks wait for.
+    assert sched.captures_ahead_done.wait(10) and backend.left == 0
     sched.submit(AddRequest("b", list(range(4)), greedy(1)))  # after the captures: served as usual
     while not (updates["b"] and updates["b"][-1].finish_reason) and time.monotonic() < deadline:
         time.sleep(0.005)

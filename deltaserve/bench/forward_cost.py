@@ -153,7 +153,9 @@ def run_bench_forward(args: argparse.Namespace, engine_config: EngineConfig) -> 
     for shape in args.shape:
         parse_shape(shape)  # a typo fails before the model loads
     engine = EngineCore(engine_config)
-    engine.start(lambda outputs: None)  # waits for the start-up's background work; then idles
+    # The forwards run on this thread: a started scheduler's idle ticks would capture prefill graphs
+    # on the same device meanwhile, and a capture fails when another thread launches during it.
+    engine.wait_for_startup_work()
     try:
         results = [
             measure(engine, s, args.num_iters, args.num_iters_warmup, kernels=args.kernels > 0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import random
 import statistics
 import threading
@@ -24,6 +25,9 @@ import numpy as np
 from deltaserve.config import EngineConfig
 from deltaserve.engine.protocol import AddRequest, StepOutputs
 from deltaserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+CAPTURES_AHEAD_TIMEOUT_S = 300.0  # ~9 s at the 4B shape
 
 if TYPE_CHECKING:  # the engine (torch) is imported when the benchmark runs, not when the CLI parses
     from deltaserve.engine.core import EngineCore
@@ -145,6 +149,10 @@ def run_bench_latency(args: argparse.Namespace, engine_config: EngineConfig) -> 
     engine = EngineCore(engine_config)
     collector = Collector()
     engine.start(collector)
+    # Idle ticks capture prefill graphs one by one (seconds in all); a request that arrives meanwhile
+    # waits for the capture in progress, and would time it.
+    if not engine.wait_for_captures_ahead(CAPTURES_AHEAD_TIMEOUT_S):
+        logger.warning("graph captures ahead of need still running after %.0f s", CAPTURES_AHEAD_TIMEOUT_S)
     results = []
     try:
         for input_len, output_len, bs in cells:

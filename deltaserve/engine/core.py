@@ -254,10 +254,21 @@ class EngineCore:
             )
         return asked
 
+    def wait_for_startup_work(self) -> None:
+        """Blocks until the start-up's background work (the grammar compiler) is done, for a caller
+        that runs the model itself and never starts the scheduler; start() waits for it too."""
+        self._grammars.result()
+
     def start(self, publish: Callable[[StepOutputs], None]) -> None:
         self.scheduler, self.thread = start_scheduler(
             self.scheduler_config, self.backend, publish, self._grammars.result(), self.cache
         )
+
+    def wait_for_captures_ahead(self, timeout_s: float) -> bool:
+        """Blocks until the started scheduler's idle ticks have no graph capture left (at once
+        without prefill graphs); False if `timeout_s` passed first."""
+        assert self.scheduler is not None, "start() the engine first"
+        return self.scheduler.captures_ahead_done.wait(timeout_s)
 
     def submit(self, msg: ClientMessage) -> None:
         assert self.scheduler is not None, "start() the engine first"

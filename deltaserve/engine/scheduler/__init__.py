@@ -71,6 +71,7 @@ class Scheduler(SchedulerState):
                 if self.tick() or self.stopped:
                     continue
                 if not self.backend.capture_ahead():
+                    self.captures_ahead_done.set()
                     self._wait_for_work(idle_wait_s)
         except Exception as exc:  # any escape is fatal: every owned request gets its one terminal
             logger.exception("scheduler failed")

@@ -66,6 +66,9 @@ class SchedulerState:
         self.publish = publish
         self.inbox: queue.SimpleQueue[ClientMessage] = queue.SimpleQueue()
         self._wake = threading.Event()  # set by every submission: the idle loop sleeps on it
+        # Set once the idle ticks have no graph capture left: from then on an idle engine launches
+        # nothing, so a request meets no capture in its way (benchmarks wait for it).
+        self.captures_ahead_done = threading.Event()
         self.waiting: deque[Request] = deque()
         self.prefilling: deque[Request] = deque()
         self.running: list[Request] = []
