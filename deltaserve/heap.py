@@ -1,4 +1,5 @@
-"""The garbage collector and a serving process's start-up heap.
+"""The garbage collector and a serving process's start-up heap; and a collector paused for a
+benchmark client's measured run.
 
 A full collection traverses every container object alive. In the API process that is ~210k objects
 after start-up (FastAPI, pydantic, the tokenizer, torch's modules): ~120 ms on a CPU core, during
@@ -9,6 +10,8 @@ the permanent generation, which collections never traverse. A full collection th
 from __future__ import annotations
 
 import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 
 def freeze_startup_heap() -> int:
@@ -17,3 +20,24 @@ def freeze_startup_heap() -> int:
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
+
+
+@contextmanager
+def collections_paused() -> Iterator[None]:
+    """No collection runs inside: what is alive at entry is frozen and the collector is off. At exit the
+    collector is back as it was, what was frozen here is unfrozen (all stays frozen if something
+    already was at entry: the caller's start-up heap), and one collection frees the run's cycles. For
+    a client timing token arrivals, whose own collection pauses would count as the server's gaps."""
+    was_enabled = gc.isenabled()
+    frozen_before = gc.get_freeze_count()
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if frozen_before == 0:
+            gc.unfreeze()
+        if was_enabled:
+            gc.enable()
+        gc.collect()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import socket
 import threading
@@ -342,6 +343,23 @@ def test_warmups_run_first_and_are_not_measured(stub):
     result = run_bench_serve(args)
 
     assert len(stub.payloads) == 5 and result.completed == 3 and len(result.records) == 3
+
+
+def test_the_measured_run_and_only_it_runs_with_the_collector_paused(stub, monkeypatch):
+    from deltaserve.bench import serve
+
+    seen = []
+    run_workload = serve._run_workload
+
+    async def recording(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return await run_workload(*args, **kwargs)
+
+    monkeypatch.setattr(serve, "_run_workload", recording)
+    args = _args(stub, "--num-warmups", "1", "--num-prompts", "2", "--random-input-len", "4")
+    assert run_bench_serve(args).completed == 2
+    assert seen == [True, False]  # the warm-up with it, the measured run without
+    assert gc.isenabled() and gc.get_freeze_count() == 0
 
 
 def test_finite_request_rate_spreads_sends_until_n_over_rate(stub):
