@@ -69,7 +69,8 @@ REFERENCES: dict[str, CellReference] = {
     "4b-shape:first-start": CellReference(previous=(Figure("HTTP ready", 18.3, "s"),)),
     "4b-shape:restart": CellReference(previous=(Figure("HTTP ready", 17.1, "s"),)),
     "4b-shape:mixed": CellReference(
-        previous=(Figure("decoder ITL p99", 9.69, "ms"), Figure("decoder ITL max", 180, "ms"))
+        previous=(Figure("decoder ITL p99", 10.6, "ms"), Figure("decoder ITL max", 42.2, "ms")),
+        note="the 2026-12-02 record (mixed-4b-even)",
     ),
     "4b-shape:multi-turn-c32": CellReference(
         note="published elsewhere: SGLang, 4B on one H200, 128 multi-turn clients, prefix hit rate 0.83"
