@@ -49,6 +49,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="tokens per step (decode rows + prefill chunks)",
     )
     g.add_argument(
+        "--max-num-batched-tokens-saturated",
+        type=int,
+        default=d.max_num_batched_tokens_saturated,
+        metavar="N",
+        help="tokens per step while requests wait for admission (the server is full); 0: off",
+    )
+    g.add_argument(
         "--page-size", type=int, default=d.page_size, help="KV page size in tokens (a power of two)"
     )
     g.add_argument("--num-kv-pages", type=int, default=None, help="KV pages (default: sized from memory)")
@@ -147,6 +154,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_batched_tokens_saturated=args.max_num_batched_tokens_saturated,
         page_size=args.page_size,
         num_kv_pages=args.num_kv_pages,
         kv_cache_memory_gb=args.kv_cache_memory_gb,

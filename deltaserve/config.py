@@ -538,6 +538,10 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the checkpoint's max_position_embeddings
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    # The step budget while requests wait for admission (the server is full: every waiting request's
+    # first token depends on prefill throughput, and fewer, larger steps pay the decode rows' share less
+    # often); 0: max_num_batched_tokens always.
+    max_num_batched_tokens_saturated: int = 0
     page_size: int = 16
     num_kv_pages: int | None = None  # None = sized from memory
     kv_cache_memory_gb: float | None = None  # CPU: KV budget; GPU: see gpu_memory_utilization
@@ -576,6 +580,11 @@ class EngineConfig:
             )
 
     @property
+    def largest_step_tokens(self) -> int:
+        """The most tokens one step may hold: what warm-up measures activations at."""
+        return max(self.max_num_batched_tokens, self.max_num_batched_tokens_saturated)
+
+    @property
     def prefill_graph_tokens(self) -> int:
         """The largest step (in tokens) a prefill graph is captured for; 0: none."""
         if self.prefill_graph_max_tokens is not None:
@@ -601,6 +610,15 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise fail(name, "an integer >= 1", value)
+        saturated = self.max_num_batched_tokens_saturated
+        if isinstance(saturated, bool) or not isinstance(saturated, int) or saturated < 0:
+            raise fail("max_num_batched_tokens_saturated", "an integer >= 0 (0: off)", saturated)
+        if 0 < saturated < self.max_num_batched_tokens:
+            raise fail(
+                "max_num_batched_tokens_saturated",
+                f"0 (off) or at least --max-num-batched-tokens ({self.max_num_batched_tokens})",
+                saturated,
+            )
         graph_tokens = self.prefill_graph_max_tokens
         if graph_tokens is not None and (
             isinstance(graph_tokens, bool) or not isinstance(graph_tokens, int) or graph_tokens < 0

@@ -161,12 +161,23 @@ def test_missing_config_file_names_the_directory(tmp_path):
             -1,
             "--prefill-graph-max-tokens must be an integer >= 0 (0: off), got -1",
         ),
+        (
+            "max_num_batched_tokens_saturated",
+            1024,
+            "--max-num-batched-tokens-saturated must be 0 (off) or at least --max-num-batched-tokens (2048), "
+            "got 1024",
+        ),
     ],
 )
 def test_bad_engine_flags_fail_before_loading(field, value, message):
     with pytest.raises(ConfigError) as err:
         EngineConfig(**{field: value}).validate()
     assert message in str(err.value)
+
+
+def test_warm_up_measures_the_largest_step_either_budget_allows():
+    assert EngineConfig().largest_step_tokens == 2048
+    assert EngineConfig(max_num_batched_tokens_saturated=8192).largest_step_tokens == 8192
 
 
 def test_prefill_graph_tokens_default_to_the_step_budget_up_to_2048():

@@ -37,7 +37,14 @@ class PositionBackend:
         return PendingStep(tokens, StagedResult.start([tokens]), [r.sampling for r in sampled])
 
 
-def make(budget: int, decode_ahead: bool = False, pages: int = 64, seqs: int = 4, max_model_len: int = 256):
+def make(
+    budget: int,
+    decode_ahead: bool = False,
+    pages: int = 64,
+    seqs: int = 4,
+    max_model_len: int = 256,
+    saturated: int = 0,
+):
     backend = PositionBackend()
     updates: dict[str, list[RequestUpdate]] = defaultdict(list)
 
@@ -49,6 +56,7 @@ def make(budget: int, decode_ahead: bool = False, pages: int = 64, seqs: int = 4
         max_model_len=max_model_len,
         max_num_seqs=seqs,
         max_num_batched_tokens=budget,
+        max_num_batched_tokens_saturated=saturated,
         vocab_size=VOCAB,
         decode_ahead=decode_ahead,
     )
@@ -109,6 +117,21 @@ def test_a_lone_prompt_beside_decoders_is_prefilled_in_even_chunks():
 
 def test_prompts_queued_together_are_packed_to_the_step_budget():
     assert _prefill_beside_a_decoder([1100, 100]) == [[511], [511], [78, 100]]
+
+
+def test_while_a_request_waits_for_admission_steps_take_the_saturated_budget():
+    def run(saturated: int) -> list:
+        sched, backend, _ = make(budget=8, seqs=2, saturated=saturated)
+        sched.submit(AddRequest("a", list(range(5)), greedy(3)))
+        sched.submit(AddRequest("b", list(range(20)), greedy(2)))
+        sched.submit(AddRequest("c", list(range(10)), greedy(2)))  # two slots: c waits
+        for _ in range(2):
+            sched.tick()
+        return [shape(p) for p in backend.plans]
+
+    # 16 tokens a step while c waits: a (5) and 11 of b; then a's decode row and b's other 9.
+    assert run(16) == [([], [(0, 5), (0, 11)]), ([(5, 1)], [(11, 9)])]
+    assert run(0) == [([], [(0, 5), (0, 3)]), ([(5, 1)], [(3, 7)])]  # off: 8 tokens a step
 
 
 def test_the_scheduler_reserves_every_page_a_plan_names_and_the_backend_allocates_none():

@@ -17,6 +17,7 @@ from deltaserve.engine.scheduler.plan import (
     pages_for,
     plan_prefill_chunks,
     preemptions_needed,
+    step_token_budget,
 )
 
 
@@ -126,6 +127,13 @@ def test_a_lone_prompts_chunks_are_evened_over_the_fewest_steps_in_graph_buckets
     assert even_prefill_budget(2044, 1000, 4) == 2044  # one step: the budget stays
     assert even_prefill_budget(0, 500, 4) == 0
     assert even_prefill_budget(511, 1200, 1) == 511  # 3 steps of 400 -> 401 -> 512: never past the budget
+
+
+def test_the_saturated_step_budget_applies_only_while_requests_wait():
+    assert step_token_budget(2048, 8192, num_waiting=1) == 8192
+    assert step_token_budget(2048, 8192, num_waiting=0) == 2048
+    assert step_token_budget(2048, 0, num_waiting=100) == 2048  # off
+    assert step_token_budget(2048, 1024, num_waiting=5) == 2048  # never below the base budget
 
 
 def test_fcfs_budget_subtracts_decode_rows():

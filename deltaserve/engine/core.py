@@ -203,6 +203,7 @@ class EngineCore:
             max_model_len=max_model_len,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_batched_tokens_saturated=config.max_num_batched_tokens_saturated,
             vocab_size=self.tokenizer_vocab,
             eos_token_ids=self.model_config.eos_token_ids,
             policy=config.scheduler_policy,

@@ -122,6 +122,16 @@ def _impossible(req: PendingView, cap: AdmissionCapacity) -> Rejection | None:
     return None
 
 
+def step_token_budget(max_num_batched_tokens: int, saturated_tokens: int, num_waiting: int) -> int:
+    """This step's token budget (decode rows + prefill): `saturated_tokens` while requests wait for
+    admission and it is set, else max_num_batched_tokens. A server with a waiting queue is full: every
+    waiting request's first token depends on prefill throughput, and larger steps pay the running
+    decode rows' share of a step less often. Below that load the smaller budget keeps steps short."""
+    if num_waiting > 0 and saturated_tokens > max_num_batched_tokens:
+        return saturated_tokens
+    return max_num_batched_tokens
+
+
 def choose_prefill_budget(
     *,
     policy: str,

@@ -39,6 +39,9 @@ class SchedulerConfig:
     # While requests decode, size a step's prefill so the step takes about this long (0: off); see
     # plan.cap_prefill_for_latency.
     decode_latency_budget_ms: float = 0.0
+    # The step budget while requests wait for admission (0: max_num_batched_tokens); see
+    # plan.step_token_budget.
+    max_num_batched_tokens_saturated: int = 0
 
     def validate(self) -> None:
         error = policy_error(self.policy, self.prefill_overlap)

@@ -47,6 +47,7 @@ from deltaserve.engine.scheduler.plan import (
     pages_for,
     plan_prefill_chunks,
     preemptions_needed,
+    step_token_budget,
 )
 from deltaserve.engine.scheduler.request import LaunchedStep, Phase, Request, ScheduledChunk
 from deltaserve.engine.scheduler.state import SchedulerState
@@ -172,9 +173,12 @@ def _plan_work(
     if sched.inflight is not None or not sched.prefilling:
         return decode, [], spec
     config = sched.config
+    step_tokens = step_token_budget(
+        config.max_num_batched_tokens, config.max_num_batched_tokens_saturated, len(sched.waiting)
+    )
     budget = choose_prefill_budget(
         policy=config.policy,
-        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_num_batched_tokens=step_tokens,
         num_decode_rows=len(decode),
         decode_tokens_left=[r.max_tokens - len(r.output_token_ids) for r in decode],
         front_remaining=sched.prefilling[0].num_pending,
@@ -186,7 +190,7 @@ def _plan_work(
         latency_budget_ms=config.decode_latency_budget_ms,
         cost=sched.step_cost,
         num_decode_rows=len(decode),
-        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_num_batched_tokens=step_tokens,
         backlog_tokens=_prefill_backlog(sched) if config.decode_latency_budget_ms > 0 and decode else 0,
     )
     chunks = take_prefill_chunks(sched, budget, sched.cache.kv.num_free - decode_pages)

@@ -32,10 +32,12 @@ def log_itl_step(
 
 def log_start(config: SchedulerConfig) -> None:
     logger.debug(
-        "scheduler started: policy=%s overlap=%s decode_ahead=%s max_num_seqs=%d max_num_batched_tokens=%d",
+        "scheduler started: policy=%s overlap=%s decode_ahead=%s max_num_seqs=%d max_num_batched_tokens=%d "
+        "(saturated: %d)",
         config.policy,
         config.prefill_overlap,
         config.decode_ahead,
         config.max_num_seqs,
         config.max_num_batched_tokens,
+        config.max_num_batched_tokens_saturated,
     )
