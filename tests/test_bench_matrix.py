@@ -289,6 +289,18 @@ def _one_cell(plan: Plan, group: str, cell: str, bench_json: dict[str, Any]) -> 
     return record
 
 
+def test_markdown_says_where_each_runs_worst_gap_happened(tmp_path):
+    plan, _ = _record(tmp_path, "decode-4b", "1024-256-c64")
+    gap = {"ms": 92.1, "request": 17, "token": 1, "at_s": 0.84, "streams_stalled": 63, "streams_active": 63}
+    md = render_markdown(
+        _one_cell(plan, "decode-4b", "1024-256-c64", _bench_json(20, 0) | {"worst_itl_gap": gap})
+    )
+    assert "| 4B, 1024 in / 256 out, concurrency 64 | 92.1 | 17 | 1 | 0.84 s | 63 of 63 |" in md
+    assert "worst inter-token gap" not in render_markdown(
+        _one_cell(plan, "decode-4b", "1024-256-c64", _bench_json(20, 0))
+    )
+
+
 def test_markdown_of_a_multi_turn_cell_has_the_per_turn_table(tmp_path):
     _, record = _record(tmp_path, "multiturn-4b")
     turns = [

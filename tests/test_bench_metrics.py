@@ -14,6 +14,7 @@ from deltaserve.bench.metrics import (
     format_report,
     parse_goodput,
 )
+from deltaserve.bench.worst_gap import worst_gap, worst_gap_line
 
 
 def _ok(send: float, chunks: list[float], prompt: int, completion: int) -> RequestRecord:
@@ -181,3 +182,21 @@ def test_report_is_vllms_block():
     assert "-----Time per Output Token (excl. 1st token)------" in lines
     assert f"{'P99 E2EL (ms):':<40} {298.4:<10.2f}" in lines
     assert lines[-1] == "=" * 50
+
+
+def test_the_worst_gap_names_its_request_and_how_many_streams_it_stalled():
+    def rec(send, times, success=True):
+        return RequestRecord(success, "" if success else "boom", send, times, 4, len(times))
+
+    records = [
+        rec(0.0, [1.0 + 0.1 * k for k in range(8)]),  # a chunk every 100 ms: not stalled
+        rec(0.0, [1.05, 1.15, 1.65, 1.75]),  # the worst gap: 1.15 -> 1.65
+        rec(0.0, [1.10, 1.15, 1.65, 1.70]),  # the same gap at the same moment: stalled with it
+        rec(1.5, [1.6, 1.7]),  # started during the gap: not active across it
+        rec(0.0, [], success=False),
+    ]
+    gap = worst_gap(records)
+    assert (gap.request, gap.token, gap.streams_stalled, gap.streams_active) == (1, 2, 1, 2)
+    assert gap.ms == pytest.approx(500.0) and gap.at_s == pytest.approx(1.65)
+    assert "500.0 ms, request 1 before chunk 2, 1.65 s into the run; 1 of 2" in worst_gap_line(gap)
+    assert worst_gap([rec(0.0, [1.0])]) is None

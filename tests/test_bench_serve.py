@@ -206,6 +206,8 @@ def test_random_run_measures_the_servers_delays_within_the_concurrency_cap(stub,
     assert saved["request_rate"] == "inf" and saved["max_concurrency"] == 2
     assert saved["config"]["random_input_len"] == 8 and "date" in saved["environment"]
     assert "ttfts" not in saved  # only with --save-detailed
+    worst_ms = max(gap for r in result.records for gap in r.itls) * 1e3
+    assert saved["worst_itl_gap"]["ms"] == pytest.approx(worst_ms)  # the ITL max, located
 
 
 def test_http_400_a_stream_without_done_or_usage_are_failures_with_their_error_text(stub, tmp_path):
@@ -345,7 +347,7 @@ def test_warmups_run_first_and_are_not_measured(stub):
     assert len(stub.payloads) == 5 and result.completed == 3 and len(result.records) == 3
 
 
-def test_the_measured_run_and_only_it_runs_with_the_collector_paused(stub, monkeypatch):
+def test_the_measured_run_and_only_it_runs_with_the_collector_paused(stub, monkeypatch, capsys):
     from deltaserve.bench import serve
 
     seen = []
@@ -360,6 +362,7 @@ def test_the_measured_run_and_only_it_runs_with_the_collector_paused(stub, monke
     assert run_bench_serve(args).completed == 2
     assert seen == [True, False]  # the warm-up with it, the measured run without
     assert gc.isenabled() and gc.get_freeze_count() == 0
+    assert "Worst ITL gap: " in capsys.readouterr().out  # the report names where the ITL max came from
 
 
 def test_finite_request_rate_spreads_sends_until_n_over_rate(stub):

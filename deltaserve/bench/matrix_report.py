@@ -40,6 +40,7 @@ class StreamSummary:
     max_concurrent_requests: int
     cached_token_share: float | None
     per_turn: tuple[dict[str, Any], ...] = ()
+    worst_itl_gap: dict[str, Any] | None = None  # bench/worst_gap.py WorstGap, as saved
 
     @classmethod
     def from_bench_json(cls, result: dict[str, Any]) -> StreamSummary:
@@ -61,6 +62,7 @@ class StreamSummary:
             max_concurrent_requests=result["max_concurrent_requests"],
             cached_token_share=result.get("cached_token_share"),
             per_turn=tuple(result.get("per_turn") or ()),
+            worst_itl_gap=result.get("worst_itl_gap"),
         )
 
     @classmethod
@@ -184,7 +186,43 @@ def _results_section(record: dict[str, Any]) -> list[str]:
                 f"| {_floor(cell, s)} | {_previous(cell)} |"
             )
     notes = [f"- {c['title']}: {c['note']}" for c in record["cells"] if c.get("note")]
-    return [*lines, "", *notes, *([""] if notes else []), *_host_cpu_section(record)]
+    return [
+        *lines,
+        "",
+        *notes,
+        *([""] if notes else []),
+        *_worst_gap_section(record),
+        *_host_cpu_section(record),
+    ]
+
+
+def _worst_gap_section(record: dict[str, Any]) -> list[str]:
+    """Where each stream's ITL max happened, and how many other streams it stalled."""
+    rows = []
+    for cell in record["cells"]:
+        for stream in cell["streams"]:
+            gap = (stream.get("summary") or {}).get("worst_itl_gap")
+            if not gap:
+                continue
+            title = cell["title"] + (f": **{stream['name']}**" if stream["name"] else "")
+            rows.append(
+                f"| {title} | {_ms(gap['ms'])} | {gap['request']} | {gap['token']} | {gap['at_s']:.2f} s "
+                f"| {gap['streams_stalled']} of {gap['streams_active']} |"
+            )
+    if not rows:
+        return []
+    return [
+        "## The worst inter-token gap of each run",
+        "",
+        "The request (in send order) and chunk that ended the ITL max, when in the run, and how many of the "
+        "other streams active across it got no chunk meanwhile: all of them is a stall of a whole process "
+        "(client, API server or engine), none is that request's own.",
+        "",
+        "| cell | ms | request | chunk | at | streams stalled |",
+        "|---|---|---|---|---|---|",
+        *rows,
+        "",
+    ]
 
 
 def _host_cpu_section(record: dict[str, Any]) -> list[str]:

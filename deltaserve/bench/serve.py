@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import asdict
 from datetime import datetime
 from functools import partial
 from pathlib import Path
@@ -46,6 +47,7 @@ from deltaserve.bench.metrics import (
 )
 from deltaserve.bench.multi_turn import MultiTurnDataset, converse, multi_turn_dataset
 from deltaserve.bench.turn_metrics import format_turn_table, per_turn_stats
+from deltaserve.bench.worst_gap import worst_gap, worst_gap_line
 from deltaserve.heap import collections_paused
 
 # One request may legitimately stream for a long time (long outputs under heavy load); vLLM's bound.
@@ -275,11 +277,15 @@ async def _bench(args: argparse.Namespace) -> BenchResult:
     result.environment = _environment()
     _print_errors(records)
     print(format_report(result))
+    gap = worst_gap(records)
+    print(worst_gap_line(gap))
     if result.turns:
         print(format_turn_table(result.turns))
     if args.save_result:
         path = _result_path(args, model, result.environment["date"])
-        path.write_text(json.dumps(result.to_json(detailed=args.save_detailed), indent=2) + "\n")
+        saved = result.to_json(detailed=args.save_detailed)
+        saved["worst_itl_gap"] = asdict(gap) if gap is not None else None
+        path.write_text(json.dumps(saved, indent=2) + "\n")
         print(f"Saved result to {path}")
     return result
 
