@@ -172,7 +172,7 @@ def _results_section(record: dict[str, Any]) -> list[str]:
     ]
     for cell in record["cells"]:
         for stream in cell["streams"]:
-            title = cell["title"] + (f": **{stream['name']}**" if stream["name"] else "")
+            title = _stream_title(cell, stream)
             if not stream.get("summary"):
                 lines.append(
                     f"| {title} | **failed: {_cell_text(stream.get('error') or 'no result')}** "
@@ -196,6 +196,11 @@ def _results_section(record: dict[str, Any]) -> list[str]:
     ]
 
 
+def _stream_title(cell: dict[str, Any], stream: dict[str, Any]) -> str:
+    """A stream's row title: the cell's, with the stream's name where the cell runs several."""
+    return cell["title"] + (f": **{stream['name']}**" if stream["name"] else "")
+
+
 def _worst_gap_section(record: dict[str, Any]) -> list[str]:
     """Where each stream's ITL max happened, and how many other streams it stalled."""
     rows = []
@@ -204,7 +209,7 @@ def _worst_gap_section(record: dict[str, Any]) -> list[str]:
             gap = (stream.get("summary") or {}).get("worst_itl_gap")
             if not gap:
                 continue
-            title = cell["title"] + (f": **{stream['name']}**" if stream["name"] else "")
+            title = _stream_title(cell, stream)
             rows.append(
                 f"| {title} | {_ms(gap['ms'])} | {gap['request']} | {gap['token']} | {gap['at_s']:.2f} s "
                 f"| {gap['streams_stalled']} of {gap['streams_active']} |"
