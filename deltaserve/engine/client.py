@@ -22,6 +22,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 
 import zmq
 import zmq.asyncio
@@ -59,6 +60,27 @@ class _EngineGone:
     """Put on every in-flight request's queue when the engine dies or the client shuts down."""
 
     reason: str
+
+
+def wait_for_start_up_report(
+    ready: Connection, process: multiprocessing.process.BaseProcess, deadline: float, timeout_s: float
+) -> tuple[str, object]:
+    """The engine's ("ready", info) or ("error", message), or an error of our own if it exited silently
+    or ran past `deadline`. A report sent just before the engine exited is still in the pipe once the
+    process is seen dead, so the pipe is read once more then: the engine's own message wins over its
+    exit code."""
+    while time.monotonic() < deadline:
+        try:
+            if ready.poll(0.2):
+                return ready.recv()
+            if not process.is_alive() and ready.poll(0):
+                return ready.recv()
+        except EOFError:  # the engine's end closed with nothing sent: it died before reporting
+            pass
+        if not process.is_alive():
+            process.join(1.0)  # the exit code is set once the process is reaped
+            return ("error", f"the engine process exited during start-up (exit code {process.exitcode})")
+    return ("error", f"the engine did not become ready within {timeout_s:.0f} s")
 
 
 class AsyncEngineClient:
@@ -116,18 +138,9 @@ class AsyncEngineClient:
         loop = asyncio.get_running_loop()
         deadline = time.monotonic() + startup_timeout_s
 
-        def wait_ready() -> tuple[str, object]:
-            while time.monotonic() < deadline:
-                if ready.poll(0.2):
-                    return ready.recv()
-                if not process.is_alive():
-                    return (
-                        "error",
-                        f"the engine process exited during start-up (exit code {process.exitcode})",
-                    )
-            return ("error", f"the engine did not become ready within {startup_timeout_s:.0f} s")
-
-        status, payload = await loop.run_in_executor(None, wait_ready)
+        status, payload = await loop.run_in_executor(
+            None, wait_for_start_up_report, ready, process, deadline, startup_timeout_s
+        )
         if status != "ready":
             push.close(0)
             pull.close(0)
