@@ -40,6 +40,7 @@ from deltaserve.engine.protocol import (
     RequestUpdate,
     ResetPrefixCache,
     Shutdown,
+    coalesce_updates,
     decode_engine_message,
     encode_client_message,
 )
@@ -178,14 +179,21 @@ class AsyncEngineClient:
                 )
             )
             while True:
-                update = await q.get()
-                if isinstance(update, _EngineGone):
+                # Everything queued for this request since it was last read leaves as one update: a
+                # consumer that fell behind the engine catches up in one delta, not one per step.
+                batch: list[RequestUpdate | _EngineGone] = [await q.get()]
+                while not q.empty() and isinstance(batch[-1], RequestUpdate) and not batch[-1].finished:
+                    batch.append(q.get_nowait())
+                gone = batch.pop() if isinstance(batch[-1], _EngineGone) else None
+                if batch:
+                    update = coalesce_updates(batch)  # type: ignore[arg-type]
+                    finished = update.finished
+                    yield update
+                    if finished:
+                        return
+                if gone is not None:
                     finished = True
-                    raise EngineDeadError(update.reason)
-                finished = update.finished
-                yield update
-                if finished:
-                    return
+                    raise EngineDeadError(gone.reason)
         finally:
             self._queues.pop(request_id, None)
             if not finished and not self.dead:

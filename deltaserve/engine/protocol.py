@@ -74,6 +74,32 @@ class RequestUpdate:
         return self.finish_reason is not None
 
 
+def coalesce_updates(updates: list[RequestUpdate]) -> RequestUpdate:
+    """One request's consecutive updates as the one update an engine emitting them all at once would
+    have sent: tokens and logprobs joined in order, counts and the end (finish, stop, error) from the
+    last, what comes once (queue time, prompt logprobs) from the first that has it. A client that fell
+    behind its engine hands each request's backlog on as one delta rather than one per step."""
+    if len(updates) == 1:
+        return updates[0]
+    last = updates[-1]
+    logprobs = [u.new_logprobs for u in updates if u.new_logprobs is not None]
+    return RequestUpdate(
+        last.request_id,
+        new_token_ids=[t for u in updates for t in u.new_token_ids],
+        new_logprobs=[lp for batch in logprobs for lp in batch] if logprobs else None,
+        finish_reason=last.finish_reason,
+        stop_reason=last.stop_reason,
+        error=last.error,
+        error_field=last.error_field,
+        num_prompt_tokens=next((u.num_prompt_tokens for u in reversed(updates) if u.num_prompt_tokens), 0),
+        num_output_tokens=last.num_output_tokens,
+        num_preemptions=last.num_preemptions,
+        num_cached_tokens=last.num_cached_tokens,
+        queued_time=next((u.queued_time for u in updates if u.queued_time is not None), None),
+        prompt_logprobs=next((u.prompt_logprobs for u in updates if u.prompt_logprobs is not None), None),
+    )
+
+
 @dataclass(slots=True, frozen=True)
 class LoadSnapshot:
     running: int = 0  # requests holding a state slot: prefilling, in flight or decoding
