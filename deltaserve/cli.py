@@ -242,6 +242,37 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         launch.abandon()  # a no-op after an orderly shutdown; a server that failed takes its engine along
 
 
+def _cmd_bench_api(args: argparse.Namespace) -> int:
+    from deltaserve.bench.api import run_bench_api
+
+    return run_bench_api(args)
+
+
+def _cmd_bench_api_server(args: argparse.Namespace) -> int:
+    """`deltaserve serve` with the synthetic engine of bench/synthetic_engine.py in place of the model:
+    the server that `bench api` measures."""
+    from deltaserve.bench.synthetic_engine import SyntheticEngineConfig, spawn_synthetic_engine
+    from deltaserve.server.args import ServerConfig
+    from deltaserve.server.listen import bind_socket
+
+    engine_config = engine_config_from_args(args)
+    server_config = ServerConfig.from_args(args)
+    sock = bind_socket(server_config.host, server_config.port)
+    synthetic = SyntheticEngineConfig(
+        engine_config.model,
+        args.step_ms / 1000,
+        engine_config.max_num_seqs,
+        engine_config.max_model_len or 32768,
+    )
+    launch = spawn_synthetic_engine(synthetic)
+    try:
+        from deltaserve.server.app import run_server
+
+        return run_server(server_config, engine_config, sock=sock, launch=launch)
+    finally:
+        launch.abandon()
+
+
 def _cmd_bench_serve(args: argparse.Namespace) -> int:
     from deltaserve.bench.serve import run_bench_serve
 
@@ -276,6 +307,18 @@ def _cmd_bench_steps(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model_tag", nargs="?", default=None, metavar="MODEL_DIR", help="checkpoint directory, as --model"
+    )
+    add_engine_arguments(parser)
+    from deltaserve.server.args import add_server_arguments
+    from deltaserve.server.vllm_flags import add_vllm_arguments
+
+    add_server_arguments(parser)
+    add_vllm_arguments(parser)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deltaserve", description="Serve Qwen3.5 hybrid models.")
     parser.add_argument("--version", action="version", version=f"deltaserve {__version__}")
@@ -286,15 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="OpenAI-compatible HTTP server",
         usage="%(prog)s [MODEL_DIR] [options]  (all options: %(prog)s --help)",
     )
-    serve.add_argument(
-        "model_tag", nargs="?", default=None, metavar="MODEL_DIR", help="checkpoint directory, as --model"
-    )
-    add_engine_arguments(serve)
-    from deltaserve.server.args import add_server_arguments
-    from deltaserve.server.vllm_flags import add_vllm_arguments
-
-    add_server_arguments(serve)
-    add_vllm_arguments(serve)
+    add_serve_arguments(serve)
     serve.set_defaults(func=_cmd_serve, parser=serve)
 
     gen = sub.add_parser("generate", help="complete one prompt offline")
@@ -326,6 +361,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_serve_arguments(bench_serve)
     bench_serve.set_defaults(func=_cmd_bench_serve, parser=bench_serve)
+    bench_api = bench_sub.add_parser(
+        "api", help="the API process's cost per streamed token, over a synthetic engine (no model, no GPU)"
+    )
+    from deltaserve.bench.api import add_bench_api_arguments, add_step_argument
+
+    add_bench_api_arguments(bench_api)
+    bench_api.set_defaults(func=_cmd_bench_api, parser=bench_api)
+    api_server = bench_sub.add_parser(
+        "api-server", help="`serve` over the synthetic engine that `bench api` measures"
+    )
+    add_serve_arguments(api_server)
+    add_step_argument(api_server)
+    api_server.set_defaults(func=_cmd_bench_api_server, parser=api_server)
     bench_latency = bench_sub.add_parser("latency", help="in-process TTFT/TPOT through the engine (no HTTP)")
     add_engine_arguments(bench_latency)
     from deltaserve.bench.latency import add_bench_latency_arguments

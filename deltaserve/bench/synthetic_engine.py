@@ -1,0 +1,172 @@
+"""An engine process without a model, for measuring the API process alone.
+
+It speaks the engine's protocol (engine/protocol.py) over the same sockets, so the API process runs as
+it does in production: the engine client, detokenization, the endpoints and SSE. Every `step_s` it gives
+each running request one token from a fixed cycle of ordinary words, and ends a request at its
+`max_tokens` (finish "length"), on an abort, or at shutdown. It schedules nothing: every request runs
+from its arrival, up to `max_num_seqs` at once, the rest waiting in arrival order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import multiprocessing
+import os
+import tempfile
+import time
+from collections import deque
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+import zmq
+
+from deltaserve.engine.core import EngineInfo, resolve_model_dir
+from deltaserve.engine.process import EngineLaunch, set_process_name
+from deltaserve.engine.protocol import (
+    HEARTBEAT_INTERVAL_S,
+    AbortRequest,
+    AddRequest,
+    Heartbeat,
+    LoadSnapshot,
+    RequestUpdate,
+    ResetPrefixCache,
+    Shutdown,
+    StepOutputs,
+    decode_client_message,
+    encode_engine_message,
+)
+from deltaserve.tokenizer import Tokenizer
+
+# Ordinary English: one or two tokens a word, as a chat answer streams.
+TEXT = (
+    "The quick brown fox jumps over the lazy dog while the engine streams one token at a time, "
+    "and every client reads its own answer as it arrives, word by word, until the end."
+)
+
+
+@dataclass(frozen=True, slots=True)
+class SyntheticEngineConfig:
+    model: str | None  # the checkpoint whose tokenizer and limits the API process uses
+    step_s: float  # one token per running request per step
+    max_num_seqs: int
+    max_model_len: int = 32768
+
+
+@dataclass(slots=True)
+class _Running:
+    add: AddRequest
+    emitted: int = 0
+
+
+def spawn_synthetic_engine(config: SyntheticEngineConfig) -> EngineLaunch:
+    sock_dir = tempfile.mkdtemp(prefix="deltaserve-synthetic-")
+    input_addr = f"ipc://{os.path.join(sock_dir, 'input')}"
+    output_addr = f"ipc://{os.path.join(sock_dir, 'output')}"
+    mp = multiprocessing.get_context("spawn")
+    parent_end, child_end = mp.Pipe(duplex=False)
+    process = mp.Process(
+        target=run_synthetic_engine,
+        args=(config, input_addr, output_addr, child_end),
+        name="deltaserve-synthetic-engine",
+        daemon=True,
+    )
+    process.start()
+    child_end.close()
+    return EngineLaunch(process, parent_end, sock_dir, input_addr, output_addr)
+
+
+def run_synthetic_engine(
+    config: SyntheticEngineConfig, input_addr: str, output_addr: str, ready: Connection
+) -> None:
+    set_process_name("dserve-synth")
+    model_dir = resolve_model_dir(config.model)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    words = tokenizer.encode(TEXT)
+    info = EngineInfo(
+        model_dir=str(model_dir),
+        max_model_len=config.max_model_len,
+        vocab_size=tokenizer.vocab_size,
+        eos_token_ids=(),
+        kv_pages=config.max_num_seqs * config.max_model_len // 16,
+        page_size=16,
+        kv_capacity_tokens=config.max_num_seqs * config.max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        device="synthetic",
+        dtype="none",
+    )
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.connect(input_addr)
+    outbox = ctx.socket(zmq.PUSH)
+    outbox.connect(output_addr)
+    ready.send(("ready", dataclasses.asdict(info)))
+    ready.close()
+    parent = os.getppid()
+    running: dict[str, _Running] = {}
+    waiting: deque[AddRequest] = deque()
+    next_step = next_beat = time.monotonic()
+    while os.getppid() == parent:
+        timeout_ms = max(0, int((next_step - time.monotonic()) * 1000))
+        updates: list[RequestUpdate] = []
+        if inbox.poll(timeout_ms):
+            while True:
+                try:
+                    msg = decode_client_message(inbox.recv(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+                if isinstance(msg, AddRequest):
+                    waiting.append(msg)
+                elif isinstance(msg, AbortRequest):
+                    gone = running.pop(msg.request_id, None)
+                    if gone is not None:
+                        updates.append(RequestUpdate(msg.request_id, finish_reason="abort"))
+                    waiting = deque(w for w in waiting if w.request_id != msg.request_id)
+                elif isinstance(msg, Shutdown):
+                    ends = [*running, *(w.request_id for w in waiting)]
+                    done = [RequestUpdate(r, finish_reason="abort", error=msg.reason) for r in ends]
+                    outbox.send(encode_engine_message(StepOutputs(done, LoadSnapshot())))
+                    with contextlib.suppress(zmq.ZMQError):
+                        outbox.close(linger=2000)
+                    return
+                elif not isinstance(msg, ResetPrefixCache):
+                    raise TypeError(f"unexpected message {type(msg).__name__}")
+        now = time.monotonic()
+        if now >= next_step:
+            next_step += config.step_s
+            if next_step < now:  # fell behind: the next step is one period from now, not a burst
+                next_step = now + config.step_s
+            while waiting and len(running) < config.max_num_seqs:
+                add = waiting.popleft()
+                running[add.request_id] = _Running(add)
+            for request_id, run in list(running.items()):
+                updates.append(_next_token(request_id, run, words, now))
+                if updates[-1].finished:
+                    del running[request_id]
+        load = LoadSnapshot(
+            running=len(running),
+            waiting=len(waiting),
+            state_slots_free=config.max_num_seqs - len(running),
+            state_slots_total=config.max_num_seqs,
+            kv_pages_total=info.kv_pages,
+        )
+        if updates:
+            outbox.send(encode_engine_message(StepOutputs(updates, load)))
+        if now >= next_beat:
+            next_beat = now + HEARTBEAT_INTERVAL_S
+            outbox.send(encode_engine_message(Heartbeat(stalled_s=0.0, load=load)))
+
+
+def _next_token(request_id: str, run: _Running, words: list[int], now: float) -> RequestUpdate:
+    params = run.add.params
+    token = words[run.emitted % len(words)]
+    run.emitted += 1
+    limit = params.max_tokens if params.max_tokens is not None else 16
+    return RequestUpdate(
+        request_id,
+        new_token_ids=[token],
+        finish_reason="length" if run.emitted >= limit else None,
+        num_prompt_tokens=len(run.add.prompt_token_ids),
+        num_output_tokens=run.emitted,
+        queued_time=now - run.add.arrival_time if run.emitted == 1 else None,
+    )
