@@ -68,6 +68,13 @@ def test_schema_depth_is_measured_without_recursion_and_limited() -> None:
         check_schema(deep)
 
 
+def test_numbers_are_passed_over_and_text_among_them_is_still_found() -> None:
+    assert lone_surrogate_path({"prompt": list(range(4096)), "max_tokens": 1}) is None
+    assert lone_surrogate_path({"prompt": [1, 2.5, True, None, "x\udfff"]}) == ["prompt", 4]
+    assert lone_surrogate_path({"prompt": [[1, 2], [3, ["\ud800"]]]}) == ["prompt", 1, 1, 0]
+    assert lone_surrogate_path({"logit_bias": {"5": 1.0, "6": {"x": "\ud800"}}}) == ["logit_bias", "6", "x"]
+
+
 def test_lone_surrogates_are_found_anywhere_and_pairs_are_text() -> None:
     escaped_pair = json.loads('"\\ud83d\\ude00"')  # JSON's escaped pair decodes to one code point
     assert lone_surrogate_path({"messages": [{"content": "fine 😀"}], "stop": [escaped_pair]}) is None
