@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import multiprocessing
 import os
-import tempfile
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -22,7 +20,7 @@ from multiprocessing.connection import Connection
 import zmq
 
 from deltaserve.engine.core import EngineInfo, resolve_model_dir
-from deltaserve.engine.process import EngineLaunch, set_process_name
+from deltaserve.engine.process import EngineLaunch, launch_engine_process, set_process_name
 from deltaserve.engine.protocol import (
     HEARTBEAT_INTERVAL_S,
     AbortRequest,
@@ -60,20 +58,9 @@ class _Running:
 
 
 def spawn_synthetic_engine(config: SyntheticEngineConfig) -> EngineLaunch:
-    sock_dir = tempfile.mkdtemp(prefix="deltaserve-synthetic-")
-    input_addr = f"ipc://{os.path.join(sock_dir, 'input')}"
-    output_addr = f"ipc://{os.path.join(sock_dir, 'output')}"
-    mp = multiprocessing.get_context("spawn")
-    parent_end, child_end = mp.Pipe(duplex=False)
-    process = mp.Process(
-        target=run_synthetic_engine,
-        args=(config, input_addr, output_addr, child_end),
-        name="deltaserve-synthetic-engine",
-        daemon=True,
+    return launch_engine_process(
+        run_synthetic_engine, config, name="deltaserve-synthetic-engine", daemon=True
     )
-    process.start()
-    child_end.close()
-    return EngineLaunch(process, parent_end, sock_dir, input_addr, output_addr)
 
 
 def run_synthetic_engine(

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -83,18 +83,25 @@ class EngineLaunch:
 def spawn_engine(config: EngineConfig) -> EngineLaunch:
     """Starts the engine process (it loads the model meanwhile); light enough to call before the
     server imports its own modules, so the engine's start-up overlaps theirs."""
+    # A daemonic process may not start processes: with tensor parallelism the engine starts its rank
+    # processes, so it is not daemonic (it still exits when this process is gone).
+    return launch_engine_process(
+        run_engine_process, config, name="deltaserve-engine", daemon=config.tensor_parallel_size == 1
+    )
+
+
+def launch_engine_process(
+    target: Callable[[Any, str, str, Connection], None], config: Any, *, name: str, daemon: bool
+) -> EngineLaunch:
+    """Spawns `target(config, input_addr, output_addr, ready)`, an engine speaking engine/protocol.py
+    on sockets in a private directory, and reporting its start-up on `ready`."""
     sock_dir = tempfile.mkdtemp(prefix="deltaserve-")
     input_addr = f"ipc://{os.path.join(sock_dir, 'input')}"
     output_addr = f"ipc://{os.path.join(sock_dir, 'output')}"
     mp = multiprocessing.get_context("spawn")
     parent_end, child_end = mp.Pipe(duplex=False)
     process = mp.Process(
-        target=run_engine_process,
-        args=(config, input_addr, output_addr, child_end),
-        name="deltaserve-engine",
-        # A daemonic process may not start processes: with tensor parallelism the engine starts its
-        # rank processes, so it is not daemonic (it still exits when this process is gone).
-        daemon=config.tensor_parallel_size == 1,
+        target=target, args=(config, input_addr, output_addr, child_end), name=name, daemon=daemon
     )
     try:
         process.start()
