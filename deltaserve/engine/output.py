@@ -94,25 +94,36 @@ class OutputState:
         return self.finish_reason is not None
 
     def apply(self, update: RequestUpdate) -> OutputDelta:
+        """Invariant: applying an update of several tokens gives what applying one update per token
+        would (an engine step may emit several: speculation, or a client catching up): with stop
+        strings the tokens are matched one at a time, and the output ends at the token that completed
+        a match, the rest dropped as later updates would have been."""
         if self.finished:  # a stop string already ended it; late engine updates are dropped
             return OutputDelta("", [], None)
-        self.token_ids.extend(update.new_token_ids)
+        tokens = update.new_token_ids
         self.num_cached_tokens = update.num_cached_tokens
         if update.prompt_logprobs is not None:
             self.prompt_logprobs = update.prompt_logprobs
-        if self.logprobs is not None and update.new_logprobs:
-            self.logprobs.extend(update.new_logprobs)
         finish, stop_reason = update.finish_reason, update.stop_reason
         abort = False
-        if self._detok is not None and update.new_token_ids:
-            start = max(0, len(self.text) - self._holdback + 1)
-            self.text += self._detok.push(update.new_token_ids)
-            if finish is not None:
-                self.text += self._detok.flush()
-            matched = self._match_stop(start)
-            if matched is not None and finish not in ("rejected", "error"):
-                finish, stop_reason = "stop", matched
-                abort = update.finish_reason is None
+        if self._detok is not None and tokens:
+            pieces = [[t] for t in tokens] if self._holdback else [tokens]
+            for i, piece in enumerate(pieces):
+                start = max(0, len(self.text) - self._holdback + 1)
+                self.text += self._detok.push(piece)
+                last = i == len(pieces) - 1
+                if last and finish is not None:
+                    self.text += self._detok.flush()
+                matched = self._match_stop(start)
+                if matched is not None and finish not in ("rejected", "error"):
+                    finish, stop_reason = "stop", matched
+                    abort = update.finish_reason is None
+                    tokens = tokens[: len(tokens) if not self._holdback else i + 1]
+                    break
+        new_logprobs = update.new_logprobs[: len(tokens)] if update.new_logprobs else None
+        self.token_ids.extend(tokens)
+        if self.logprobs is not None and new_logprobs:
+            self.logprobs.extend(new_logprobs)
         self.finish_reason, self.stop_reason = finish, stop_reason
         self.error, self.error_field = update.error, update.error_field
         end = (
@@ -122,8 +133,8 @@ class OutputState:
         )
         delta = OutputDelta(
             text=self.text[self.sent : end],
-            token_ids=list(update.new_token_ids),
-            logprobs=list(update.new_logprobs) if update.new_logprobs else None,
+            token_ids=list(tokens),
+            logprobs=new_logprobs,
             finish_reason=finish,
             stop_reason=stop_reason,
             error=update.error,
