@@ -127,7 +127,7 @@ def run_synthetic_engine(
                 add = waiting.popleft()
                 running[add.request_id] = _Running(add)
             for request_id, run in list(running.items()):
-                updates.append(_next_token(request_id, run, words, now))
+                updates.append(_next_token(request_id, run, words, now, config.max_model_len))
                 if updates[-1].finished:
                     del running[request_id]
         load = LoadSnapshot(
@@ -144,11 +144,14 @@ def run_synthetic_engine(
             outbox.send(encode_engine_message(Heartbeat(stalled_s=0.0, load=load)))
 
 
-def _next_token(request_id: str, run: _Running, words: list[int], now: float) -> RequestUpdate:
+def _next_token(
+    request_id: str, run: _Running, words: list[int], now: float, max_model_len: int
+) -> RequestUpdate:
     params = run.add.params
     token = words[run.emitted % len(words)]
     run.emitted += 1
-    limit = params.max_tokens if params.max_tokens is not None else 16
+    # As the engine resolves it: no max_tokens means the rest of the context window.
+    limit = params.max_tokens or max(1, max_model_len - len(run.add.prompt_token_ids))
     return RequestUpdate(
         request_id,
         new_token_ids=[token],
