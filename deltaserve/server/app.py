@@ -29,6 +29,7 @@ from deltaserve.server.disconnect import ClientDisconnected
 from deltaserve.server.errors import AUTHENTICATION, INVALID_REQUEST, NOT_FOUND, SERVER_ERROR, APIError
 from deltaserve.server.middleware import APIKeyAuth, BodyReadTimeout, BodySizeLimit
 from deltaserve.server.openapi import openapi_document
+from deltaserve.server.pacing import AdmissionPacer, PacedAdmission
 from deltaserve.server.state import ServerState
 from deltaserve.server.text_checks import LONE_SURROGATE, format_path
 
@@ -54,6 +55,9 @@ def build_app(state: ServerState) -> FastAPI:
     app.add_exception_handler(Exception, _unexpected)
     app.add_middleware(BodySizeLimit, max_bytes=state.config.max_request_body_bytes)
     app.add_middleware(BodyReadTimeout, timeout_s=state.config.body_read_timeout_s)
+    # Outside the body timeout (a wait for a turn is not a slow body), inside auth (a refused request
+    # waits for nothing).
+    app.add_middleware(PacedAdmission, pacer=AdmissionPacer())
     if state.config.api_key:  # checked before any body is read
         app.add_middleware(
             APIKeyAuth, api_key=state.config.api_key, protect_metrics=state.config.protect_metrics
