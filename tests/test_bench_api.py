@@ -3,11 +3,18 @@ process's CPU per streamed token."""
 
 from __future__ import annotations
 
+import itertools
+import json
 import re
+import signal
 import subprocess
 import sys
+import time
+
+import httpx
 
 from deltaserve.bench.api import ApiProcessCost, format_api_cost
+from deltaserve.bench.matrix_server import free_port, start_server, stop_server, wait_ready
 
 
 def test_cost_per_token_and_core_share_by_hand() -> None:
@@ -56,3 +63,34 @@ def test_bench_api_streams_every_token_at_the_engines_pace_and_reports_the_api_p
     assert 15.0 <= _number(out, "Median TPOT (ms):") <= 60.0
     assert _number(out, "API process CPU per output token (us):") > 0
     assert _number(out, "Engine step (ms):") == 20.0
+
+
+def test_the_synthetic_engine_ends_a_dropped_stream_serves_on_and_drains_at_sigterm(tmp_path) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = [sys.executable, "-m", "deltaserve.cli", "bench", "api-server", "--step-ms", "20"]
+    server = start_server([*argv, "--port", str(port)], url, tmp_path / "server.log")
+    try:
+        wait_ready(server, 120)
+        body = {"prompt": [1, 2, 3], "max_tokens": 1000, "stream": True}
+        with httpx.Client(timeout=30) as client:
+            with client.stream("POST", f"{url}/v1/completions", json=body) as stream:
+                events = [line for line in itertools.islice(stream.iter_lines(), 8) if line]
+            assert len(events) >= 3 and all(e.startswith("data: {") for e in events)
+            deadline = time.monotonic() + 10  # the dropped stream is aborted in the engine
+            while client.get(f"{url}/load").json()["running"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert client.get(f"{url}/load").json()["running"] == 0
+            whole = client.post(f"{url}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 5}).json()
+            assert whole["usage"]["completion_tokens"] == 5
+            assert whole["choices"][0]["finish_reason"] == "length"
+            with client.stream("POST", f"{url}/v1/completions", json={**body, "max_tokens": 50}) as stream:
+                lines = stream.iter_lines()
+                next(line for line in lines if line)  # running when the signal comes
+                server.proc.send_signal(signal.SIGTERM)  # drains: the request runs to its end
+                rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "length"
+        assert server.proc.wait(30) == 0
+    finally:
+        stop_server(server)
