@@ -94,3 +94,17 @@ def test_the_synthetic_engine_ends_a_dropped_stream_serves_on_and_drains_at_sigt
         assert server.proc.wait(30) == 0
     finally:
         stop_server(server)
+
+
+def test_bench_api_refuses_a_step_or_a_row_count_that_is_not_positive() -> None:
+    for flag, value, expected in (
+        ("--step-ms", "0", "argument --step-ms: expected a positive number of milliseconds, got '0'"),
+        ("--max-num-seqs", "-3", "argument --max-num-seqs: expected a positive whole number, got '-3'"),
+    ):
+        result = subprocess.run(
+            [sys.executable, "-m", "deltaserve.cli", "bench", "api", flag, value],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert result.returncode == 2 and expected in result.stderr

@@ -42,6 +42,16 @@ def _positive_ms(text: str) -> float:
     return value
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
+    return value
+
+
 def add_step_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     parser.add_argument(
         "--step-ms", type=_positive_ms, default=5.0, help="one token per running request per step"
@@ -52,7 +62,9 @@ def add_bench_api_arguments(parser: argparse.ArgumentParser) -> None:
     add_bench_serve_arguments(parser)
     api = parser.add_argument_group("synthetic engine")
     add_step_argument(api)
-    api.add_argument("--max-num-seqs", type=int, default=256, help="requests the engine runs at once")
+    api.add_argument(
+        "--max-num-seqs", type=_positive_int, default=256, help="requests the engine runs at once"
+    )
     api.add_argument(
         "--server-args",
         default="",
