@@ -10,11 +10,9 @@ process's doing: its event loop, detokenization, the endpoints and SSE.
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 import tempfile
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,7 +121,7 @@ def run_bench_api(args: argparse.Namespace) -> int:
     server = start_server(argv, args.base_url, log_dir / "api-server.log")
     try:
         wait_ready(server, READY_TIMEOUT_S)
-        first_completion_s(server, args.model or _served_name(args.base_url))  # routes warm
+        first_completion_s(server, args.model)  # routes warm
         before = cpu_seconds(server.proc.pid)
         result = run_bench_serve(args)
         after = cpu_seconds(server.proc.pid)
@@ -138,8 +136,3 @@ def run_bench_api(args: argparse.Namespace) -> int:
     cost = ApiProcessCost(after - before, result.duration, result.total_output_tokens)
     print(format_api_cost(cost, args.step_ms, args.max_num_seqs))
     return 0 if result.completed else 1
-
-
-def _served_name(base_url: str) -> str:
-    with urllib.request.urlopen(f"{base_url}/v1/models", timeout=10) as resp:
-        return json.loads(resp.read())["data"][0]["id"]

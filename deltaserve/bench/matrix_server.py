@@ -99,8 +99,9 @@ def wait_graphs_ahead(server: ServerProcess, timeout_s: float) -> float | None:
     return None
 
 
-def first_completion_s(server: ServerProcess, model: str, timeout_s: float = 300.0) -> float:
-    """Seconds from process start until a 1-token completion of a 1-token prompt has returned."""
+def first_completion_s(server: ServerProcess, model: str | None, timeout_s: float = 300.0) -> float:
+    """Seconds from process start until a 1-token completion of a 1-token prompt has returned.
+    `model` None: the served model (a request that names none gets it)."""
     body = {"model": model, "prompt": [0], "max_tokens": 1, "ignore_eos": True, "temperature": 0.0}
     request = urllib.request.Request(
         f"{server.url}/v1/completions",

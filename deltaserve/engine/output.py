@@ -118,7 +118,7 @@ class OutputState:
                 if matched is not None and finish not in ("rejected", "error"):
                     finish, stop_reason = "stop", matched
                     abort = update.finish_reason is None
-                    tokens = tokens[: len(tokens) if not self._holdback else i + 1]
+                    tokens = tokens[: i + 1]  # a match needs stop strings: one token a piece
                     break
         new_logprobs = update.new_logprobs[: len(tokens)] if update.new_logprobs else None
         self.token_ids.extend(tokens)
