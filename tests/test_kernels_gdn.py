@@ -51,6 +51,35 @@ def test_decode_kernel_matches_reference_and_updates_states_in_place(hk, hv, d, 
     assert torch.equal(got_state[untouched], state[untouched])
 
 
+@pytest.mark.parametrize("count", [0, 3, 5])
+@pytest.mark.parametrize("row_programs", [2, 16])
+def test_decode_kernel_with_a_device_count_runs_only_the_leading_rows(count, row_programs, monkeypatch):
+    # A prefill graph's GDN layers: N rows by shape, the first count of them decode rows by value; with
+    # 2 row programs each walks every other row.
+    monkeypatch.setattr(triton_gdn, "_COUNTED_ROW_PROGRAMS", row_programs)
+    n, hk, hv, d, slots = 5, 2, 4, 32, 9
+    q, k, v, a, b, A_log, dt_bias = make_inputs(n, hk, hv, d, torch.float32, seed=11)
+    state = torch.randn(slots, hv, d, d, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    state_slots = [4, 1, 8, 2, 6]
+    rows = [BatchRow([1], context_len=3, pages=[1], state_slot=s) for s in state_slots[:count]]
+    out = torch.full((n, hv, d), float("nan"), device=DEVICE)
+    got_state = state.clone()
+    slots_t = torch.tensor(state_slots, device=DEVICE)
+    live = torch.tensor([count], dtype=torch.int32, device=DEVICE)
+    triton_gdn.gdn_decode(q, k, v, a, b, A_log, dt_bias, got_state, slots_t, out, count=live)
+    if count:
+        ref_state = state.clone()
+        batch = build_forward_batch(rows, page_size=16, device=DEVICE)
+        expected = reference(
+            q[:count], k[:count], v[:count], a[:count], b[:count], A_log, dt_bias, ref_state, batch
+        )
+        torch.testing.assert_close(out[:count], expected, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got_state, ref_state, rtol=1e-4, atol=1e-5)
+    assert bool(out[count:].isnan().all())  # the rows past the count: no output written
+    untouched = [s for s in range(slots) if s not in state_slots[:count]]
+    assert torch.equal(got_state[untouched], state[untouched])
+
+
 def test_prefill_index_lists_every_64_token_chunk_once_per_batch():
     # Decode rows first (skipped), then prefills of 130, 64 and 1 tokens: chunks 3 + 1 + 1.
     rows = [BatchRow([1], 5, [1], 1), BatchRow([1], 9, [2], 2)]

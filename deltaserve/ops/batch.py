@@ -52,6 +52,10 @@ class ForwardBatch:
     # the GDN state after it (BatchRow.state_after, then the row's own state slot for its last token).
     # None when the batch has no verify rows.
     verify_state_slots: torch.Tensor | None = None
+    # Prefill graphs only: [1] int32 on the device, how many leading rows are decode rows (one token,
+    # context > 0). Every op but the GPU GDN runs them as varlen sequences (num_decodes stays 0); the
+    # GDN layers run them through their decode kernel (deltaserve/ops/triton/gdn.py).
+    graph_decodes: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -13,6 +13,14 @@ the device and the grid from shapes, so a batch of decode and verify rows is CUD
 Prefill chunks: fla's chunked kernel over the varlen batch (cu_seqlens), initial states gathered from
 the slots (zero where the sequence has no context: a stale slot is never read), final states scattered
 back. Same math as deltaserve/ops/gdn.py, which is the oracle.
+
+A prefill graph's batch (ForwardBatch.graph_decodes) holds its leading decode rows as one-token
+varlen sequences, their count on the device only. fla then runs over its own sequence list
+(PrefillIndex): the decode rows' tokens as one discarded sequence (zero initial state, final state to
+the reserved slot), then the prompt chunks; the decode kernel runs over the leading rows after it, its
+programs past the count exiting at once, and overwrites the decode rows' outputs. So a decode row
+costs its state's one read and write, as in a decode step, and fla's state gather, scatter and
+per-chunk states scale with the prompt chunks, not with every row.
 """
 
 from __future__ import annotations
@@ -27,7 +35,10 @@ from deltaserve.ops.batch import ForwardBatch, fla_chunk_list, to_device
 
 
 @triton.jit
-def _gdn_decode_kernel(
+def _gdn_decode_row(
+    row,
+    hv,
+    vb,
     q_ptr,
     k_ptr,
     v_ptr,
@@ -49,13 +60,11 @@ def _gdn_decode_kernel(
     DV: tl.constexpr,
     BV: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    hv = tl.program_id(1)
-    vb = tl.program_id(2)
+    """One decode row's step for value head hv, value block vb, its state read and written in place."""
     hk = hv // (HV // HK)
     offs_k = tl.arange(0, DK)
     offs_v = vb * BV + tl.arange(0, BV)
-    row64 = row.to(tl.int64)
+    row64 = tl.cast(row, tl.int64)  # a plain int in the interpreter's loops
 
     q = tl.load(q_ptr + row64 * stride_qk_row + hk * DK + offs_k).to(tl.float32)
     k = tl.load(k_ptr + row64 * stride_qk_row + hk * DK + offs_k).to(tl.float32)
@@ -81,6 +90,52 @@ def _gdn_decode_kernel(
     tl.store(out_ptr + row64 * HV * DV + hv * DV + offs_v, o.to(out_ptr.dtype.element_ty))
 
 
+@triton.jit
+def _gdn_decode_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    a_ptr,
+    b_ptr,
+    a_log_ptr,
+    dt_bias_ptr,
+    state_ptr,
+    slots_ptr,
+    out_ptr,
+    count_ptr,
+    stride_qk_row,
+    stride_v_row,
+    stride_ab_row,
+    stride_state_slot,
+    scale,
+    HK: tl.constexpr,
+    HV: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BV: tl.constexpr,
+    COUNTED_PROGRAMS: tl.constexpr,
+):
+    """Without a count (COUNTED_PROGRAMS == 0) one row per program; with one, COUNTED_PROGRAMS row
+    programs walk rows pid, pid + COUNTED_PROGRAMS, ... below count_ptr[0], so that a grid sized for
+    the most rows a graph can hold costs few empty programs when it holds few (each costs a few ns)."""
+    hv = tl.program_id(1)
+    vb = tl.program_id(2)
+    if COUNTED_PROGRAMS == 0:
+        rows_from, rows_to, rows_step = tl.program_id(0), tl.program_id(0) + 1, 1
+    else:
+        rows_from, rows_to, rows_step = tl.program_id(0), tl.load(count_ptr), COUNTED_PROGRAMS
+    for row in range(rows_from, rows_to, rows_step):
+        _gdn_decode_row(
+            row, hv, vb, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_ptr, slots_ptr,
+            out_ptr, stride_qk_row, stride_v_row, stride_ab_row, stride_state_slot, scale, HK, HV, DK, DV, BV,
+        )  # fmt: skip
+
+
+# Row programs of the decode kernel with a device count: 16 x (value heads x value blocks) programs,
+# ~2k at the 4B/9B shapes, whatever the graph's row capacity; each walks count / 16 rows.
+_COUNTED_ROW_PROGRAMS = 16
+
+
 def gdn_decode(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -92,9 +147,12 @@ def gdn_decode(
     ssm_state: torch.Tensor,
     slots: torch.Tensor,
     out: torch.Tensor,
+    count: torch.Tensor | None = None,
 ) -> None:
     """One token per row. q, k: [N, HK, DK] and v: [N, HV, DV] (rows may be strided views); a, b: [N, HV];
-    ssm_state: [slots, HV, DK, DV] updated in place at `slots` [N]; writes out [N, HV, DV]."""
+    ssm_state: [slots, HV, DK, DV] updated in place at `slots` [N]; writes out [N, HV, DV]. With
+    `count` (a one-element device tensor), only its first count[0] <= N rows: the others' state and
+    output are left as they are, and N comes from shapes alone (CUDA-graph capturable)."""
     n, hk, dk = q.shape
     hv, dv = v.shape[1:]
     if n == 0:
@@ -103,7 +161,8 @@ def gdn_decode(
     assert v.stride(1) == dv and v.stride(2) == 1 and a.stride(1) == 1 and b.stride() == a.stride()
     assert ssm_state.is_contiguous() and out.is_contiguous()
     block_v = min(dv, 32)
-    _gdn_decode_kernel[(n, hv, triton.cdiv(dv, block_v))](
+    row_programs = n if count is None else min(n, _COUNTED_ROW_PROGRAMS)
+    _gdn_decode_kernel[(row_programs, hv, triton.cdiv(dv, block_v))](
         q,
         k,
         v,
@@ -114,6 +173,7 @@ def gdn_decode(
         ssm_state,
         slots,
         out,
+        slots if count is None else count,  # unread without a count
         q.stride(0),
         v.stride(0),
         a.stride(0),
@@ -124,6 +184,7 @@ def gdn_decode(
         DK=dk,
         DV=dv,
         BV=block_v,
+        COUNTED_PROGRAMS=0 if count is None else row_programs,
     )
 
 
@@ -251,17 +312,20 @@ def gdn_verify(
 
 @dataclass(slots=True)
 class PrefillIndex:
-    """The prefill sequences' varlen layout for fla, built once per batch. Passing the chunk index (and
-    the same cu_seqlens tensor to every layer) keeps fla from rebuilding it per layer, which costs a
-    blocking host->device copy each time."""
+    """fla's sequences: their varlen layout, slots and contexts, built once per batch. Passing the chunk
+    index (and the same cu_seqlens tensor to every layer) keeps fla from rebuilding it per layer, which
+    costs a blocking host->device copy each time. Eagerly these are the batch's sequences from `first`
+    on; a prefill graph names its own (module docstring)."""
 
     first: int  # first prefill sequence of the batch
-    start: int  # its first token row
+    start: int  # its first token row: fla runs over the tokens from here on
     cu_seqlens: torch.Tensor  # [P + 1] int64 on the device
     cu_seqlens_cpu: (
         torch.Tensor | None
     )  # the same on the host (None: fla needs it only without chunk_indices)
     chunk_indices: torch.Tensor  # [chunks, 2] int64 on the device: (sequence, chunk within it)
+    state_slots: torch.Tensor  # [P] int64: each sequence's state slot
+    context_lens: torch.Tensor  # [P] int32: > 0 where the sequence starts from its slot, else from zeros
 
 
 def prefill_index(batch: ForwardBatch, first: int) -> PrefillIndex:
@@ -280,6 +344,8 @@ def prefill_index(batch: ForwardBatch, first: int) -> PrefillIndex:
         cu_seqlens=to_device(cu, torch.int64, device),
         cu_seqlens_cpu=torch.tensor(cu, dtype=torch.int64),
         chunk_indices=to_device(chunks, torch.int64, device).view(-1, 2),
+        state_slots=batch.state_slots[first:],
+        context_lens=batch.context_lens[first:],
     )
     batch.gdn_prefill_index = index
     return index
@@ -297,16 +363,16 @@ def gdn_prefill(
     batch: ForwardBatch,
     first: int,
 ) -> torch.Tensor:
-    """Sequences first..B-1 of the batch (tokens from query_start_loc[first] on), any lengths, through
-    fla's chunked kernel. Returns o for those tokens."""
+    """fla's sequences (prefill_index: eagerly the batch's sequences first..B-1, tokens from
+    query_start_loc[first] on), any lengths, through fla's chunked kernel. Returns o for those tokens."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     from deltaserve.ops.gdn import gdn_gating
 
     index = prefill_index(batch, first)
     start = index.start
-    slots = batch.state_slots[first:]
-    has_context = (batch.context_lens[first:] > 0)[:, None, None, None]
+    slots = index.state_slots
+    has_context = (index.context_lens > 0)[:, None, None, None]
     initial = torch.where(has_context, ssm_state[slots].float(), 0.0)
     g, beta = gdn_gating(a[start:], b[start:], A_log, dt_bias)
     out, final = chunk_gated_delta_rule(
@@ -360,4 +426,19 @@ def gated_delta_rule(
     if first < batch.num_seqs:
         start = prefill_index(batch, first).start
         out[start:] = gdn_prefill(q, k, v, a, b, A_log, dt_bias, ssm_state, batch, first)
+    if batch.graph_decodes is not None:  # after fla: its outputs for these rows are discarded
+        rows = min(tokens, batch.num_seqs)
+        gdn_decode(
+            q[:rows],
+            k[:rows],
+            v[:rows],
+            a[:rows],
+            b[:rows],
+            A_log,
+            dt_bias,
+            ssm_state,
+            batch.state_slots[:rows],
+            out[:rows],
+            count=batch.graph_decodes,
+        )
     return out
