@@ -44,7 +44,8 @@ def test_buckets_by_hand():
 
 
 def test_buckets_captured_ahead_of_need_by_hand():
-    # Rows 1, 2 and 4 (not 8: more than four chunks in a step is rare); the largest tokens first in each.
+    # Chunks 1, 2 and 4 (not 8: more than four chunks in a step is rare), decode rows beside them or
+    # not; the largest tokens first in each.
     assert ahead_of_need([16, 32, 512, 640], [1, 2, 4, 8]) == [
         (640, 1), (512, 1), (32, 1), (16, 1),
         (640, 2), (512, 2), (32, 2), (16, 2),
@@ -63,14 +64,14 @@ def test_the_next_bucket_to_capture_skips_those_captured_meanwhile():
 
 
 def test_rows_then_padding_by_hand():
-    layout = PrefillLayout(max_tokens=8, max_rows=3, max_pages=2)
+    layout = PrefillLayout(max_tokens=8, max_rows=2, max_pages=2)
     longs = np.full(layout.longs_size, -9, dtype=np.int64)
     ints = np.full(layout.ints_size, -9, dtype=np.int32)
     rows = [
         BatchRow([11], context_len=5, pages=[7, 2], state_slot=3),  # a decode row: position 5 on page 2
         BatchRow([21, 22, 23], context_len=0, pages=[9], state_slot=1, need_logits=False),
     ]
-    inputs = layout.views(longs, ints, tokens_bucket=8, rows_bucket=2)
+    inputs = layout.views(longs, ints, (8, 1))
     need = fill_prefill_inputs(inputs, rows, page_size=4)
     assert need == 1
     assert inputs.input_ids.tolist() == [11, 21, 22, 23, 0, 0, 0, 0]
@@ -79,37 +80,71 @@ def test_rows_then_padding_by_hand():
     assert inputs.slot_mapping.tolist() == [2 * 4 + 1, 9 * 4, 9 * 4 + 1, 9 * 4 + 2, pad, pad, pad, pad]
     # Three sequences: the two rows, then an empty one at the live token count.
     assert inputs.state_slots.tolist() == [3, 1, DUMMY_SLOT]
-    assert inputs.query_start_loc.tolist() == [0, 1, 4, 4] and inputs.cu_seqlens.tolist() == [0, 1, 4, 4]
+    assert inputs.query_start_loc.tolist() == [0, 1, 4, 4]
     assert inputs.context_lens.tolist() == [5, 0, 0] and inputs.seq_lens.tolist() == [6, 3, 0]
     assert inputs.block_tables.tolist() == [[7, 2], [9, -9], [DUMMY_PAGE, -9]]
     assert inputs.logits_indices.tolist() == [0, 0, 0]  # the decode row's token, then padding
-    # 8 // 64 + 2 = 2 chunk entries: one per row, no padding needed.
-    assert inputs.chunk_indices.tolist() == [[0, 0], [1, 0]]
+    # fla's list (1 chunk + 2): the decode row's token as a sequence from zeros into the reserved slot,
+    # the chunk, an empty one; 8 // 64 + 1 + 1 = 2 chunk entries, one per non-empty sequence.
+    assert inputs.decode_count.tolist() == [1]
+    assert inputs.fla_cu_seqlens.tolist() == [0, 1, 4, 4]
+    assert inputs.fla_state_slots.tolist() == [DUMMY_SLOT, 1, DUMMY_SLOT]
+    assert inputs.fla_context_lens.tolist() == [0, 0, 0]
+    assert inputs.fla_chunk_indices.tolist() == [[0, 0], [1, 0]]
     # A smaller bucket of the same buffers: the same offsets, shorter prefixes.
-    small = layout.views(longs, ints, tokens_bucket=4, rows_bucket=1)
+    small = layout.views(longs, ints, (4, 1))
     fill_prefill_inputs(small, rows[1:], page_size=4)
-    assert small.query_start_loc.tolist() == [0, 3, 3] and small.state_slots.tolist() == [1, DUMMY_SLOT]
-    assert small.logits_indices.tolist() == [0, 0] and small.chunk_indices.tolist() == [[0, 0]]
+    assert small.query_start_loc.tolist() == [0, 3, 3, 3]
+    assert small.state_slots.tolist() == [1, DUMMY_SLOT, DUMMY_SLOT]
+    assert small.logits_indices.tolist() == [0, 0, 0] and small.fla_chunk_indices.tolist() == [[1, 0], [2, 0]]
+    assert small.decode_count.tolist() == [0] and small.fla_cu_seqlens.tolist() == [0, 0, 3, 3]
     assert longs[layout.max_tokens + 3] == 0  # padding position past the small bucket's live tokens
+
+
+def test_decode_rows_lead_fla_sees_them_as_one_sequence_and_the_chunks_after():
+    layout = PrefillLayout(max_tokens=256, max_rows=8, max_pages=6)
+    longs = np.full(layout.longs_size, -9, dtype=np.int64)
+    ints = np.full(layout.ints_size, -9, dtype=np.int32)
+    decode = [BatchRow([10 + i], 20 + i, [1, 2], 4 + i) for i in range(3)]
+    chunk = BatchRow(list(range(70)), 12, [3, 4, 5, 6, 7, 9], 2)  # context 12: starts from its slot
+    after = BatchRow([5], 6, [8], 1)  # one token with context after a chunk: a chunk, not a decode row
+    inputs = layout.views(longs, ints, (128, 2))
+    assert fill_prefill_inputs(inputs, [*decode, chunk, after], page_size=16) == 5
+    assert inputs.decode_count.tolist() == [3]
+    # Tokens: 3 decode rows (0-2), the chunk (3-72), the last row (73); fla: [0, 3), [3, 73), [73, 74).
+    assert inputs.query_start_loc.tolist()[:6] == [0, 1, 2, 3, 73, 74]
+    assert inputs.fla_cu_seqlens.tolist() == [0, 3, 73, 74, 74]
+    assert inputs.fla_state_slots.tolist() == [DUMMY_SLOT, 2, 1, DUMMY_SLOT]
+    assert inputs.fla_context_lens.tolist() == [0, 12, 6, 0]
+    # 128 // 64 + 2 + 1 = 5 entries: the decode tokens' chunk, the 70-token chunk's two, the last row's,
+    # then one padding chunk of the last (empty) sequence.
+    assert inputs.fla_chunk_indices.tolist() == [[0, 0], [1, 0], [1, 1], [2, 0], [3, 0]]
+    with pytest.raises(ValueError, match="3 prompt chunks do not fit a prefill graph of 2 chunks"):
+        fill_prefill_inputs(inputs, [*decode, chunk, after, after], page_size=16)
 
 
 def test_padding_chunks_name_the_last_empty_sequence():
     layout = PrefillLayout(max_tokens=256, max_rows=4, max_pages=40)
     longs = np.zeros(layout.longs_size, dtype=np.int64)
     ints = np.zeros(layout.ints_size, dtype=np.int32)
-    inputs = layout.views(longs, ints, tokens_bucket=256, rows_bucket=2)
+    inputs = layout.views(longs, ints, (256, 2))
     rows = [BatchRow(list(range(130)), 0, list(range(1, 10)), 2)]  # 130 tokens: chunks 0, 1, 2
     assert fill_prefill_inputs(inputs, rows, page_size=16) == 1
-    assert inputs.chunk_indices.tolist() == [[0, 0], [0, 1], [0, 2], [2, 0], [2, 0], [2, 0]]
-    assert inputs.logits_indices.tolist() == [129, 0, 0]
+    # fla's list of 4: the (empty) decode-token sequence, the row, two empty; 256 // 64 + 3 = 7 entries.
+    assert inputs.fla_chunk_indices.tolist() == [[1, 0], [1, 1], [1, 2], [3, 0], [3, 0], [3, 0], [3, 0]]
+    assert inputs.logits_indices.tolist() == [129, 0, 0, 0, 0]
     # No rows at all (a capture's inputs): every sequence empty, every chunk a padding chunk.
     assert fill_prefill_inputs(inputs, [], page_size=16) == 0
-    assert inputs.query_start_loc.tolist() == [0, 0, 0, 0] and inputs.state_slots.tolist() == [DUMMY_SLOT] * 3
-    assert inputs.chunk_indices.tolist() == [[2, 0]] * 6 and inputs.slot_mapping.tolist() == [0] * 256
-    with pytest.raises(ValueError, match="2 rows do not fit a prefill graph of 1 rows"):
-        fill_prefill_inputs(layout.views(longs, ints, 256, 1), rows * 2, page_size=16)
+    assert inputs.query_start_loc.tolist() == [0] * 6 and inputs.state_slots.tolist() == [DUMMY_SLOT] * 5
+    assert inputs.fla_state_slots.tolist() == [DUMMY_SLOT] * 4 and inputs.decode_count.tolist() == [0]
+    assert inputs.fla_chunk_indices.tolist() == [[3, 0]] * 7 and inputs.slot_mapping.tolist() == [0] * 256
+    with pytest.raises(ValueError, match="2 prompt chunks do not fit a prefill graph of 1 chunks"):
+        fill_prefill_inputs(layout.views(longs, ints, (256, 1)), rows * 2, page_size=16)
+    one = [BatchRow([1], 0, [1], 2)]
+    with pytest.raises(ValueError, match="5 rows do not fit a prefill graph of 4 rows"):
+        fill_prefill_inputs(layout.views(longs, ints, (256, 4)), one * 5, page_size=16)
     with pytest.raises(ValueError, match="do not fit a prefill graph of 128 tokens"):
-        fill_prefill_inputs(layout.views(longs, ints, 128, 2), rows, page_size=16)
+        fill_prefill_inputs(layout.views(longs, ints, (128, 2)), rows, page_size=16)
 
 
 def test_padded_batch_through_the_reference_model_equals_the_rows_unpadded():
@@ -152,8 +187,9 @@ def test_padded_batch_through_the_reference_model_equals_the_rows_unpadded():
         layout = PrefillLayout(max_tokens=32, max_rows=8, max_pages=4)
         longs = torch.full((layout.longs_size,), -1, dtype=torch.int64)
         ints = torch.full((layout.ints_size,), -1, dtype=torch.int32)
-        need = fill_prefill_inputs(layout.views(longs.numpy(), ints.numpy(), 16, 4), rows, page)
-        batch = graph_batch(layout.views(longs, ints, 16, 4), (1, 3, 5, 4, 0), (6, 9, 0, 0, 0))
+        need = fill_prefill_inputs(layout.views(longs.numpy(), ints.numpy(), (16, 4)), rows, page)
+        lens, contexts = (1, 3, 5, 4) + (0,) * 5, (6, 9) + (0,) * 7  # 8 rows + 1: padding past the 4
+        batch = graph_batch(layout.views(longs, ints, (16, 4)), lens, contexts)
         padded = model.compute_logits(model(batch, caches.kv, caches.states)[:need])
         after_padded = [t.clone() for t in pools]
     assert need == 3

@@ -1,5 +1,6 @@
 """Which graph runs which rows of a step (engine/worker.py), with recording stand-ins for the runners:
-decode rows in the decode graphs and prompt chunks in a prefill graph, the logits in row order."""
+a pure decode step in the decode graphs, a step with prompt chunks whole in a prefill graph, the logits
+in row order."""
 
 from __future__ import annotations
 
@@ -52,26 +53,28 @@ DECODE = [BatchRow([1], 5, [1], 1), BatchRow([2], 9, [2], 2)]
 CHUNK = BatchRow([3, 4, 5], 0, [3], 3)
 
 
-def test_decode_rows_in_the_decode_graph_chunks_in_a_prefill_graph():
+def test_a_unified_step_replays_whole_in_a_prefill_graph_with_the_fed_tokens():
+    # One forward for decode rows and chunks (the weights read once), not a decode-graph replay beside
+    # a prefill-graph replay: the prefill graph's GDN layers take the decode rows' decode kernel.
     decode, prefill = Runner(one_token), Runner(lambda rows: True)
     fed = torch.tensor([7])
     logits, _ = worker(decode, prefill).run([*DECODE, CHUNK], fed)
     assert logits.flatten().tolist() == [1.0, 2.0, 3.0]  # row order: decode rows, then the chunk
-    assert decode.calls == [([1, 2], fed)] and prefill.calls == [([3], None)]
+    assert decode.calls == [] and prefill.calls == [([1, 2, 3], fed)]
 
 
-def test_the_whole_step_in_a_prefill_graph_when_its_decode_rows_do_not_fit_the_decode_graphs():
-    decode, prefill = Runner(lambda rows: False), Runner(lambda rows: True)
-    logits, _ = worker(decode, prefill).run([*DECODE, CHUNK])
-    assert logits.flatten().tolist() == [1.0, 2.0, 3.0]
-    assert decode.calls == [] and prefill.calls == [([1, 2, 3], None)]
+def test_a_pure_decode_step_replays_in_the_decode_graphs():
+    decode, prefill = Runner(one_token), Runner(lambda rows: True)
+    logits, _ = worker(decode, prefill).run(DECODE)
+    assert logits.flatten().tolist() == [1.0, 2.0]
+    assert decode.calls == [([1, 2], None)] and prefill.calls == []
 
 
 def test_a_failed_capture_runs_nothing_and_leaves_the_step_eager():
     decode, prefill = Runner(one_token), Runner(lambda rows: True, fails=True)
     with pytest.raises(AssertionError, match="eager forward"):
         worker(decode, prefill).run([*DECODE, CHUNK])
-    assert decode.calls == [] and [rows for rows, _ in prefill.calls] == [[3]]
+    assert decode.calls == [] and [rows for rows, _ in prefill.calls] == [[1, 2, 3]]
 
 
 def test_leading_decode_rows():

@@ -1,20 +1,26 @@
-"""CUDA-graph prefill (GPU only): steps with prompt chunks, replayed from graphs captured per
-(token bucket, row bucket) while idle (ahead of need) or on first use.
+"""CUDA-graph prefill (GPU only): steps with prompt chunks, decode rows beside them or not, replayed
+from graphs captured per (token bucket, chunk bucket) while idle (ahead of need) or on first use.
 
 An eager forward with a prefill chunk costs ~45 ms of kernel launching on the host whatever its size
 (docs/benchmarks/2026-12-01-h200-step-host-cost.md); a replay costs two input copies and the launch.
 Every row of a graphed step, decode rows included, runs as a varlen sequence (num_decodes = 0), so one
-graph of bucket (T, S) covers any mix of decode rows and prompt chunks of at most T tokens in at most
-S rows.
+graph of bucket (T, P) covers any step of at most T tokens with at most P prompt chunks after any
+number of leading decode rows (every graph has room for max_rows rows: S = max_rows below). The GDN
+layers alone tell the two kinds apart, from the device count of decode rows
+(ForwardBatch.graph_decodes): the decode rows take the decode kernel, and fla runs over its own
+sequence list of P + 2: the decode rows' tokens as one sequence whose result is discarded (zero
+initial state, final state to the reserved slot), the chunks, then empty padding. fla's state traffic
+then grows with the chunks, not with every row, and a unified step reads the weights once.
 
 Padding, all of it on the reserved KV page and state slot (nothing live is read or written):
   * tokens past the live ones belong to no sequence: their K/V go to the reserved page and their
     outputs are never read;
   * sequences past the live ones are empty (they start and end at the live token count), with the
-    reserved slot and page, and there is always at least one (S + 1 sequences in all): fla's chunk
-    list has the fixed length T // 64 + S and is padded with chunks of the last, empty sequence, which
-    fla's chunked kernels skip (the real sequences' outputs and states are bit-identical to an
-    unpadded call, checked on an H200).
+    reserved slot (S + 1 sequences in all, so at least one); their block-table rows are never read,
+    and only the first is copied to the device with the live ones; likewise fla's
+    list (P + 2 sequences): its chunk list has the fixed length T // 64 + P + 1 and is padded with
+    chunks of its last, empty sequence, which fla's chunked kernels skip (the real sequences' outputs
+    and states are bit-identical to an unpadded call, checked on an H200).
 The kernels read nothing from the host but shapes (attention, conv1d, fla given its chunk list, MoE
 grouping), so a replay with new inputs computes what an eager forward of the same rows computes.
 
@@ -43,7 +49,7 @@ from deltaserve.cache.device import DeviceCaches
 from deltaserve.cache.kv_pages import DUMMY_PAGE
 from deltaserve.cache.state_slots import DUMMY_SLOT
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
-from deltaserve.ops.batch import FLA_CHUNK, BatchRow, ForwardBatch, fla_chunk_list
+from deltaserve.ops.batch import FLA_CHUNK, BatchRow, ForwardBatch, fla_chunk_list, leading_decode_rows
 
 logger = logging.getLogger(__name__)
 
@@ -79,22 +85,23 @@ def bucket_for(value: int, buckets: Sequence[int]) -> int | None:
 
 AHEAD_MAX_ROWS = 4  # prompt chunks in one step: more than 4 is rare (a burst of short prompts)
 
+# A prefill graph's bucket: (tokens T, prompt chunks P).
+Bucket = tuple[int, int]
 
-def ahead_of_need(token_buckets: Sequence[int], row_buckets: Sequence[int]) -> list[tuple[int, int]]:
-    """The buckets captured while idle, in order: one chunk (any prompt's steps), then two and four
-    chunks (a step where prompts meet); the largest token bucket first within each, so smaller graphs
-    reuse the shared pool's blocks instead of growing it."""
+
+def ahead_of_need(token_buckets: Sequence[int], chunk_buckets: Sequence[int]) -> list[Bucket]:
+    """The buckets captured while idle, in order: one chunk (any prompt's steps, with decode rows or
+    not), then two and four chunks (a step where prompts meet); the largest token bucket first within
+    each, so smaller graphs reuse the shared pool's blocks instead of growing it."""
     return [
-        (tokens, rows)
-        for rows in row_buckets
-        if rows <= AHEAD_MAX_ROWS
+        (tokens, chunks)
+        for chunks in chunk_buckets
+        if chunks <= AHEAD_MAX_ROWS
         for tokens in sorted(token_buckets, reverse=True)
     ]
 
 
-def next_uncaptured(
-    pending: list[tuple[int, int]], settled: Container[tuple[int, int]]
-) -> tuple[int, int] | None:
+def next_uncaptured(pending: list[Bucket], settled: Container[Bucket]) -> Bucket | None:
     """Pops the buckets at the front of `pending` that are `settled` (captured, or failed), then its
     next bucket; None when none is left."""
     while pending:
@@ -113,8 +120,9 @@ def max_chunks(tokens: int, rows: int) -> int:
 @dataclass(frozen=True, slots=True)
 class PrefillLayout:
     """Where each input of a prefill graph lives in the two flat input buffers (int64 and int32), for
-    graphs of up to `max_tokens` tokens and `max_rows` rows (max_rows + 1 sequences). A bucket's
-    inputs are prefixes of these fields, so every graph reads the same buffers."""
+    graphs of up to `max_tokens` tokens and `max_rows` rows (max_rows + 1 sequences; fla's list of
+    max_rows + 2). A bucket's inputs are prefixes of these fields, so every graph reads the same
+    buffers."""
 
     max_tokens: int
     max_rows: int
@@ -125,58 +133,81 @@ class PrefillLayout:
         return self.max_rows + 1
 
     @property
+    def fla_seqs(self) -> int:
+        return self.max_rows + 2
+
+    @property
     def chunks(self) -> int:
-        return max_chunks(self.max_tokens, self.max_rows)
+        return max_chunks(self.max_tokens, self.max_rows + 1)
 
     @property
     def longs_size(self) -> int:
-        return 3 * self.max_tokens + 2 * self.seqs + (self.seqs + 1) + 2 * self.chunks
+        return 3 * self.max_tokens + 2 * self.seqs + (self.fla_seqs + 1) + self.fla_seqs + 2 * self.chunks
 
     @property
     def ints_size(self) -> int:
-        return (self.seqs + 1) + 2 * self.seqs + self.seqs * self.max_pages
+        return self._ints_head + self.seqs * self.max_pages
 
-    def ints_used(self, rows_bucket: int) -> int:
-        """The int32 prefix a bucket reads (its block-table rows come last)."""
-        return (self.seqs + 1) + 2 * self.seqs + (rows_bucket + 1) * self.max_pages
+    @property
+    def _ints_head(self) -> int:
+        """query_start_loc, context_lens, seq_lens, fla's context_lens and the decode count: the int32
+        fields before the block tables."""
+        return (self.seqs + 1) + 2 * self.seqs + self.fla_seqs + 1
 
-    def views(self, longs: A, ints: A, tokens_bucket: int, rows_bucket: int) -> PrefillInputs[A]:
+    def ints_used(self, live_rows: int) -> int:
+        """The int32 prefix a step of `live_rows` rows needs on the device: the block-table rows come
+        last, and those of the padding sequences past the first are never read."""
+        return self._ints_head + (live_rows + 1) * self.max_pages
+
+    def views(self, longs: A, ints: A, bucket: Bucket) -> PrefillInputs[A]:
         """A bucket's inputs as views of `longs` [longs_size] and `ints` [ints_size] (host numpy
         arrays or device tensors alike)."""
-        t, s, n = self.max_tokens, self.seqs, rows_bucket + 1
-        chunk_start = 3 * t + 3 * s + 1
+        tokens_bucket, prefills_bucket = bucket
+        t, s, n, f = self.max_tokens, self.seqs, self.seqs, prefills_bucket + 2
+        fla = 3 * t + 2 * s  # fla's cu_seqlens, state slots, then its chunk list
+        chunk_start = fla + (self.fla_seqs + 1) + self.fla_seqs
         i = self.seqs + 1
+        j = i + 2 * s  # fla's context lens, the decode count, then the block tables
+        blocks = j + self.fla_seqs + 1
         return PrefillInputs(
             input_ids=longs[:tokens_bucket],
             positions=longs[t : t + tokens_bucket],
             slot_mapping=longs[2 * t : 2 * t + tokens_bucket],
             state_slots=longs[3 * t : 3 * t + n],
             logits_indices=longs[3 * t + s : 3 * t + s + n],
-            cu_seqlens=longs[3 * t + 2 * s : 3 * t + 2 * s + n + 1],
-            chunk_indices=longs[
-                chunk_start : chunk_start + 2 * max_chunks(tokens_bucket, rows_bucket)
+            fla_cu_seqlens=longs[fla : fla + f + 1],
+            fla_state_slots=longs[fla + self.fla_seqs + 1 : fla + self.fla_seqs + 1 + f],
+            fla_chunk_indices=longs[
+                chunk_start : chunk_start + 2 * max_chunks(tokens_bucket, prefills_bucket + 1)
             ].reshape(-1, 2),
             query_start_loc=ints[: n + 1],
             context_lens=ints[i : i + n],
             seq_lens=ints[i + s : i + s + n],
-            block_tables=ints[i + 2 * s : i + 2 * s + n * self.max_pages].reshape(n, self.max_pages),
+            fla_context_lens=ints[j : j + f],
+            decode_count=ints[j + self.fla_seqs : j + self.fla_seqs + 1],
+            block_tables=ints[blocks : blocks + n * self.max_pages].reshape(n, self.max_pages),
         )
 
 
 @dataclass(slots=True)
 class PrefillInputs(Generic[A]):
-    """One bucket's inputs: tokens_bucket tokens, rows_bucket + 1 sequences, its chunk list."""
+    """One bucket's inputs: T tokens, S + 1 sequences (S = max_rows), fla's list of P + 2 sequences and
+    its chunk list."""
 
     input_ids: A  # [T]
     positions: A  # [T]
     slot_mapping: A  # [T]
     state_slots: A  # [S + 1]
     logits_indices: A  # [S + 1]: last tokens of the rows that need logits (row order), then padding
-    cu_seqlens: A  # [S + 2] int64 (fla's), the same values as query_start_loc
-    chunk_indices: A  # [T // 64 + S, 2]: (sequence, chunk) per 64-token chunk, then padding chunks
+    # fla's sequences: the decode rows' tokens (discarded), the prompt chunks, then empty ones.
+    fla_cu_seqlens: A  # [P + 3] int64
+    fla_state_slots: A  # [P + 2] int64: the reserved slot for the first and the padding
+    fla_chunk_indices: A  # [T // 64 + P + 1, 2]: (sequence, chunk) per 64-token chunk, then padding
     query_start_loc: A  # [S + 2] int32
     context_lens: A  # [S + 1]
     seq_lens: A  # [S + 1]
+    fla_context_lens: A  # [P + 2] int32: 0 for the first sequence and the padding
+    decode_count: A  # [1] int32: the leading decode rows
     block_tables: A  # [S + 1, max_pages]
 
 
@@ -184,11 +215,17 @@ def fill_prefill_inputs(inputs: PrefillInputs[np.ndarray], rows: Sequence[BatchR
     """Writes the host inputs of `rows` padded to the bucket of `inputs`; returns how many rows need
     logits (their hidden states are the graph's first outputs). Padding tokens sit at position 0 of the
     reserved page; padding sequences are empty, at the live token count, with the reserved slot and
-    page; padding chunks are chunk 0 of the last sequence, which is always padding."""
+    page; padding chunks are chunk 0 of fla's last sequence, which is always padding."""
     tokens_bucket = inputs.input_ids.shape[0]
     seqs = inputs.state_slots.shape[0]
+    fla_seqs = inputs.fla_state_slots.shape[0]
+    decodes = leading_decode_rows(rows)
     if len(rows) >= seqs:
         raise ValueError(f"{len(rows)} rows do not fit a prefill graph of {seqs - 1} rows")
+    if len(rows) - decodes > fla_seqs - 2:
+        raise ValueError(
+            f"{len(rows) - decodes} prompt chunks do not fit a prefill graph of {fla_seqs - 2} chunks"
+        )
     starts = [0]
     need: list[int] = []
     for i, row in enumerate(rows):
@@ -207,7 +244,6 @@ def fill_prefill_inputs(inputs: PrefillInputs[np.ndarray], rows: Sequence[BatchR
             need.append(end - 1)
         starts.append(end)
     live_rows, live_tokens = len(rows), starts[-1]
-    chunks = fla_chunk_list(np.diff(starts).tolist())
     inputs.input_ids[live_tokens:] = 0
     inputs.positions[live_tokens:] = 0
     inputs.slot_mapping[live_tokens:] = DUMMY_PAGE * page_size
@@ -220,13 +256,25 @@ def fill_prefill_inputs(inputs: PrefillInputs[np.ndarray], rows: Sequence[BatchR
     inputs.seq_lens[live_rows:] = 0
     inputs.query_start_loc[: live_rows + 1] = starts
     inputs.query_start_loc[live_rows + 1 :] = live_tokens
-    inputs.cu_seqlens[:] = inputs.query_start_loc
     inputs.block_tables[live_rows:, 0] = DUMMY_PAGE
     inputs.logits_indices[: len(need)] = need
     inputs.logits_indices[len(need) :] = 0
+    # fla's list: the decode rows' tokens as one sequence, the chunks, then empty sequences.
+    chunk_rows = live_rows - decodes
+    inputs.fla_cu_seqlens[0] = 0
+    inputs.fla_cu_seqlens[1 : chunk_rows + 2] = starts[decodes:]
+    inputs.fla_cu_seqlens[chunk_rows + 2 :] = live_tokens
+    inputs.fla_state_slots[0] = DUMMY_SLOT
+    inputs.fla_state_slots[1 : chunk_rows + 1] = [r.state_slot for r in rows[decodes:]]
+    inputs.fla_state_slots[chunk_rows + 1 :] = DUMMY_SLOT
+    inputs.fla_context_lens[0] = 0
+    inputs.fla_context_lens[1 : chunk_rows + 1] = context[decodes:]
+    inputs.fla_context_lens[chunk_rows + 1 :] = 0
+    inputs.decode_count[0] = decodes
+    chunks = fla_chunk_list(np.diff(inputs.fla_cu_seqlens[: chunk_rows + 2]).tolist())
     if chunks:  # none at all for the all-padding inputs of a capture
-        inputs.chunk_indices[: len(chunks)] = chunks
-    inputs.chunk_indices[len(chunks) :] = (seqs - 1, 0)
+        inputs.fla_chunk_indices[: len(chunks)] = chunks
+    inputs.fla_chunk_indices[len(chunks) :] = (fla_seqs - 1, 0)
     return len(need)
 
 
@@ -235,16 +283,25 @@ def graph_batch(
     query_lens_host: tuple[int, ...] | None = None,
     context_lens_host: tuple[int, ...] | None = None,
 ) -> ForwardBatch:
-    """The forward batch over a bucket's inputs: every row a varlen sequence (num_decodes = 0). The
-    GPU path reads no host lengths but their count; the torch reference ops loop over them, so a test
-    that runs the reference over these inputs passes the real ones."""
+    """The forward batch over a bucket's inputs: every row a varlen sequence (num_decodes = 0), the
+    decode rows' count on the device for the GDN layers. The GPU path reads no host lengths but their
+    count; the torch reference ops loop over them, so a test that runs the reference over these inputs
+    passes the real ones."""
     seqs = inputs.state_slots.shape[0]
     index = None
     if inputs.input_ids.is_cuda:
         from deltaserve.ops.triton.gdn import PrefillIndex
 
         # fla reads cu_seqlens_cpu only to build a chunk list, which it is given here.
-        index = PrefillIndex(0, 0, inputs.cu_seqlens, None, inputs.chunk_indices)
+        index = PrefillIndex(
+            first=0,
+            start=0,
+            cu_seqlens=inputs.fla_cu_seqlens,
+            cu_seqlens_cpu=None,
+            chunk_indices=inputs.fla_chunk_indices,
+            state_slots=inputs.fla_state_slots,
+            context_lens=inputs.fla_context_lens,
+        )
     return ForwardBatch(
         input_ids=inputs.input_ids,
         positions=inputs.positions,
@@ -259,6 +316,7 @@ def graph_batch(
         query_lens_host=query_lens_host or (0,) * seqs,
         context_lens_host=context_lens_host or (0,) * seqs,
         gdn_prefill_index=index,
+        graph_decodes=inputs.decode_count,
     )
 
 
@@ -280,7 +338,7 @@ class PrefillGraphRunner:
         self.cache = cache
         self.device = model.device
         self.token_buckets = token_buckets(max_tokens)
-        self.row_buckets = pow2_buckets(1, max_rows)
+        self.chunk_buckets = pow2_buckets(1, max_rows)
         self.layout = PrefillLayout(max_tokens, max_rows, -(-max_model_len // cache.page_size))
         self._longs = torch.zeros(self.layout.longs_size, dtype=torch.int64, device=self.device)
         self._ints = torch.zeros(self.layout.ints_size, dtype=torch.int32, device=self.device)
@@ -289,23 +347,23 @@ class PrefillGraphRunner:
         self._copied = torch.cuda.Event()  # the host twins may be rewritten once this has passed
         self._stream: torch.cuda.Stream | None = None
         self.pool = pool
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.failed: set[tuple[int, int]] = set()  # buckets whose capture failed: they run eager
-        self._ahead = ahead_of_need(self.token_buckets, self.row_buckets)
+        self.graphs: dict[Bucket, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.failed: set[Bucket] = set()  # buckets whose capture failed: they run eager
+        self._ahead = ahead_of_need(self.token_buckets, self.chunk_buckets)
         self._ahead_seconds = 0.0
         self._ahead_done = False
 
-    def bucket(self, rows: Sequence[BatchRow]) -> tuple[int, int] | None:
-        """The (tokens, rows) bucket that runs `rows` in a graph; None: they run eager."""
+    def bucket(self, rows: Sequence[BatchRow]) -> Bucket | None:
+        """The (tokens, prompt chunks) bucket that runs `rows` in a graph; None: they run eager."""
         key = self._key(rows)
         return None if key is None or key in self.failed else key
 
-    def _key(self, rows: Sequence[BatchRow]) -> tuple[int, int] | None:
-        if any(r.is_verify or r.scored for r in rows):
+    def _key(self, rows: Sequence[BatchRow]) -> Bucket | None:
+        if len(rows) > self.layout.max_rows or any(r.is_verify or r.scored for r in rows):
             return None
         tokens = bucket_for(sum(len(r.token_ids) for r in rows), self.token_buckets)
-        seqs = bucket_for(len(rows), self.row_buckets)
-        return None if tokens is None or seqs is None else (tokens, seqs)
+        chunks = bucket_for(max(1, len(rows) - leading_decode_rows(rows)), self.chunk_buckets)
+        return None if tokens is None or chunks is None else (tokens, chunks)
 
     def can_run(self, rows: Sequence[BatchRow]) -> bool:
         return len(rows) > 0 and self.bucket(rows) is not None
@@ -330,23 +388,23 @@ class PrefillGraphRunner:
         key = self._key(rows)
         assert key is not None, "run_eager() takes rows that fit a bucket"
         need = self._stage(rows, fed, key)
-        batch = graph_batch(self.layout.views(self._longs, self._ints, *key))
+        batch = graph_batch(self.layout.views(self._longs, self._ints, key))
         hidden = self.model(batch, self.cache.kv, self.cache.states)
         return self.model.compute_logits(hidden[:need])
 
-    def _stage(self, rows: Sequence[BatchRow], fed: torch.Tensor | None, key: tuple[int, int]) -> int:
+    def _stage(self, rows: Sequence[BatchRow], fed: torch.Tensor | None, key: Bucket) -> int:
         """Writes the padded inputs of `rows` and starts their copy; returns how many rows need logits."""
         self._copied.synchronize()  # the previous replay's inputs have left the host twins
-        host = self.layout.views(self._longs_host.numpy(), self._ints_host.numpy(), *key)
+        host = self.layout.views(self._longs_host.numpy(), self._ints_host.numpy(), key)
         need = fill_prefill_inputs(host, rows, self.cache.page_size)
-        self._copy_inputs(key)
+        self._copy_inputs(len(rows))
         if fed is not None:
             self._longs[: fed.shape[0]].copy_(fed)  # decode rows lead, one token each: token i is row i
         return need
 
-    def _copy_inputs(self, key: tuple[int, int]) -> None:
+    def _copy_inputs(self, live_rows: int) -> None:
         self._longs.copy_(self._longs_host, non_blocking=True)
-        used = self.layout.ints_used(key[1])
+        used = self.layout.ints_used(live_rows)
         self._ints[:used].copy_(self._ints_host[:used], non_blocking=True)
         self._copied.record()
 
@@ -355,7 +413,7 @@ class PrefillGraphRunner:
         """Captures the smallest bucket at start-up, so the kernels every prefill graph runs are
         compiled then rather than in the first step that needs a graph. Returns the seconds taken."""
         started = time.monotonic()
-        self._capture((self.token_buckets[0], self.row_buckets[0]))
+        self._capture((self.token_buckets[0], self.chunk_buckets[0]))
         return time.monotonic() - started
 
     @torch.inference_mode()
@@ -379,7 +437,7 @@ class PrefillGraphRunner:
         self._ahead_seconds += time.monotonic() - started
         return True
 
-    def _capture(self, key: tuple[int, int]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
+    def _capture(self, key: Bucket) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
         """Captures bucket `key` over all-padding inputs: one eager forward first (compiles and
         autotunes every kernel at this shape; it writes only the reserved page and slot)."""
         started = time.monotonic()
@@ -388,17 +446,17 @@ class PrefillGraphRunner:
         stream = self._stream
         try:
             self._copied.synchronize()
-            host = self.layout.views(self._longs_host.numpy(), self._ints_host.numpy(), *key)
+            host = self.layout.views(self._longs_host.numpy(), self._ints_host.numpy(), key)
             fill_prefill_inputs(host, [], self.cache.page_size)
-            self._copy_inputs(key)
+            self._copy_inputs(0)
             kv, states = self.cache.kv, self.cache.states
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
-                self.model(graph_batch(self.layout.views(self._longs, self._ints, *key)), kv, states)
+                self.model(graph_batch(self.layout.views(self._longs, self._ints, key)), kv, states)
                 # A second batch over the same buffers, of new tensor objects: fla memoises what it
                 # derives from cu_seqlens by object identity, so the capture must miss that cache and
                 # record the derivation (with the warm-up's objects it would bake in the warm-up's result).
-                batch = graph_batch(self.layout.views(self._longs, self._ints, *key))
+                batch = graph_batch(self.layout.views(self._longs, self._ints, key))
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(
                     graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"
@@ -408,7 +466,7 @@ class PrefillGraphRunner:
             torch.cuda.current_stream(self.device).wait_stream(stream)
             self.failed.add(key)
             logger.warning(
-                "prefill graph for %d tokens x %d rows not captured; those steps run eager",
+                "prefill graph for %d tokens x %d chunks not captured; those steps run eager",
                 *key,
                 exc_info=True,
             )
@@ -418,7 +476,7 @@ class PrefillGraphRunner:
             self.pool = graph.pool()
         self.graphs[key] = (graph, hidden)
         logger.info(
-            "captured the prefill graph for %d tokens x %d rows in %.0f ms",
+            "captured the prefill graph for %d tokens x %d chunks in %.0f ms",
             *key,
             (time.monotonic() - started) * 1e3,
         )

@@ -15,7 +15,7 @@ from deltaserve.cache.device import DeviceCaches
 from deltaserve.engine.cuda_graphs import CudaGraphRunner
 from deltaserve.engine.prefill_graphs import PrefillGraphRunner
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
-from deltaserve.ops.batch import BatchRow, build_forward_batch, leading_decode_rows
+from deltaserve.ops.batch import BatchRow, build_forward_batch
 
 
 class ModelWorker:
@@ -58,25 +58,11 @@ class ModelWorker:
         return self.prefill_graphs is not None and self.prefill_graphs.capture_ahead()
 
     def _in_graphs(self, rows: list[BatchRow], fed: torch.Tensor | None) -> torch.Tensor | None:
-        """Logits of a step with prompt chunks replayed from graphs, or None to run it eager. Decode rows
-        that fit the decode graphs replay there and the chunks in a prefill graph (in a prefill graph a
-        decode row runs as a one-token varlen sequence, at several times the decode graph's cost);
-        otherwise the whole step replays in a prefill graph. The chunks go first: when their graph
-        cannot be captured nothing has run yet and the whole step goes eager."""
-        graphs, prefill = self.graphs, self.prefill_graphs
+        """Logits of a step with prompt chunks replayed from a prefill graph, decode rows and chunks in
+        one forward (the weights read once; the GDN layers take the decode rows through their decode
+        kernel), or None to run it eager."""
+        prefill = self.prefill_graphs
         assert prefill is not None
-        nd = leading_decode_rows(rows)
-        if (
-            0 < nd < len(rows)
-            and graphs is not None
-            and graphs.can_run(rows[:nd])
-            and prefill.can_run(rows[nd:])
-        ):
-            chunks = prefill.run(rows[nd:])
-            if chunks is None:
-                return None
-            # fed covers decode rows only: the first fed.shape[0] <= nd rows.
-            return torch.cat([graphs.run(rows[:nd], fed), chunks])
         return prefill.run(rows, fed) if prefill.can_run(rows) else None
 
     def _forward(

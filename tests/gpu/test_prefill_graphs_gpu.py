@@ -1,6 +1,6 @@
 """Prefill graphs against the eager forward on the GPU (tiny model, fp32): logits, the live caches,
 nothing else touched but the reserved page and slot; replays of one bucket with new rows; the device
-token feed of decode rows; a unified step split between the decode and the prefill graphs; a capture
+token feed of decode rows; a unified step whole in a prefill graph beside the decode graphs; a capture
 that fails leaves its bucket eager; captures ahead of need (last: they capture every likely bucket)."""
 
 from __future__ import annotations
@@ -46,27 +46,26 @@ def setup():
     eager.run(
         [BatchRow(list(range(40)), 0, [1, 2, 3], 1), BatchRow(list(range(100, 200)), 0, range(4, 11), 2)]
     )
-    split = ModelWorker(model, caches, decode, prefill)  # decode rows in the decode graphs
-    return eager, ModelWorker(model, caches, prefill_graphs=prefill), prefill, pools, split
+    both = ModelWorker(model, caches, decode, prefill)  # pure decode steps in the decode graphs
+    return eager, ModelWorker(model, caches, prefill_graphs=prefill), prefill, pools, both
 
 
-def compare(setup, rows: list[BatchRow], fed: torch.Tensor | None = None, split: bool = False) -> None:
+def compare(setup, rows: list[BatchRow], fed: torch.Tensor | None = None, both: bool = False) -> None:
     """The replay against (1) the same padded batch launched eagerly: the same kernels on the same
     inputs, so the same logits and caches; (2) the ordinary eager forward of the rows, whose decode rows
-    take the decode kernels (exact fp32) where the graph runs them through fla's chunked kernel (tf32
-    dots over the state): the same greedy tokens, the top-8 log-probs within 5e-2 (measured on an H200:
-    at most 0.029, on a decode row). The caches go on from (2). With `split`, the decode rows replay in
-    the decode graphs and only the chunks in a prefill graph: (1) does not apply, the rest does."""
-    eager, graphed, prefill, pools, split_worker = setup
-    if split:
-        graphed = split_worker
+    take the decode attention programs where the graph runs them as one-token sequences (the GDN decode
+    kernel in both): the same greedy tokens, the top-8 log-probs within 5e-2. The caches go on from (2).
+    With `both`, through a worker that also has the decode graphs."""
+    eager, graphed, prefill, pools, both_worker = setup
+    if both:
+        graphed = both_worker
     before = [t.clone() for t in pools]
 
     def restore(state: list[torch.Tensor]) -> None:
         for dst, src in zip(pools, state, strict=True):
             dst.copy_(src)
 
-    padded = None if split else prefill.run_eager(rows, fed)
+    padded = prefill.run_eager(rows, fed)
     after_padded = [t.clone() for t in pools]
     restore(before)
     assert prefill.can_run(rows)
@@ -74,16 +73,15 @@ def compare(setup, rows: list[BatchRow], fed: torch.Tensor | None = None, split:
     after_graph = [t.clone() for t in pools]
     restore(before)
     want, _ = eager.run(rows, fed)
-    if padded is not None:
-        torch.testing.assert_close(got, padded, atol=1e-5, rtol=1e-5)
-        # Not the reserved page and slot: padding tokens hold whatever their garbage rows compute.
-        real = (
-            [p for p in range(NUM_PAGES) if p != DUMMY_PAGE],
-            [s for s in range(NUM_SLOTS) if s != DUMMY_SLOT],
-        )
-        for i, (g, p) in enumerate(zip(after_graph, after_padded, strict=True)):
-            kept = real[i // 2]  # k, v by page; conv, ssm by slot
-            torch.testing.assert_close(g[:, kept], p[:, kept], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, padded, atol=1e-5, rtol=1e-5)
+    # Not the reserved page and slot: padding tokens hold whatever their garbage rows compute.
+    real = (
+        [p for p in range(NUM_PAGES) if p != DUMMY_PAGE],
+        [s for s in range(NUM_SLOTS) if s != DUMMY_SLOT],
+    )
+    for i, (g, p) in enumerate(zip(after_graph, after_padded, strict=True)):
+        kept = real[i // 2]  # k, v by page; conv, ssm by slot
+        torch.testing.assert_close(g[:, kept], p[:, kept], atol=1e-5, rtol=1e-5)
     got_lp, want_lp = got.log_softmax(-1), want.log_softmax(-1)
     assert torch.equal(got_lp.argmax(-1), want_lp.argmax(-1))
     top = want_lp.topk(8, dim=-1).indices
@@ -125,7 +123,7 @@ def test_decode_rows_take_the_fed_tokens(setup):
     compare(setup, rows, fed)
 
 
-def test_a_unified_step_with_its_decode_rows_in_the_decode_graphs(setup):
+def test_a_unified_step_replays_whole_in_a_prefill_graph_beside_the_decode_graphs(setup):
     # Slot 1 holds 42 tokens and slot 2 104 after the tests above; the fed token replaces row 0's.
     fed = torch.tensor([77], dtype=torch.int64, device=DEVICE)
     rows = [
@@ -133,7 +131,7 @@ def test_a_unified_step_with_its_decode_rows_in_the_decode_graphs(setup):
         BatchRow([5], 104, range(4, 11), 2),
         BatchRow(list(range(800, 870)), 0, [32, 33, 34, 35, 36], 6),
     ]
-    compare(setup, rows, fed, split=True)
+    compare(setup, rows, fed, both=True)
 
 
 def test_a_bucket_whose_capture_fails_runs_eager(setup, monkeypatch):
@@ -156,7 +154,7 @@ def test_captures_ahead_of_need_then_a_first_step_of_a_new_size_replays_without_
     while prefill.capture_ahead():
         captures += 1
     assert captures > 0 and not prefill.capture_ahead()
-    expected = set(ahead_of_need(prefill.token_buckets, prefill.row_buckets)) - prefill.failed
+    expected = set(ahead_of_need(prefill.token_buckets, prefill.chunk_buckets)) - prefill.failed
     assert expected <= set(prefill.graphs)
     graphs = len(prefill.graphs)
     rows = [BatchRow(list(range(90)), 0, range(31, 37), 5), BatchRow(list(range(7)), 0, [40], 6)]
