@@ -103,7 +103,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=d.prefill_graph_max_tokens,
         help="steps with prompt chunks of up to this many tokens replay CUDA graphs, captured on first "
-        "use per (tokens, rows) bucket (default: min(--max-num-batched-tokens, 2048); 0: off)",
+        "use per (tokens, prompt chunks) bucket (default: min(--max-num-batched-tokens, 2048); 0: off)",
     )
     g.add_argument(
         "--tensor-parallel-size",
