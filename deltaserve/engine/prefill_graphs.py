@@ -49,7 +49,14 @@ from deltaserve.cache.device import DeviceCaches
 from deltaserve.cache.kv_pages import DUMMY_PAGE
 from deltaserve.cache.state_slots import DUMMY_SLOT
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
-from deltaserve.ops.batch import FLA_CHUNK, BatchRow, ForwardBatch, fla_chunk_list, leading_decode_rows
+from deltaserve.ops.batch import (
+    FLA_CHUNK,
+    BatchRow,
+    ForwardBatch,
+    fla_chunk_list,
+    kv_slot,
+    leading_decode_rows,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -226,9 +233,18 @@ def fill_prefill_inputs(inputs: PrefillInputs[np.ndarray], rows: Sequence[BatchR
         raise ValueError(
             f"{len(rows) - decodes} prompt chunks do not fit a prefill graph of {fla_seqs - 2} chunks"
         )
-    starts = [0]
-    need: list[int] = []
-    for i, row in enumerate(rows):
+    # Decode rows lead, one token each: row i is token i, written a column at a time.
+    lead = rows[:decodes]
+    if decodes > tokens_bucket:
+        raise ValueError(f"rows of {decodes}+ tokens do not fit a prefill graph of {tokens_bucket} tokens")
+    inputs.input_ids[:decodes] = [r.token_ids[0] for r in lead]
+    inputs.positions[:decodes] = [r.context_len for r in lead]
+    inputs.slot_mapping[:decodes] = [kv_slot(r.pages, r.context_len, page_size) for r in lead]
+    for i, row in enumerate(lead):
+        inputs.block_tables[i, : len(row.pages)] = row.pages  # later columns keep stale ids: never read
+    starts = list(range(decodes + 1))
+    need = [i for i, r in enumerate(lead) if r.need_logits]
+    for i, row in enumerate(rows[decodes:], start=decodes):
         n = len(row.token_ids)
         start, ctx = starts[-1], row.context_len
         end = start + n
