@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import random
 from collections.abc import Iterable
 
 import pytest
@@ -131,15 +132,113 @@ def test_conv_short_sequences_at_every_block_offset():
     )
 
 
-@pytest.mark.parametrize("blocks", [(4, 32, 1), (8, 256, 4), (32, 16, 2)])
-def test_conv_block_shapes_agree_with_the_reference(blocks):
-    # Ownership of slot reads and write-backs holds for any block of >= K-1 rows: sequences start at
-    # every offset of 4-, 8- and 32-row blocks, some shorter than K-1, some on stale slots.
+@pytest.mark.parametrize(
+    ("impl", "blocks"),
+    [
+        ("tiles", (4, 32, 1)),
+        ("tiles", (8, 256, 4)),
+        ("tiles", (32, 16, 2)),
+        ("rows", (3, 32, 2, 1)),
+        ("rows", (8, 16, 3, 2)),
+    ],
+)
+def test_conv_block_shapes_agree_with_the_reference(impl, blocks):
+    # Any program shape gives the reference's results: for the tile kernel, ownership of slot reads and
+    # write-backs holds for any block of >= K-1 rows; for the stream kernel, any block walks its rows
+    # from the K-1 rows before it. Sequences start at every offset of the blocks, some shorter than
+    # K-1, some on stale slots.
     lengths = [2, 3, 2, 1, 3, 9, 1, 5] * 3
     contexts = itertools.cycle([0, 2, 5, 1, 0, 9, 3])
     rows = [(n, ctx, slot) for slot, (n, ctx) in enumerate(zip(lengths, contexts, strict=False), start=1)]
     stale = {slot for n, ctx, slot in rows if ctx == 0}
-    check_conv(rows, channels=72, dtype=torch.bfloat16, seed=5, stale=stale, blocks=blocks)
+    check_conv(rows, channels=72, dtype=torch.bfloat16, seed=5, stale=stale, impl=impl, blocks=blocks)
+
+
+def padded(batch: ForwardBatch, empty_seqs: int, extra_tokens: int, graphed: bool) -> ForwardBatch:
+    """`batch` as a CUDA-graph bucket holds it: `empty_seqs` empty sequences (the reserved slot 0, context
+    0) and `extra_tokens` rows of no sequence after the live ones; `graphed` runs decode rows as varlen
+    sequences (num_decodes 0), as the prefill graphs do."""
+    tokens = batch.num_tokens + extra_tokens
+    live = batch.query_start_loc[-1:]
+    return dataclasses.replace(
+        batch,
+        input_ids=torch.zeros(tokens, dtype=torch.int64, device=DEVICE),
+        query_start_loc=torch.cat([batch.query_start_loc, live.expand(empty_seqs)]),
+        context_lens=torch.cat([batch.context_lens, batch.context_lens.new_zeros(empty_seqs)]),
+        state_slots=torch.cat([batch.state_slots, batch.state_slots.new_zeros(empty_seqs)]),
+        query_lens_host=batch.query_lens_host + (0,) * empty_seqs,
+        context_lens_host=batch.context_lens_host + (0,) * empty_seqs,
+        num_decodes=0 if graphed else batch.num_decodes,
+    )
+
+
+def random_rows(rng: random.Random, max_slot: int) -> list[tuple]:
+    """A batch's rows: decode rows, then prefill chunks of 1..40 tokens (many shorter than K), from
+    position 0 or continuing from a slot, each on its own slot."""
+    slots = rng.sample(range(1, max_slot), 24)
+    rows = [(1, rng.randint(1, 30), slots.pop()) for _ in range(rng.randint(0, 4))]
+    for _ in range(rng.randint(1, 7)):
+        n = rng.choice([1, 2, 3, 4, 5, rng.randint(6, 40)])
+        rows.append((n, rng.choice([0, 0, rng.randint(1, 50)]), slots.pop()))
+    return rows
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_conv_rows_path_is_bit_identical_to_the_tile_kernel_on_random_batches(dtype):
+    # Random batches (decode rows, chunks with and without context, sequences shorter than K-1 and
+    # sequences over several 1..8-row blocks, graph padding with and without decode rows), strided x,
+    # stale slots, random stream blocks: outputs and state pool bit for bit those of the tile kernel,
+    # padding rows unwritten, and the reference's results (bf16: exactly, under the interpreter).
+    rng = random.Random(30)
+    for case in range(5):
+        rows = random_rows(rng, 40)
+        batch = make_batch(rows)
+        if case % 2:
+            batch = padded(batch, rng.choice([1, 3]), rng.choice([0, 5]), graphed=case % 4 == 1)
+        tokens, channels, live = batch.num_tokens, rng.choice([24, 40]), int(batch.query_start_loc[-1])
+        gen = torch.Generator().manual_seed(case)
+        x = randn(gen, tokens, channels + 16, dtype=dtype)[:, 8 : 8 + channels]
+        weight = randn(gen, channels, K, dtype=dtype, scale=0.5)
+        state = randn(gen, 40, channels, K - 1, dtype=dtype)
+        state[[0, *(slot for _, ctx, slot in rows if ctx == 0)]] = float("nan")  # never read
+        blocks = (rng.choice([1, 2, 3, 5, 8]), rng.choice([8, 16, 32]), rng.choice([1, 3, 4]), 1)
+        results = {}
+        for impl, impl_blocks in [("tiles", (4, 16, 1)), ("rows", blocks)]:
+            pool = state.clone()
+            out = poisoned(tokens, channels, dtype=dtype)
+            triton_conv.causal_conv1d(x, weight, pool, batch, out=out, impl=impl, blocks=impl_blocks)
+            results[impl] = out, pool
+        (tiles_out, tiles_pool), (got, pool) = results["tiles"], results["rows"]
+        assert torch.equal(got.view(torch.uint8), tiles_out.view(torch.uint8)), (case, blocks)
+        assert torch.equal(pool.view(torch.uint8), tiles_pool.view(torch.uint8)), (case, blocks)
+        assert got[live:].isnan().all(), "a padding row was written"
+        want_pool = state.clone()
+        want = conv1d.causal_conv1d(x, weight, want_pool, batch)[:live]
+        assert torch.equal(pool.isnan(), want_pool.isnan())
+        assert torch.equal(pool.nan_to_num(), want_pool.nan_to_num())
+        if dtype == torch.bfloat16 and DEVICE.type == "cpu":
+            assert torch.equal(got[:live], want)
+        else:
+            assert_matches(got[:live], want)
+
+
+@pytest.mark.parametrize("width", [2, 5])
+def test_conv_rows_path_at_other_widths(width):
+    # The window is K-1 inputs for any K: a mixed batch against the reference and the tile kernel.
+    rows = [(1, 4, 1), (7, 0, 2), (1, 0, 3), (2, 3, 4), (12, 5, 5), (3, 0, 6)]
+    batch = make_batch(rows)
+    gen = torch.Generator().manual_seed(width)
+    x = randn(gen, batch.num_tokens, 40, dtype=torch.bfloat16)[:, 4:36]
+    weight = randn(gen, 32, width, dtype=torch.bfloat16, scale=0.5)
+    state = randn(gen, 8, 32, width - 1, dtype=torch.bfloat16)
+    state[[2, 3, 6]] = float("nan")
+    got_pool, tiles_pool, want_pool = state.clone(), state.clone(), state.clone()
+    got = triton_conv.causal_conv1d(x, weight, got_pool, batch, blocks=(4, 16, 2, 1))
+    tiles = triton_conv.causal_conv1d(x, weight, tiles_pool, batch, impl="tiles", blocks=(4, 32, 1))
+    want = conv1d.causal_conv1d(x, weight, want_pool, batch)
+    assert torch.equal(got, tiles) and torch.equal(got_pool.nan_to_num(), tiles_pool.nan_to_num())
+    assert_matches(got, want)
+    assert torch.equal(got_pool.nan_to_num(), want_pool.nan_to_num())
 
 
 def test_conv_pure_decode_batch():

@@ -7,27 +7,41 @@ columns shifted left, then the new inputs). The conv sum (fp32) is rounded to x'
 as HF does, and the SiLU is rounded again. A tap's product of two bf16 values is exact in fp32 (FMA
 contraction cannot change the sum), so any conv that sums its taps oldest first gives the same bits.
 
-One launch covers the whole batch, state write-back included: a grid of (token blocks, channel blocks),
-each row finding its sequence on the device (decode rows directly, prefill rows by binary search over
-query_start_loc). Nothing is read from the host copies of the batch and the grid comes from tensor
-shapes, so any batch shape, the decode-only one in particular, can be captured in a CUDA graph.
+One call covers the whole batch, state write-back included. Nothing is read from the host copies of the
+batch and every grid comes from tensor shapes, so any batch shape, the decode-only one in particular, can
+be captured in a CUDA graph. A decode-only batch goes to `_conv1d_decode_kernel`, a flat grid over
+(rows, channel blocks). Any other batch takes two launches (impl="rows"):
+  * `_conv1d_stream_kernel` over (token blocks, channel blocks), the rows after the decode rows: each
+    program walks its BLOCK_T rows in order with the last K-1 inputs in registers, so each x row is
+    loaded once, and knows nothing of sequences: a row's window is simply the K-1 rows of x before it.
+    That is exact for every row at least K-1 rows into its sequence, and the stream writes no state.
+  * then `_conv1d_heads_kernel` over (sequences, channel blocks): each sequence's first K-1 rows, whose
+    windows start in its slot (or at zeros), rewritten over the stream's values, and its slot write-back.
+`_conv1d_tiles_kernel` (impl="tiles"), the earlier single-launch kernel (a [tokens, channels] tile per
+program, each row binary-searching for its sequence, each tap reloading a shifted tile), computes the
+same bits; it is kept as the reference the row path is checked against.
 
 Verify rows (ForwardBatch.num_verify: context > 0, a few tokens each) also leave the window after each
 of their tokens in verify_state_slots. `_conv1d_verify_kernel` walks each verify row's tokens over
 (verify rows, channel blocks): it writes the windows after all but the last token into their slots,
 reading only x and the row's own slot (which no other verify-row write touches). In a batch of decode
 and verify rows only, it also computes the rows' outputs and then the last window into the row's slot,
-beside the decode kernel over the decode rows; with prefill rows it runs first and the varlen kernel
-then covers the whole batch, verify rows as chunks with context (outputs and the last window).
+beside the decode kernel over the decode rows; with prefill rows it runs first and the varlen path then
+covers the verify rows as chunks with context (outputs and the last window).
 
-Ownership, which makes the in-place state update race-free: only a sequence's first K-1 rows read its
+Race-freedom of the in-place state update. Row path: only the heads kernel touches state, and a slot is
+read and written by its sequence's programs alone (one per channel block, disjoint channels), the reads
+ordered before the write-back by a barrier; a sequence's first K-1 rows are written by the stream and
+then by the heads kernel, which runs after it. Tile kernel: only a sequence's first K-1 rows read its
 slot, and they, together with the slot write-back, belong to the program of the token block where the
-sequence starts; that program also takes up to K-1 rows spilling past its block's end. Every other row
+sequence starts; that program also takes those of them spilling past its block's end. Every other row
 belongs to the program of its own block and reads only x. So each slot is read and written by one
 program, and within it a barrier orders all reads of the slot before each write.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 import triton
@@ -36,14 +50,15 @@ import triton.language as tl
 from deltaserve.ops.batch import ForwardBatch
 from deltaserve.ops.triton.activation import round_to, silu_f32
 
-# 16 tokens x 64 channels per program over 2 warps (measured best of tokens 8..64 x channels 32..256 x
-# warps 2..8 for an 8192-token prefill at conv_dim 8192 on an H200: 0.56 ms against 0.74 ms for 8 x 256).
-# BLOCK_T must be >= K-1 (a sequence's slot-reading rows then span at most this block and the spill).
-_BLOCK_T = 16
-_BLOCK_C = 64
-_NUM_WARPS = 2
-# Pure-decode batches (the CUDA-graph case): one token per row, so the varlen kernel's 8-row blocks, row
-# search and barriers are pure latency; a flat kernel over (rows, 256-channel blocks) replaces it.
+# The stream kernel's program: (tokens, channels, rows loaded per unrolled step, warps). The ROWS loads of
+# a step are issued together (memory-level parallelism; each 16 bytes per thread at 256 bf16 channels
+# over one warp); a block re-reads the K-1 rows before it. Starting values, to be swept on the GPU.
+_ROW_BLOCKS = (64, 256, 8, 1)
+# The tile kernel's program: (tokens, channels, warps). On an H200, for an 8192-token prefill at
+# conv_dim 8192, 16 x 64 over 2 warps was the best of tokens 8..64 x channels 32..256 x warps 2..8
+# (0.56 ms against 0.74 ms for 8 x 256). BLOCK_T must be >= K-1.
+_TILE_BLOCKS = (16, 64, 2)
+# Decode rows, and the heads kernel's sequences: a flat grid over (rows or sequences, 256-channel blocks).
 _DECODE_BLOCK_C = 256
 _DECODE_NUM_WARPS = 2
 
@@ -155,7 +170,7 @@ def _write_state(
 
 
 @triton.jit(do_not_specialize=["num_tokens", "num_seqs", "num_decodes", "search_steps"])
-def _causal_conv1d_kernel(
+def _conv1d_tiles_kernel(
     x_ptr,
     w_ptr,
     state_ptr,
@@ -210,6 +225,157 @@ def _causal_conv1d_kernel(
         seq, start, (rows < total) & (rows == start), cols, cmask, x_ptr, state_ptr, qsl_ptr, ctx_ptr,
         slots_ptr, stride_x_tok, stride_s_slot, stride_s_ch, stride_s_k, KW,
     )  # fmt: skip
+
+
+@triton.jit
+def _stream_row(r, v, win, taps, cols, cmask, out_ptr, channels, KW: tl.constexpr):
+    """out[r] from win = the inputs r - (KW-1) .. r - 1 (fp32, oldest first) and v = x[r]; returns the
+    window for row r + 1."""
+    acc = tl.zeros([cols.shape[0]], dtype=tl.float32)
+    for k in tl.static_range(KW - 1):  # summed oldest first, as the other kernels sum
+        acc += taps[k] * win[k]
+    x = v.to(tl.float32)
+    acc += taps[KW - 1] * x
+    y = round_to(acc, out_ptr.dtype.element_ty).to(tl.float32)  # HF rounds the conv sum before SiLU
+    y = round_to(silu_f32(y), out_ptr.dtype.element_ty)
+    tl.store(out_ptr + tl.cast(r, tl.int64) * channels + cols, y, mask=cmask)
+    shifted = ()
+    for p in tl.static_range(1, KW - 1):
+        shifted = shifted + (win[p],)
+    return shifted + (x,)
+
+
+@triton.jit(do_not_specialize=["num_tokens", "num_seqs", "first_row"])
+def _conv1d_stream_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    qsl_ptr,
+    num_tokens,
+    num_seqs,
+    first_row,
+    channels,
+    stride_x_tok,
+    stride_w_ch,
+    stride_w_k,
+    KW: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """out of rows first_row + program_id(0) * BLOCK_T, the next BLOCK_T of them (up to the batch's
+    last token), over channel block program_id(1): each row's conv from the KW-1 rows of x before it,
+    whatever sequence they belong to. Exact for a row at least KW-1 rows into its sequence; the others
+    are its sequence's first rows, which `_conv1d_heads_kernel` rewrites afterwards. The rows are walked
+    in order with the window in registers, so each x row is loaded once (and KW-1 more per block)."""
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cols < channels
+    total = tl.minimum(tl.load(qsl_ptr + num_seqs), num_tokens)  # later rows are padding: not written
+    block_start = first_row + tl.program_id(0) * BLOCK_T
+    block_end = tl.minimum(block_start + BLOCK_T, total)
+    taps = ()
+    for k in tl.static_range(KW):
+        taps = taps + (
+            tl.load(w_ptr + cols * stride_w_ch + k * stride_w_k, mask=cmask, other=0.0).to(tl.float32),
+        )
+    # Rows before 0 are clamped to row 0: a row whose window reaches them is a first row of its sequence.
+    win = ()
+    for p in tl.static_range(KW - 1):
+        src = tl.cast(tl.maximum(block_start - (KW - 1) + p, 0), tl.int64)
+        win = win + (tl.load(x_ptr + src * stride_x_tok + cols, mask=cmask, other=0.0).to(tl.float32),)
+    full = block_start + tl.maximum(block_end - block_start, 0) // ROWS * ROWS
+    for base in range(block_start, full, ROWS):
+        xs = ()
+        for i in tl.static_range(ROWS):  # a step's loads are all issued before its first store
+            xs = xs + (
+                tl.load(x_ptr + tl.cast(base + i, tl.int64) * stride_x_tok + cols, mask=cmask, other=0.0),
+            )
+        for i in tl.static_range(ROWS):
+            win = _stream_row(base + i, xs[i], win, taps, cols, cmask, out_ptr, channels, KW)
+    for r in range(full, block_end):
+        v = tl.load(x_ptr + tl.cast(r, tl.int64) * stride_x_tok + cols, mask=cmask, other=0.0)
+        win = _stream_row(r, v, win, taps, cols, cmask, out_ptr, channels, KW)
+
+
+@triton.jit
+def _conv1d_heads_kernel(
+    x_ptr,
+    w_ptr,
+    state_ptr,
+    out_ptr,
+    qsl_ptr,
+    ctx_ptr,
+    slots_ptr,
+    num_tokens,
+    num_seqs,
+    channels,
+    stride_x_tok,
+    stride_w_ch,
+    stride_w_k,
+    stride_s_slot,
+    stride_s_ch,
+    stride_s_k,
+    KW: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """Sequence program_id(0) over channel block program_id(1), after `_conv1d_stream_kernel`: out of
+    its first KW-1 rows (their windows start in the slot, or at zeros for context 0), then its slot :=
+    its last KW-1 inputs. The only program that reads or writes the slot; an empty sequence (padding)
+    reads and writes nothing."""
+    seq = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cols < channels
+    x_dtype = x_ptr.dtype.element_ty
+    total = tl.minimum(tl.load(qsl_ptr + num_seqs), num_tokens)
+    start = tl.load(qsl_ptr + seq)
+    # Per channel: Triton's interpreter combines a scalar mask with a vector one as integers.
+    n = tl.load(qsl_ptr + seq + 1) - start + tl.zeros_like(cols)
+    live = cmask & (n > 0)
+    from_slot = live & (tl.load(ctx_ptr + seq) + tl.zeros_like(cols) > 0)
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    state_row = state_ptr + slot * stride_s_slot + cols * stride_s_ch
+    x_row = x_ptr + start.to(tl.int64) * stride_x_tok + cols
+    taps = ()
+    for k in tl.static_range(KW):
+        taps = taps + (
+            tl.load(w_ptr + cols * stride_w_ch + k * stride_w_k, mask=cmask, other=0.0).to(tl.float32),
+        )
+    # Every load first, none behind a store: the window before the step, the first KW-1 rows, and the
+    # last KW-1 rows of a sequence longer than KW-1.
+    win = ()
+    for p in tl.static_range(KW - 1):
+        old = tl.load(state_row + p * stride_s_k, mask=from_slot, other=0.0)
+        win = win + (round_to(old.to(tl.float32), x_dtype),)
+    heads = ()
+    for j in tl.static_range(KW - 1):
+        heads = heads + (tl.load(x_row + j * stride_x_tok, mask=live & (j < n), other=0.0),)
+    long = n > KW - 1
+    tails = ()
+    for p in tl.static_range(KW - 1):
+        row = (n - (KW - 1) + p).to(tl.int64)
+        tails = tails + (tl.load(x_row + row * stride_x_tok, mask=live & long, other=0.0),)
+    for j in tl.static_range(KW - 1):
+        acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+        for k in tl.static_range(KW - 1):  # summed oldest first, as the other kernels sum
+            acc += taps[k] * win[k].to(tl.float32)
+        acc += taps[KW - 1] * heads[j].to(tl.float32)
+        y = round_to(acc, out_ptr.dtype.element_ty).to(tl.float32)  # HF rounds the conv sum before SiLU
+        y = round_to(silu_f32(y), out_ptr.dtype.element_ty)
+        row = start + j + tl.zeros_like(cols)
+        in_seq = j < n
+        tl.store(out_ptr + row.to(tl.int64) * channels + cols, y, mask=live & in_seq & (row < total))
+        # The window moves only within the sequence: past its end it holds the sequence's last inputs.
+        shifted = ()
+        for p in tl.static_range(KW - 1):
+            newer = win[p + 1] if p + 1 < KW - 1 else heads[j]
+            shifted = shifted + (tl.where(in_seq, newer, win[p]),)
+        win = shifted
+    tl.debug_barrier()  # every read of the slot above is issued before its write-back
+    for p in tl.static_range(KW - 1):
+        v = tl.where(long, tails[p], win[p])
+        tl.store(
+            state_row + p * stride_s_k, round_to(v.to(tl.float32), state_ptr.dtype.element_ty), mask=live
+        )
 
 
 @triton.jit
@@ -408,6 +574,92 @@ def _decode_rows(
     )
 
 
+def _varlen_rows(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    out: torch.Tensor,
+    batch: ForwardBatch,
+    strides: tuple[int, ...],
+    blocks: tuple[int, int, int, int],
+) -> None:
+    """The stream kernel over the rows after the decode rows, then the heads kernel over every sequence."""
+    tokens, channels = x.shape
+    block_t, block_c, rows, num_warps = blocks
+    num_seqs = batch.state_slots.shape[0]
+    nd = batch.num_decodes  # rows 0..nd-1, one token each: the heads kernel writes all of them
+    if tokens > nd:
+        _conv1d_stream_kernel[(triton.cdiv(tokens - nd, block_t), triton.cdiv(channels, block_c))](
+            x,
+            weight,
+            out,
+            batch.query_start_loc,
+            tokens,
+            num_seqs,
+            nd,
+            channels,
+            *strides[:3],
+            KW=weight.shape[1],
+            BLOCK_T=block_t,
+            BLOCK_C=block_c,
+            ROWS=rows,
+            num_warps=num_warps,
+        )
+    _conv1d_heads_kernel[(num_seqs, triton.cdiv(channels, _DECODE_BLOCK_C))](
+        x,
+        weight,
+        conv_state,
+        out,
+        batch.query_start_loc,
+        batch.context_lens,
+        batch.state_slots,
+        tokens,
+        num_seqs,
+        channels,
+        *strides,
+        KW=weight.shape[1],
+        BLOCK_C=_DECODE_BLOCK_C,
+        num_warps=_DECODE_NUM_WARPS,
+    )
+
+
+def _varlen_tiles(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    out: torch.Tensor,
+    batch: ForwardBatch,
+    strides: tuple[int, ...],
+    blocks: tuple[int, int, int],
+) -> None:
+    """The tile kernel over the whole batch."""
+    tokens, channels = x.shape
+    block_t, block_c, num_warps = blocks
+    num_seqs = batch.state_slots.shape[0]
+    num_prefills = num_seqs - batch.num_decodes
+    width = weight.shape[1]
+    _conv1d_tiles_kernel[(triton.cdiv(tokens, block_t), triton.cdiv(channels, block_c))](
+        x,
+        weight,
+        conv_state,
+        out,
+        batch.query_start_loc,
+        batch.context_lens,
+        batch.state_slots,
+        tokens,
+        num_seqs,
+        batch.num_decodes,
+        (num_prefills - 1).bit_length() if num_prefills > 0 else 0,
+        channels,
+        *strides,
+        KW=width,
+        BLOCK_T=block_t,
+        BLOCK_C=block_c,
+        SPILL=triton.next_power_of_2(width - 1),
+        num_warps=num_warps,
+    )
+
+
 def causal_conv1d(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -415,20 +667,31 @@ def causal_conv1d(
     batch: ForwardBatch,
     *,
     out: torch.Tensor | None = None,
-    blocks: tuple[int, int, int] = (_BLOCK_T, _BLOCK_C, _NUM_WARPS),
+    blocks: tuple[int, ...] | None = None,
+    impl: Literal["rows", "tiles"] = "rows",
 ) -> torch.Tensor:
     """x: [T, C] (rows may be strided, e.g. the qkv part of the fused in_proj output); weight: [C, K];
     conv_state: [slots, C, K-1], updated in place at batch.state_slots (and, for the windows after a
     verify row's tokens, at batch.verify_state_slots). Returns silu(conv(x)) [T, C] in
     x's dtype, written into `out` when given (contiguous). Reads only the batch's device tensors.
-    `blocks` = (tokens, channels, warps) per program of the varlen kernel (a tuning knob)."""
+    `impl` picks the path of batches with prefill rows: "rows" (the stream and heads kernels, the
+    default) or "tiles" (the earlier tile kernel, the same bits). `blocks`, a tuning knob, is the
+    program shape of its main kernel: (tokens, channels, rows loaded per step, warps) for "rows",
+    (tokens, channels, warps) for "tiles", where tokens must be >= K-1. None: the module defaults."""
     tokens, channels = x.shape
-    block_t, block_c, num_warps = blocks
+    if impl not in ("rows", "tiles"):
+        raise ValueError(f"impl must be 'rows' or 'tiles', got {impl!r}")
+    if blocks is None:
+        blocks = _ROW_BLOCKS if impl == "rows" else _TILE_BLOCKS
+    if len(blocks) != (4 if impl == "rows" else 3):
+        raise ValueError(f"blocks {blocks} do not fit impl {impl!r}")
     if weight.dim() != 2 or weight.shape[0] != channels:
         raise ValueError(f"conv weight has shape {tuple(weight.shape)}, expected ({channels}, K)")
     width = weight.shape[1]
-    if not 2 <= width <= block_t + 1:
-        raise ValueError(f"conv kernel width {width} is outside 2..{block_t + 1} (linear_conv_kernel_dim)")
+    if width < 2:
+        raise ValueError(f"conv kernel width {width} is below 2 (linear_conv_kernel_dim)")
+    if impl == "tiles" and width > blocks[0] + 1:
+        raise ValueError(f"the tile kernel needs blocks of >= K-1 tokens, got {blocks[0]} for K = {width}")
     if conv_state.dim() != 3 or conv_state.shape[1:] != (channels, width - 1):
         raise ValueError(
             f"conv_state has shape {tuple(conv_state.shape)}, expected (slots, {channels}, {width - 1})"
@@ -441,7 +704,6 @@ def causal_conv1d(
         raise ValueError(f"out must be a contiguous {x.dtype} tensor of shape {(tokens, channels)}")
     num_seqs = batch.state_slots.shape[0]
     nd, nv = batch.num_decodes, batch.num_verify
-    num_prefills = num_seqs - nd
     if tokens == 0 or num_seqs == 0:
         return out
     # x row, weight channel/tap, state slot/channel/column strides: the same for every kernel.
@@ -473,25 +735,8 @@ def causal_conv1d(
         )
         if whole:
             return out
-    grid = (triton.cdiv(tokens, block_t), triton.cdiv(channels, block_c))
-    _causal_conv1d_kernel[grid](
-        x,
-        weight,
-        conv_state,
-        out,
-        batch.query_start_loc,
-        batch.context_lens,
-        batch.state_slots,
-        tokens,
-        num_seqs,
-        batch.num_decodes,
-        (num_prefills - 1).bit_length() if num_prefills > 0 else 0,
-        channels,
-        *strides,
-        KW=width,
-        BLOCK_T=block_t,
-        BLOCK_C=block_c,
-        SPILL=triton.next_power_of_2(width - 1),
-        num_warps=num_warps,
-    )
+    if impl == "tiles":
+        _varlen_tiles(x, weight, conv_state, out, batch, strides, blocks)
+        return out
+    _varlen_rows(x, weight, conv_state, out, batch, strides, blocks)
     return out
