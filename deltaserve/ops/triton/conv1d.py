@@ -297,7 +297,7 @@ def _conv1d_stream_kernel(
         win = _stream_row(r, v, win, taps, cols, cmask, out_ptr, channels, KW)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "num_seqs"])
 def _conv1d_heads_kernel(
     x_ptr,
     w_ptr,
