@@ -90,7 +90,7 @@ def bucket_for(value: int, buckets: Sequence[int]) -> int | None:
     return next((b for b in buckets if b >= value), None)
 
 
-AHEAD_MAX_ROWS = 4  # prompt chunks in one step: more than 4 is rare (a burst of short prompts)
+AHEAD_MAX_CHUNKS = 4  # prompt chunks in one step: more than 4 is rare (a burst of short prompts)
 
 # A prefill graph's bucket: (tokens T, prompt chunks P).
 Bucket = tuple[int, int]
@@ -103,7 +103,7 @@ def ahead_of_need(token_buckets: Sequence[int], chunk_buckets: Sequence[int]) ->
     return [
         (tokens, chunks)
         for chunks in chunk_buckets
-        if chunks <= AHEAD_MAX_ROWS
+        if chunks <= AHEAD_MAX_CHUNKS
         for tokens in sorted(token_buckets, reverse=True)
     ]
 
@@ -170,7 +170,7 @@ class PrefillLayout:
         """A bucket's inputs as views of `longs` [longs_size] and `ints` [ints_size] (host numpy
         arrays or device tensors alike)."""
         tokens_bucket, prefills_bucket = bucket
-        t, s, n, f = self.max_tokens, self.seqs, self.seqs, prefills_bucket + 2
+        t, s, f = self.max_tokens, self.seqs, prefills_bucket + 2
         fla = 3 * t + 2 * s  # fla's cu_seqlens, state slots, then its chunk list
         chunk_start = fla + (self.fla_seqs + 1) + self.fla_seqs
         i = self.seqs + 1
@@ -180,19 +180,19 @@ class PrefillLayout:
             input_ids=longs[:tokens_bucket],
             positions=longs[t : t + tokens_bucket],
             slot_mapping=longs[2 * t : 2 * t + tokens_bucket],
-            state_slots=longs[3 * t : 3 * t + n],
-            logits_indices=longs[3 * t + s : 3 * t + s + n],
+            state_slots=longs[3 * t : 3 * t + s],
+            logits_indices=longs[3 * t + s : 3 * t + 2 * s],
             fla_cu_seqlens=longs[fla : fla + f + 1],
             fla_state_slots=longs[fla + self.fla_seqs + 1 : fla + self.fla_seqs + 1 + f],
             fla_chunk_indices=longs[
                 chunk_start : chunk_start + 2 * max_chunks(tokens_bucket, prefills_bucket + 1)
             ].reshape(-1, 2),
-            query_start_loc=ints[: n + 1],
-            context_lens=ints[i : i + n],
-            seq_lens=ints[i + s : i + s + n],
+            query_start_loc=ints[: s + 1],
+            context_lens=ints[i : i + s],
+            seq_lens=ints[i + s : i + 2 * s],
             fla_context_lens=ints[j : j + f],
             decode_count=ints[j + self.fla_seqs : j + self.fla_seqs + 1],
-            block_tables=ints[blocks : blocks + n * self.max_pages].reshape(n, self.max_pages),
+            block_tables=ints[blocks : blocks + s * self.max_pages].reshape(s, self.max_pages),
         )
 
 
