@@ -84,5 +84,7 @@ def test_bench_forward_lists_where_a_forward_spends_its_time_without_starting_th
     assert len(kernels) > 3 and sum(k.share for k in kernels) == pytest.approx(1.0)
     assert [k.us for k in kernels] == sorted((k.us for k in kernels), reverse=True)
     assert any("mm" in k.name for k in kernels)  # the projections, as CPU operators
+    assert result.worker_kernels and any("mm" in k.name for k in result.worker_kernels)
     out = capsys.readouterr().out
-    assert "kernels of 1x6@0" in out and f"({len(kernels) - 3} others)" in out
+    assert "kernels of 1x6@0 (eager)" in out and f"({len(kernels) - 3} others)" in out
+    assert "kernels of 1x6@0 (worker)" in out

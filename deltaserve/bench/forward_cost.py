@@ -11,7 +11,8 @@ those of the kernels and the host work, not of any cached content. For each shap
   prefill graph when the step fits one: its first run captures it, inside the warm-up iterations);
 - for each, the wall time (to the device's last kernel) and the host time (until the launch call
   returns). Host time close to wall time means the step is bound by launching, not by the GPU;
-- with `--kernels N`, the eager forward's N kernels with the most device time (kernel_table.py).
+- with `--kernels N`, the N kernels with the most device time of each path (kernel_table.py): the eager
+  forward's, then the worker's (inside its graph replays: what serving runs).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class ForwardCost:
     worker_wall_ms: float
     worker_host_ms: float
     kernels: list[KernelTime] = field(default_factory=list)  # with --kernels: the eager forward's
+    worker_kernels: list[KernelTime] = field(default_factory=list)  # with --kernels: the worker path's
 
 
 def parse_shape(text: str) -> list[RowGroup]:
@@ -122,8 +124,10 @@ def measure(engine: EngineCore, shape: str, iters: int, warmup: int, kernels: bo
     with torch.inference_mode():
         eager_wall, eager_host = _median_times(eager, sync, iters, warmup)
         worker_wall, worker_host = _median_times(through_worker, sync, iters, warmup)
-        table = profile_kernels(eager, sync, iters, device.type == "cuda") if kernels else []
-    return ForwardCost(shape, eager_wall, eager_host, worker_wall, worker_host, table)
+        on_gpu = device.type == "cuda"
+        table = profile_kernels(eager, sync, iters, on_gpu) if kernels else []
+        worker_table = profile_kernels(through_worker, sync, iters, on_gpu) if kernels else []
+    return ForwardCost(shape, eager_wall, eager_host, worker_wall, worker_host, table, worker_table)
 
 
 def add_bench_forward_arguments(parser: argparse.ArgumentParser) -> None:
@@ -142,8 +146,8 @@ def add_bench_forward_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         metavar="N",
-        help="also profile each shape's eager forward and list its N kernels with the most device time "
-        "(CPU operators without a GPU)",
+        help="also profile each shape's eager forward and its worker path (graph replays) and list the "
+        "N kernels of each with the most device time (CPU operators without a GPU)",
     )
 
 
@@ -173,7 +177,8 @@ def run_bench_forward(args: argparse.Namespace, engine_config: EngineConfig) -> 
         )
     for r in results:
         if r.kernels:
-            print("\n".join(kernel_table_lines(r.shape, r.kernels, args.kernels)))
+            print("\n".join(kernel_table_lines(f"{r.shape} (eager)", r.kernels, args.kernels)))
+            print("\n".join(kernel_table_lines(f"{r.shape} (worker)", r.worker_kernels, args.kernels)))
     if args.output_json:
         Path(args.output_json).write_text(json.dumps([asdict(r) for r in results], indent=2))
     return results
