@@ -199,3 +199,20 @@ def test_the_loop_captures_ahead_of_need_only_when_idle_and_one_capture_per_idle
     assert backend.events == ["step", "step", "capture", "capture", "capture", "step"]
     assert [t for u in updates["a"] for t in u.new_token_ids] == [3, 4]
     assert [t for u in updates["b"] for t in u.new_token_ids] == [4]
+
+
+def test_admission_looks_at_the_queue_head_and_new_arrivals_only_and_still_rejects_impossible_ones():
+    sched, backend, updates = make(budget=8, seqs=1)
+    for name in "abc":
+        sched.submit(AddRequest(name, list(range(5)), greedy(20)))
+    sched.tick()  # a runs; b and c passed admission's checks and wait for the one slot
+    waiting = list(sched.waiting)
+    assert [r.request_id for r in waiting] == ["b", "c"] and all(r.admission_checked for r in waiting)
+    sched.submit(AddRequest("d", list(range(250)), greedy(20)))  # 270 > max_model_len 256: impossible
+    sched.tick()
+    assert [u.finish_reason for u in updates["d"]] == ["rejected"]
+    assert "exceeds the context window of 256 tokens" in updates["d"][0].error
+    assert [r.request_id for r in sched.waiting] == ["b", "c"]
+    while sched.tick():
+        pass
+    assert all(len([t for u in updates[n] for t in u.new_token_ids]) == 20 for n in "abc")

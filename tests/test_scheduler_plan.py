@@ -9,6 +9,7 @@ from deltaserve.engine.scheduler.plan import (
     PendingView,
     PlanKind,
     RejectReason,
+    admission_window,
     admit_pending_requests,
     build_next_plan,
     choose_prefill_budget,
@@ -53,6 +54,17 @@ def test_admission_is_fcfs_and_stops_at_the_first_request_that_does_not_fit():
     decision = admit_pending_requests(pending, cap(max_model_len=2000))
     assert decision.admitted == (0,)
     assert decision.rejected == ()
+
+
+def test_the_admission_window_is_the_new_arrivals_and_the_queue_head_by_hand():
+    # checked: T, new: F. Two slots: the first three checked ones (one of them stays queued, blocking
+    # the rest), and every new arrival wherever it stands (it may be impossible).
+    checked = [True, True, False, True, True, True, False]
+    assert admission_window(checked, 2) == [0, 1, 2, 3, 6]
+    assert admission_window(checked, 0) == [0, 2, 6]  # no slot: the head blocks, arrivals are checked
+    assert admission_window(checked, -1) == [2, 6]  # over max_num_seqs (a shrunk limit): arrivals only
+    assert admission_window(checked, 9) == list(range(7))
+    assert admission_window([], 3) == []
 
 
 def test_context_length_rejection_takes_precedence_and_does_not_block():

@@ -71,6 +71,11 @@ class AdmissionDecision:
     # every other pending request stays queued, in order
 
 
+def admission_slots(cap: AdmissionCapacity) -> int:
+    """How many requests admission may start now: free state slots, within max_num_seqs."""
+    return min(cap.free_slots, cap.max_num_seqs - cap.num_active)
+
+
 def admit_pending_requests(
     pending: Sequence[PendingView],
     cap: AdmissionCapacity,
@@ -83,7 +88,7 @@ def admit_pending_requests(
     admitted: list[int] = []
     rejected: list[tuple[int, Rejection]] = []
     page_budget = cap.free_pages - cap.committed_pages - cap.decode_headroom_pages
-    slot_budget = min(cap.free_slots, cap.max_num_seqs - cap.num_active)
+    slot_budget = admission_slots(cap)
     blocked = False
     for i, req in enumerate(pending):
         rejection = _impossible(req, cap)
@@ -102,6 +107,23 @@ def admit_pending_requests(
         admitted.append(i)
         page_budget -= need
     return AdmissionDecision(tuple(admitted), tuple(rejected))
+
+
+def admission_window(checked: Sequence[bool], slot_budget: int) -> list[int]:
+    """Indices of the queued requests (FIFO order; checked[i]: request i passed the impossibility checks
+    at an earlier admission, and they never change for it) that admission must look at: every one not
+    checked yet, wherever it stands, and the first slot_budget + 1 checked ones. At most slot_budget are
+    admitted, so among those checked ones one is not, and it blocks every later one (strict FCFS): a
+    long queue costs admission its new arrivals and its head, not its length."""
+    window: list[int] = []
+    heads = 0
+    for i, done in enumerate(checked):
+        if not done:
+            window.append(i)
+        elif heads <= slot_budget:
+            window.append(i)
+            heads += 1
+    return window
 
 
 def _impossible(req: PendingView, cap: AdmissionCapacity) -> Rejection | None:

@@ -42,6 +42,7 @@ class Request:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     checked: bool = False  # submission checks (contract, fields, token ids) ran
+    admission_checked: bool = False  # passed admission's impossibility checks (they never change for it)
     launched: LaunchedStep | None = None  # the latest step launched over it and not yet waited for
     # Asked-for prompt logprobs so far (entry i scores prompt token i; entry 0 is None), sent with the
     # first token. Invariant while scoring: a prefill chunk starting at s finds s + 1 entries.

@@ -38,6 +38,8 @@ from deltaserve.engine.scheduler.plan import (
     AdmissionCapacity,
     PendingView,
     PlanKind,
+    admission_slots,
+    admission_window,
     admit_pending_requests,
     build_next_plan,
     cap_prefill_for_latency,
@@ -81,7 +83,9 @@ def admit(sched: SchedulerState) -> None:
         num_active=len(sched.running) + len(holders),
         max_num_seqs=sched.config.max_num_seqs,
     )
-    waiting = list(sched.waiting)
+    queue = list(sched.waiting)
+    window = admission_window([r.admission_checked for r in queue], admission_slots(capacity))
+    waiting = [queue[i] for i in window]
     views = [PendingView(len(r.prompt_token_ids), r.max_tokens, len(r.output_token_ids)) for r in waiting]
     hits: dict[int, PrefixHit | None] = {}
 
@@ -106,8 +110,12 @@ def admit(sched: SchedulerState) -> None:
         req.admitted_order = sched._admitted
         sched._admitted += 1
         sched.prefilling.append(req)
+    for i, req in enumerate(waiting):  # every request of the window went through the checks
+        if i not in gone:
+            req.admission_checked = True
     if gone:
-        sched.waiting = type(sched.waiting)(r for i, r in enumerate(waiting) if i not in gone)
+        taken = {id(waiting[i]) for i in gone}
+        sched.waiting = type(sched.waiting)(r for r in queue if id(r) not in taken)
 
 
 # ---- one step ----------------------------------------------------------------------------------
