@@ -64,6 +64,24 @@ _DECODE_NUM_WARPS = 2
 
 
 @triton.jit
+def _conv_silu(acc, dtype: tl.constexpr):
+    """silu(conv sum) in `dtype`: HF rounds the fp32 sum to the activation dtype before the SiLU."""
+    y = round_to(acc, dtype).to(tl.float32)
+    return round_to(silu_f32(y), dtype)
+
+
+@triton.jit
+def _load_taps(w_ptr, cols, cmask, stride_w_ch, stride_w_k, KW: tl.constexpr):
+    """The KW taps of the channels `cols`, fp32, oldest first."""
+    taps = ()
+    for k in tl.static_range(KW):
+        taps = taps + (
+            tl.load(w_ptr + cols * stride_w_ch + k * stride_w_k, mask=cmask, other=0.0).to(tl.float32),
+        )
+    return taps
+
+
+@triton.jit
 def _locate(rows, qsl_ptr, num_seqs, num_decodes, search_steps):
     """Index of the sequence holding each row. Decode rows come first, one token each, so there
     query_start_loc[i] == i and a row is its own sequence; other rows binary-search the prefill
@@ -124,8 +142,7 @@ def _conv_rows(
             old = tl.load(state_row + col * stride_s_k, mask=mask & from_slot, other=0.0)
             v = tl.where(in_x, v, round_to(old.to(tl.float32), v.dtype))
         acc += wk[None, :] * v.to(tl.float32)
-    y = round_to(acc, out_ptr.dtype.element_ty).to(tl.float32)  # HF rounds the conv sum before SiLU
-    y = round_to(silu_f32(y), out_ptr.dtype.element_ty)
+    y = _conv_silu(acc, out_ptr.dtype.element_ty)
     tl.store(out_ptr + rows64[:, None] * channels + cols[None, :], y, mask=mask)
 
 
@@ -236,8 +253,7 @@ def _stream_row(r, v, win, taps, cols, cmask, out_ptr, channels, KW: tl.constexp
         acc += taps[k] * win[k]
     x = v.to(tl.float32)
     acc += taps[KW - 1] * x
-    y = round_to(acc, out_ptr.dtype.element_ty).to(tl.float32)  # HF rounds the conv sum before SiLU
-    y = round_to(silu_f32(y), out_ptr.dtype.element_ty)
+    y = _conv_silu(acc, out_ptr.dtype.element_ty)
     tl.store(out_ptr + tl.cast(r, tl.int64) * channels + cols, y, mask=cmask)
     shifted = ()
     for p in tl.static_range(1, KW - 1):
@@ -273,11 +289,7 @@ def _conv1d_stream_kernel(
     total = tl.minimum(tl.load(qsl_ptr + num_seqs), num_tokens)  # later rows are padding: not written
     block_start = first_row + tl.program_id(0) * BLOCK_T
     block_end = tl.minimum(block_start + BLOCK_T, total)
-    taps = ()
-    for k in tl.static_range(KW):
-        taps = taps + (
-            tl.load(w_ptr + cols * stride_w_ch + k * stride_w_k, mask=cmask, other=0.0).to(tl.float32),
-        )
+    taps = _load_taps(w_ptr, cols, cmask, stride_w_ch, stride_w_k, KW)
     # Rows before 0 are clamped to row 0: a row whose window reaches them is a first row of its sequence.
     win = ()
     for p in tl.static_range(KW - 1):
@@ -335,11 +347,7 @@ def _conv1d_heads_kernel(
     slot = tl.load(slots_ptr + seq).to(tl.int64)
     state_row = state_ptr + slot * stride_s_slot + cols * stride_s_ch
     x_row = x_ptr + start.to(tl.int64) * stride_x_tok + cols
-    taps = ()
-    for k in tl.static_range(KW):
-        taps = taps + (
-            tl.load(w_ptr + cols * stride_w_ch + k * stride_w_k, mask=cmask, other=0.0).to(tl.float32),
-        )
+    taps = _load_taps(w_ptr, cols, cmask, stride_w_ch, stride_w_k, KW)
     # Every load first, none behind a store: the window before the step, the first KW-1 rows, and the
     # last KW-1 rows of a sequence longer than KW-1.
     win = ()
@@ -359,8 +367,7 @@ def _conv1d_heads_kernel(
         for k in tl.static_range(KW - 1):  # summed oldest first, as the other kernels sum
             acc += taps[k] * win[k].to(tl.float32)
         acc += taps[KW - 1] * heads[j].to(tl.float32)
-        y = round_to(acc, out_ptr.dtype.element_ty).to(tl.float32)  # HF rounds the conv sum before SiLU
-        y = round_to(silu_f32(y), out_ptr.dtype.element_ty)
+        y = _conv_silu(acc, out_ptr.dtype.element_ty)
         row = start + j + tl.zeros_like(cols)
         in_seq = j < n
         tl.store(out_ptr + row.to(tl.int64) * channels + cols, y, mask=live & in_seq & (row < total))
@@ -411,8 +418,7 @@ def _conv1d_decode_kernel(
         acc += wk * old.to(tl.float32)
     wk = tl.load(w_ptr + cols * stride_w_ch + (KW - 1) * stride_w_k, mask=cmask, other=0.0).to(tl.float32)
     acc += wk * x.to(tl.float32)
-    y = round_to(acc, out_ptr.dtype.element_ty).to(tl.float32)  # HF rounds the conv sum before SiLU
-    y = round_to(silu_f32(y), out_ptr.dtype.element_ty)
+    y = _conv_silu(acc, out_ptr.dtype.element_ty)
     tl.store(out_ptr + row.to(tl.int64) * channels + cols, y, mask=cmask)
     # Shift left: column p takes column p+1 (read before column p+1 is written, same thread), the
     # newest column takes x.
@@ -464,8 +470,7 @@ def _verify_outputs(
                 token - (KW - 1 - k), start, own_row, cols, cmask, x_ptr, stride_x_tok, stride_s_k, KW
             )
             acc += wk * v.to(tl.float32)
-        y = round_to(acc, out_ptr.dtype.element_ty).to(tl.float32)  # HF rounds the conv sum before SiLU
-        y = round_to(silu_f32(y), out_ptr.dtype.element_ty)
+        y = _conv_silu(acc, out_ptr.dtype.element_ty)
         tl.store(out_ptr + token * channels + cols, y, mask=cmask)
 
 
