@@ -12,10 +12,13 @@ from deltaserve.config import EngineConfig
 from deltaserve.engine.core import EngineCore
 
 
-def line(end_ms: float, kind: str, tokens: int, reqs: int, rows: int, step_ms: float) -> str:
+def line(
+    end_ms: float, kind: str, tokens: int, reqs: int, rows: int, step_ms: float, phases: str = ""
+) -> str:
     return (
         f"2026-12-01 12:00:00,000 engine INFO ITL_STEP mono_us={int(end_ms * 1000)} kind={kind} "
         f"prefill_tokens={tokens} prefill_reqs={reqs} decode_rows={rows} step_us={int(step_ms * 1000)}"
+        + (f" phases_us={phases}" if phases else "")
     )
 
 
@@ -24,7 +27,7 @@ LOG = [
     "2026-12-01 12:00:00,001 deltaserve.server INFO an unrelated line",
     line(1006.0, "decode_ahead", 0, 0, 8, 5.5),
     line(1012.0, "decode_ahead", 0, 0, 8, 5.5),
-    line(1062.0, "unified", 1990, 3, 8, 49.0),
+    line(1062.0, "unified", 1990, 3, 8, 49.0, "plan:1000,launch:3000,wait:44000,apply:1000"),
     line(1068.0, "decode_ahead", 0, 0, 8, 5.5),
     line(9068.0, "decode_ahead", 0, 0, 8, 5.5),  # after an idle gap of 8 s: not an interval
 ]
@@ -43,6 +46,20 @@ def test_step_intervals_by_kind_and_prefill_size():
     assert (stats["kind unified"].count, stats["kind unified"].step_median_ms) == (1, 49.0)
     assert stats["prefill 0"].count == 3 and stats["prefill 1025-2048"].count == 1
     assert "prefill 1-256" not in stats  # empty groups are left out
+    unified = stats["kind unified"].phase_median_ms
+    assert unified == {"plan": 1.0, "launch": 3.0, "wait": 44.0, "apply": 1.0}
+    assert stats["kind decode_ahead"].phase_median_ms["wait"] == 0.0  # logged without phases
+
+
+def test_step_phases_parse_and_repeat():
+    from deltaserve.bench.step_log import phase_ms
+
+    (record,) = parse_steps(
+        [line(5.0, "decode_ahead", 0, 0, 4, 3.0, "plan:100,launch:200,wait:2500,apply:150")]
+    )
+    assert record.phases_us == (("plan", 100), ("launch", 200), ("wait", 2500), ("apply", 150))
+    (record,) = parse_steps([line(5.0, "overlap_wait", 0, 0, 4, 3.0, "wait:500,apply:10,wait:700")])
+    assert phase_ms(record, "wait") == 1.2
 
 
 def test_forward_shapes_parse_and_name_the_field_when_wrong():

@@ -348,6 +348,8 @@ def test_itl_telemetry_is_free_when_off_and_one_line_per_step_when_on(model, mon
         run.tick(2)
     lines = [r.getMessage() for r in caplog.records if "ITL_STEP" in r.getMessage()]
     assert len(lines) == 2 and "kind=decode" in lines[0] and "decode_rows=1" in lines[0]
+    phases = [item.split(":")[0] for item in lines[1].split("phases_us=")[1].split(",")]
+    assert phases == ["plan", "launch", "wait", "apply"]  # the step's host time, where it went
 
 
 def test_invalid_policy_combinations_are_refused_before_the_model_loads(tmp_path):

@@ -1,7 +1,8 @@
 """`deltaserve bench steps LOG...`: what the steps of a server run cost, from its per-step log lines.
 
 A server started with DELTASERVE_ITL_DEBUG=1 logs one ITL_STEP line per scheduler step (its kind,
-prefill tokens and requests, decode rows, end time and duration). A decoding request's inter-token
+prefill tokens and requests, decode rows, end time and duration, and the duration's phases: planning,
+the backend's host time, waiting for the device, applying the result). A decoding request's inter-token
 latency is the interval between the ends of consecutive steps, so this groups those intervals, for the
 steps that carry decode rows, by step kind and by prefill size: where an ITL percentile comes from.
 Intervals of IDLE_GAP_MS or more are gaps between runs, not steps, and are left out.
@@ -22,7 +23,9 @@ PREFILL_BINS = ((0, 0), (1, 256), (257, 1024), (1025, 2048), (2049, 4096), (4097
 
 _LINE = re.compile(
     r"ITL_STEP mono_us=(\d+) kind=(\S+) prefill_tokens=(\d+) prefill_reqs=(\d+) decode_rows=(\d+) step_us=(\d+)"
+    r"(?: phases_us=(\S+))?"
 )
+PHASES = ("plan", "launch", "wait", "apply")  # the step's host time, in order (engine/scheduler/telemetry.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +36,7 @@ class StepRecord:
     prefill_reqs: int
     decode_rows: int
     step_us: int
+    phases_us: tuple[tuple[str, int], ...] = ()  # (phase, µs) in order; a phase may repeat
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +55,7 @@ class GroupStats:
     p99_ms: float
     max_ms: float
     step_median_ms: float
+    phase_median_ms: dict[str, float]  # per PHASES entry: the median over the group's steps (0 where absent)
 
 
 def parse_steps(lines: Iterable[str]) -> list[StepRecord]:
@@ -58,9 +63,25 @@ def parse_steps(lines: Iterable[str]) -> list[StepRecord]:
     for line in lines:
         m = _LINE.search(line)
         if m:
-            end, kind, tokens, reqs, rows, step = m.groups()
-            records.append(StepRecord(int(end), kind, int(tokens), int(reqs), int(rows), int(step)))
+            end, kind, tokens, reqs, rows, step, phases = m.groups()
+            records.append(
+                StepRecord(
+                    int(end), kind, int(tokens), int(reqs), int(rows), int(step), _parse_phases(phases)
+                )
+            )
     return records
+
+
+def _parse_phases(text: str | None) -> tuple[tuple[str, int], ...]:
+    if not text or text == "-":
+        return ()
+    pairs = (item.partition(":") for item in text.split(","))
+    return tuple((name, int(us)) for name, _, us in pairs)
+
+
+def phase_ms(step: StepRecord, phase: str) -> float:
+    """The step's time in `phase` (summed where it repeats), in ms."""
+    return sum(us for name, us in step.phases_us if name == phase) / 1000
 
 
 def intervals(records: Sequence[StepRecord]) -> list[Interval]:
@@ -84,6 +105,7 @@ def group_stats(name: str, group: Sequence[Interval]) -> GroupStats | None:
         float(np.percentile(ms, 99)),  # as `bench serve` computes ITL p99
         float(ms.max()),
         float(np.median([i.step.step_us / 1000 for i in group])),
+        {p: float(np.median([phase_ms(i.step, p) for i in group])) for p in PHASES},
     )
 
 
@@ -121,12 +143,16 @@ def run_bench_steps(args: argparse.Namespace) -> list[GroupStats]:
             f"no ITL_STEP lines in {', '.join(args.logs)} (start the server with DELTASERVE_ITL_DEBUG=1)"
         )
     stats = summarize(records)
+    phase_heads = " ".join(f"{p:>7s}" for p in PHASES)
     print(
         f"{'interval to the step end, ms':28s} {'n':>6s} {'median':>8s} {'p99':>8s} {'max':>8s} {'step median':>12s}"
+        f"  medians: {phase_heads}"
     )
     for s in stats:
+        phases = " ".join(f"{s.phase_median_ms[p]:7.2f}" for p in PHASES)
         print(
             f"{s.name:28s} {s.count:6d} {s.median_ms:8.2f} {s.p99_ms:8.2f} {s.max_ms:8.2f} {s.step_median_ms:12.2f}"
+            f"           {phases}"
         )
     slowest = sorted(intervals(records), key=lambda i: -i.ms)[: args.slowest]
     if slowest:

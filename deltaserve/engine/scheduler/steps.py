@@ -320,7 +320,11 @@ def _launch(
         )
         after = prefix.save_at_chunk_ends(sched, chunks)  # after every row's pages are reserved
         plan.copies_before, plan.copies_after = before.copies, after.copies
+        if telemetry.ITL_DEBUG:
+            telemetry.mark("plan")
         launched = sched.backend.launch(plan)
+        if telemetry.ITL_DEBUG:
+            telemetry.mark("launch")
     except (torch.OutOfMemoryError, MemoryError) as exc:
         cache.pending.extend(before)  # not known to have run: they run again with the next launch
         cache.abandoned(after)
@@ -362,11 +366,24 @@ def _run_now(
     step = _launch(sched, decode, chunks, spec=spec)
     if step is None:
         return
-    result = step.wait(sched.cache)
+    result = _wait(sched, step)
     if timed:
         elapsed_ms = (time.monotonic() - started) * 1e3
         sched.step_cost = observe_step_cost(sched.step_cost, elapsed_ms, sum(c.length for c in chunks))
+    _apply(sched, step, result)
+
+
+def _wait(sched: SchedulerState, step: LaunchedStep) -> StepResult:
+    result = step.wait(sched.cache)
+    if telemetry.ITL_DEBUG:
+        telemetry.mark("wait")
+    return result
+
+
+def _apply(sched: SchedulerState, step: LaunchedStep, result: StepResult) -> None:
     apply_step(sched, step, result)
+    if telemetry.ITL_DEBUG:
+        telemetry.mark("apply")
 
 
 def apply_step(sched: SchedulerState, step: LaunchedStep, result: StepResult) -> None:
@@ -490,7 +507,7 @@ def _launch_following_decode(sched: SchedulerState, ahead: LaunchedStep) -> Laun
 
 def finish_decode_ahead(sched: SchedulerState, ahead: LaunchedStep) -> None:
     """Reads the step's tokens and dispatches them to its requests that are still running."""
-    apply_step(sched, ahead, ahead.wait(sched.cache))
+    _apply(sched, ahead, _wait(sched, ahead))
 
 
 def _prompt_scoring(req: Request, c: ScheduledChunk) -> PromptScoring | None:

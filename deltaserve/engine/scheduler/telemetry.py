@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 from deltaserve.engine.scheduler.state import SchedulerConfig
 
@@ -15,18 +16,34 @@ logger = logging.getLogger("deltaserve.itl")
 
 ITL_DEBUG = os.environ.get("DELTASERVE_ITL_DEBUG", "") not in ("", "0", "false")
 
+# Where the step's host time went: (phase, its end) in order, since the step started. Only the
+# scheduler thread marks and logs, so one module-level list serves.
+_marks: list[tuple[str, float]] = []
+
+
+def mark(phase: str) -> None:
+    """Ends `phase` of the running step (callers check ITL_DEBUG first): plan (rows and pages), launch
+    (the backend's host time: inputs, replay, sampling enqueued), wait (the device), apply (dispatch)."""
+    _marks.append((phase, time.monotonic()))
+
 
 def log_itl_step(
     kind: str, prefill_tokens: int, prefill_reqs: int, decode_rows: int, started: float, ended: float
 ) -> None:
+    phases, last = [], started
+    for phase, at in _marks:
+        phases.append(f"{phase}:{int((at - last) * 1e6)}")
+        last = at
+    _marks.clear()
     logger.info(
-        "ITL_STEP mono_us=%d kind=%s prefill_tokens=%d prefill_reqs=%d decode_rows=%d step_us=%d",
+        "ITL_STEP mono_us=%d kind=%s prefill_tokens=%d prefill_reqs=%d decode_rows=%d step_us=%d phases_us=%s",
         int(ended * 1e6),
         kind,
         prefill_tokens,
         prefill_reqs,
         decode_rows,
         int((ended - started) * 1e6),
+        ",".join(phases) or "-",
     )
 
 
