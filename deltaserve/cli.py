@@ -81,8 +81,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-decode-ahead",
         dest="decode_ahead",
         action="store_false",
-        help="read each decode step's tokens before launching the next (by default the next step is "
-        "launched first, so host work overlaps the device; a stopped request costs one wasted step)",
+        help="read each step's tokens before launching the next (by default the next step, decode rows "
+        "and prompt chunks, is launched first, so host work overlaps the device; a stopped request "
+        "costs one wasted row)",
     )
     g.add_argument(
         "--async-scheduling",

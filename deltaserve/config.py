@@ -551,7 +551,9 @@ class EngineConfig:
     # While requests decode, a step's prefill is sized from measured step times so the step takes about
     # this long (at least a quarter of max_num_batched_tokens still prefills); 0: off.
     decode_latency_budget_ms: float = 0.0
-    decode_ahead: bool = True  # launch decode step N+1 before step N's tokens reach the host
+    decode_ahead: bool = (
+        True  # launch step N+1 (decode rows and chunks) before step N's tokens reach the host
+    )
     # SSM state dtype: auto = the checkpoint's mamba_ssm_dtype (float32 for Qwen3.5). A 16-bit state halves
     # the state memory but costs accuracy (docs/benchmarks/2026-11-30-ssm-state-bf16-accuracy.md): opt-in.
     mamba_ssm_cache_dtype: str = "auto"

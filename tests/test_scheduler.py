@@ -536,6 +536,61 @@ def test_a_request_leaving_under_a_running_decode_step_keeps_its_caches_until_th
     assert run.sched.load.kv_pages_used == 0 and run.sched.load.state_slots_free == 16
 
 
+def test_a_prompt_leaving_under_its_chunk_in_flight_keeps_its_caches_until_the_step_is_waited(model):
+    # Guard: as above, for a step with prompt chunks launched ahead (its requests already requeued or
+    # promoted at launch): neither the requeued prompt nor the promoted one frees anything under it.
+    from deltaserve.engine.scheduler import lifecycle
+
+    run = Run(model, max_num_batched_tokens=16)
+    run.add("whole", [5, 6, 7], GREEDY8)  # all 3 tokens: promoted at launch, its first token in flight
+    run.add("partial", list(range(40)), GREEDY8)  # 13 of 40 tokens: requeued at launch
+    run.tick()
+    step = run.sched.decode_ahead
+    assert step is not None and not step.waited
+    assert [(c.request.request_id, c.length) for c in step.chunks] == [("whole", 3), ("partial", 13)]
+    assert run.sched.running == [run.sched.by_id["whole"]]
+    assert list(run.sched.prefilling) == [run.sched.by_id["partial"]]
+    slots_free, pages_used = run.sched.cache.states.num_free, run.sched.cache.kv.num_used
+    for rid in ("partial", "whole"):
+        run.sched.by_id[rid].closed = True
+    lifecycle.prune_closed_requests(run.sched)
+    assert run.sched.cache.states.num_free == slots_free and run.sched.cache.kv.num_used == pages_used
+    run.run_until_idle()
+    assert step.waited
+    for rid in ("partial", "whole"):
+        assert run.terminal(rid).finish_reason == "abort" and run.updates[rid][-1].finished
+        assert run.tokens(rid) == []  # whole's first token, read after its abort, is not sent
+    assert run.sched.load.kv_pages_used == 0 and run.sched.load.state_slots_free == 16
+
+
+def test_a_first_token_that_stops_its_request_costs_one_dropped_row(model):
+    probe = Run(model, decode_ahead=False)
+    probe.add("s", [3, 1, 4, 1, 5], SamplingParams(temperature=0.0, max_tokens=5))
+    probe.run_until_idle()
+    first = probe.tokens("s")[0]
+    run = Run(model, eos=(first,))
+    log = _log_launches(run)
+    run.add("s", [3, 1, 4, 1, 5], SamplingParams(temperature=0.0, max_tokens=5))
+    run.run_until_idle()
+    assert run.tokens("s") == [first] and run.terminal("s").finish_reason == "stop"
+    # The prefill, then one decode row launched before the prefill's token was read, then dropped.
+    assert [entry for entry in log if entry[0] == "launch"] == [("launch", None, 1), ("launch", 1, 1)]
+    assert run.sched.load.kv_pages_used == 0 and run.sched.load.state_slots_free == 16
+
+
+def test_prompt_logprobs_keep_the_prompt_steps_synchronous(model):
+    params = SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=2, ignore_eos=True)
+    run = Run(model, max_num_batched_tokens=8)
+    log = _log_launches(run)
+    run.add("scored", list(range(20)), params)
+    run.run_until_idle()
+    launches = [i for i, entry in enumerate(log) if entry[0] == "launch"]
+    # Every prompt chunk is read before the next step is launched; the decode steps after go ahead.
+    assert [log[i + 1] for i in launches[:3]] == [("wait",)] * 3
+    assert [log[i][1] for i in launches[3:]] == [None, 1, 1]  # decode: the first read, then fed
+    assert len(run.tokens("scored")) == 4 and len(run.updates["scored"][0].prompt_logprobs) == 20
+
+
 def test_shutdown_drains_a_running_decode_step_and_publishes_zero_load(model):
     from deltaserve.engine.protocol import Shutdown
 

@@ -151,9 +151,103 @@ def test_decode_ahead_plans_feed_the_previous_steps_tokens_on_the_device():
     while sched.tick():
         pass
     fed = [p.feed for p in backend.plans]
-    assert fed[0] is None and fed[1] is None  # the prefill, then the first decode-ahead launch
-    assert all(f is not None and f.rows == [0] for f in fed[2:])
+    assert fed[0] is None  # the prefill, launched ahead too: its first token is fed to the first decode
+    assert all(f is not None and f.rows == [0] for f in fed[1:])
     assert [t for u in updates["a"] for t in u.new_token_ids] == [3, 4, 5, 6, 7]
+
+
+class OrderedBackend(PositionBackend):
+    """Records launches (with their shapes and feeds) and waits, in the order the scheduler does them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[tuple] = []
+
+    def launch(self, plan: StepPlan) -> PendingStep:
+        pending = super().launch(plan)
+        index = len(self.plans) - 1
+        feed = None if plan.feed is None else plan.feed.rows
+        self.events.append(("launch", index, shape(plan), feed))
+        wait = pending.wait
+        pending.wait = lambda: self.events.append(("wait", index)) or wait()
+        return pending
+
+
+def run_ordered(budget: int, requests: dict[str, tuple[int, int]], decode_ahead: bool = True, **kw):
+    """`requests`: name -> (prompt length, max_tokens), all submitted before the first tick."""
+    sched, _, updates = make(budget=budget, decode_ahead=decode_ahead, **kw)
+    backend = OrderedBackend()
+    sched.backend = backend
+    for name, (n, max_tokens) in requests.items():
+        sched.submit(AddRequest(name, list(range(n)), greedy(max_tokens)))
+    while sched.tick():
+        pass
+    tokens = {name: [t for u in updates[name] for t in u.new_token_ids] for name in requests}
+    return sched, backend, tokens
+
+
+def test_steps_with_prompt_chunks_are_launched_before_the_previous_step_is_read():
+    sched, backend, tokens = run_ordered(budget=8, requests={"a": (5, 3), "b": (10, 2)})
+    launches = [e for e in backend.events if e[0] == "launch"]
+    # The same plans as reading every step (test_each_tick_builds_one_plan_...), but each launched
+    # before the previous one is read; b's completing chunk makes it a decoder whose first token
+    # (row 1 of that step's samples, after a's decode row) is fed on the device.
+    assert [e[2] for e in launches] == [
+        ([], [(0, 5), (0, 3)]),
+        ([(5, 1)], [(3, 7)]),
+        ([(6, 1), (10, 1)], []),
+    ]
+    assert [e[3] for e in launches] == [None, [0], [0, 1]]
+    assert [e[:2] for e in backend.events] == [
+        ("launch", 0),
+        ("launch", 1),
+        ("wait", 0),
+        ("launch", 2),
+        ("wait", 1),
+        ("wait", 2),
+    ]
+    assert tokens == {"a": [5, 6, 7], "b": [10, 11]}
+    assert sched.cache.kv.num_used == 0 and sched.cache.states.num_free == 4
+
+
+def test_a_long_prompt_prefills_as_a_pipeline_of_chunks_each_launched_before_the_last_is_read():
+    sched, backend, tokens = run_ordered(budget=8, requests={"long": (30, 2)})
+    assert [e[2] for e in backend.events if e[0] == "launch"] == [
+        ([], [(0, 8)]),
+        ([], [(8, 8)]),
+        ([], [(16, 8)]),
+        ([], [(24, 6)]),
+        ([(30, 1)], []),
+    ]
+    order = [e[:2] for e in backend.events]
+    assert all(order.index(("launch", i + 1)) < order.index(("wait", i)) for i in range(4))
+    assert tokens == {"long": [30, 31]}
+
+
+def test_launching_ahead_changes_no_token():
+    # Three slots for five requests, and pages for few: admissions wait on retirements (a slot held by
+    # the step in flight is free one step later) and preemptions are planned once the tokens are known.
+    requests = {"a": (5, 7), "b": (23, 4), "c": (2, 1), "d": (17, 9), "e": (40, 3)}
+    preempted = 0
+    for budget in (4, 9, 64):
+        ahead = run_ordered(budget, requests, seqs=3, pages=16)
+        read = run_ordered(budget, requests, decode_ahead=False, seqs=3, pages=16)
+        assert ahead[2] == read[2], f"budget {budget}"
+        assert all(len(ahead[2][n]) == m for n, (_, m) in requests.items())
+        assert ahead[0].cache.kv.num_used == 0 and ahead[0].cache.states.num_free == 3
+        preempted += ahead[0].num_preemptions
+    assert preempted > 0  # the pool ran short under a step in flight at least once
+
+
+def test_a_request_whose_token_in_flight_is_its_last_gets_no_row_after_it():
+    # c's prefill samples its only token: c is promoted at launch but never gets a decode row.
+    _, backend, tokens = run_ordered(budget=64, requests={"c": (3, 1), "a": (4, 3)})
+    assert [e[2] for e in backend.events if e[0] == "launch"] == [
+        ([], [(0, 3), (0, 4)]),
+        ([(4, 1)], []),
+        ([(5, 1)], []),
+    ]
+    assert tokens == {"c": [3], "a": [4, 5, 6]}
 
 
 class CapturingBackend(PositionBackend):

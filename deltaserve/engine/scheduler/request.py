@@ -1,8 +1,9 @@
 """Request types and the chunk vocabulary of the scheduler.
 
 Ownership: a request is in exactly one of `waiting`, `prefilling`, `inflight` (an async prefill) or
-`running`, or it has had its single terminal update (`Phase.DONE`). A decode-ahead step's requests stay
-in `running` (the step only holds their unread tokens).
+`running`, or it has had its single terminal update (`Phase.DONE`). A step launched ahead holds only
+its rows' unread tokens: its decode rows' requests stay in `running`, and its chunks' requests are
+requeued (`prefilling`) or promoted (`running`, first token in flight) at launch.
 """
 
 from __future__ import annotations
@@ -109,10 +110,21 @@ class LaunchedStep:
     pending: PendingStep
     deferred: list[SequenceCache] = field(default_factory=list)
     waited: bool = False
+    # Launched ahead: its chunks' requests were requeued or promoted at launch (a promoted request runs
+    # with its first token in flight); applying the result only delivers tokens.
+    ahead: bool = False
 
     @property
     def requests(self) -> list[Request]:
         return self.decode + [c.request for c in self.chunks]
+
+    def sampled_rows(self) -> dict[int, int]:
+        """id(request) -> its row among the step's sampled tokens: every decode row, then the chunks that
+        complete, in order."""
+        rows = {id(r): i for i, r in enumerate(self.decode)}
+        completing = (c.request for c in self.chunks if c.completes)
+        rows.update((id(r), i) for i, r in enumerate(completing, start=len(self.decode)))
+        return rows
 
     def wait(self, cache: CacheManager) -> StepResult:
         result = self.pending.wait()

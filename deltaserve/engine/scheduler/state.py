@@ -34,7 +34,7 @@ class SchedulerConfig:
     eos_token_ids: tuple[int, ...] = ()
     policy: str = "fcfs"
     prefill_overlap: bool = False  # launch prefill chunks asynchronously while decode continues
-    decode_ahead: bool = True  # launch decode step N+1 before reading step N's tokens
+    decode_ahead: bool = True  # launch step N+1 (decode rows and chunks) before reading step N's tokens
     speculative: SpeculativeConfig | None = None  # MTP speculative decoding (the backend has the head)
     # While requests decode, size a step's prefill so the step takes about this long (0: off); see
     # plan.cap_prefill_for_latency.
@@ -76,7 +76,7 @@ class SchedulerState:
         self.prefilling: deque[Request] = deque()
         self.running: list[Request] = []
         self.inflight: LaunchedStep | None = None  # an async prefill (--prefill-overlap)
-        self.decode_ahead: LaunchedStep | None = None  # a pure-decode step whose tokens are unread
+        self.decode_ahead: LaunchedStep | None = None  # a step launched ahead whose tokens are unread
         self.by_id: dict[str, Request] = {}
         self.updates: list[RequestUpdate] = []  # produced this tick, published at its end
         self.load = LoadSnapshot()  # replaced whole each tick: readable from other threads without locks

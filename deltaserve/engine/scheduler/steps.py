@@ -8,12 +8,17 @@ a partial chunk goes back to the front of the prefilling FIFO ("requeue"). A chu
 where its request's next cache point lies (the prefix cache saves the state there) or where the token
 budget or the free pages cut it, and then it is the step's last.
 
-Decode-ahead: a pure-decode step is launched without waiting for its tokens (a `LaunchedStep`). At the
-next tick, while nothing else needs planning, the following decode step is launched first, fed the
-running step's tokens on the device, and only then are the running step's tokens read and dispatched:
-the host's dispatch, emission and planning overlap the device's next step. A request whose token ends
-it (a stop token) has had one step too many computed; that step's token is dropped. Requests stay in
-`running` throughout; a token is dispatched only to a request still running.
+Launch-ahead (vLLM's async scheduling; `decode_ahead` in the config): a step is launched without
+waiting for its tokens (a `LaunchedStep`), its chunks' requests requeued (partial) or promoted to
+`running` (complete: the first token in flight) at launch. At the next tick the following step is
+planned and launched first: decode rows fed the running step's tokens on the device, prefill chunks
+from the prompts' cursors, which moved at launch. Only then are the running step's tokens read and
+dispatched, so the host's planning, input building, dispatch and emission overlap the device's step.
+A request whose token ends it (a stop token) has had one step too many computed; that step's token is
+dropped. A token is dispatched only to a request still running. What needs a token on the host before
+the next step can be planned runs synchronously: penalties, grammars, prompt logprobs, speculation,
+an async prefill, the latency budget's timed steps, and preemption (a step short of pages is planned
+after the tokens are known).
 
 Speculative decoding (the guard in speculation.py decides k per step): a decoder holding the MTP
 head's proposals becomes a verify row (its last token and k drafts, after the plain decode rows), and
@@ -127,13 +132,17 @@ def run_step(sched: SchedulerState) -> None:
     started = time.monotonic() if telemetry.ITL_DEBUG else 0.0
     ahead = sched.decode_ahead
     if ahead is not None:
-        sched.decode_ahead = None
-        follow = _launch_following_decode(sched, ahead)
+        follow = _launch_following(sched, ahead)  # `ahead` stays owned until read: a fatal launch drains it
+        sched.decode_ahead = follow
         finish_decode_ahead(sched, ahead)
         if follow is not None:
-            sched.decode_ahead = follow
             if telemetry.ITL_DEBUG:
-                telemetry.log_itl_step("decode_ahead", 0, 0, len(follow.decode), started, time.monotonic())
+                chunks = follow.chunks
+                label = f"{build_next_plan(len(follow.decode), len(chunks)).value}_ahead"
+                prefill_tokens = sum(c.length for c in chunks)
+                telemetry.log_itl_step(
+                    label, prefill_tokens, len(chunks), len(follow.decode), started, time.monotonic()
+                )
             return
     decode, chunks, spec = _plan_work(sched)
     label = _launch_work(sched, decode, chunks, spec)
@@ -180,6 +189,16 @@ def _plan_work(
         decode_pages = sched.cache.kv.num_free - spec.free_pages
     if sched.inflight is not None or not sched.prefilling:
         return decode, [], spec
+    chunks = take_prefill_chunks(
+        sched, _prefill_budget(sched, decode), sched.cache.kv.num_free - decode_pages
+    )
+    if spec is not None:
+        spec.free_pages = sched.cache.kv.num_free - decode_pages - _chunk_pages(sched, chunks)
+    return decode, chunks, spec
+
+
+def _prefill_budget(sched: SchedulerState, decode: list[Request], pending: int = 0) -> int:
+    """This step's prefill tokens beside `decode` (`pending`: tokens each decoder has in flight)."""
     config = sched.config
     step_tokens = step_token_budget(
         config.max_num_batched_tokens, config.max_num_batched_tokens_saturated, len(sched.waiting)
@@ -188,12 +207,12 @@ def _plan_work(
         policy=config.policy,
         max_num_batched_tokens=step_tokens,
         num_decode_rows=len(decode),
-        decode_tokens_left=[r.max_tokens - len(r.output_token_ids) for r in decode],
+        decode_tokens_left=[r.max_tokens - len(r.output_token_ids) - pending for r in decode],
         front_remaining=sched.prefilling[0].num_pending,
     )
     if decode and len(sched.prefilling) == 1 and not sched.waiting:
         budget = even_prefill_budget(budget, sched.prefilling[0].num_pending, len(decode))
-    budget = cap_prefill_for_latency(
+    return cap_prefill_for_latency(
         budget,
         latency_budget_ms=config.decode_latency_budget_ms,
         cost=sched.step_cost,
@@ -201,10 +220,6 @@ def _plan_work(
         max_num_batched_tokens=step_tokens,
         backlog_tokens=_prefill_backlog(sched) if config.decode_latency_budget_ms > 0 and decode else 0,
     )
-    chunks = take_prefill_chunks(sched, budget, sched.cache.kv.num_free - decode_pages)
-    if spec is not None:
-        spec.free_pages = sched.cache.kv.num_free - decode_pages - _chunk_pages(sched, chunks)
-    return decode, chunks, spec
 
 
 def _prefill_backlog(sched: SchedulerState) -> int:
@@ -275,14 +290,9 @@ def _launch_work(
         launch_overlap_step(sched, chunks)
         _run_now(sched, decode, [], spec)
         return "overlap_launch"
-    if (
-        spec is None
-        and kind is PlanKind.DECODE
-        and sched.inflight is None
-        and _may_decode_ahead(sched, decode)
-    ):
-        sched.decode_ahead = _launch(sched, decode, [])
-        return "decode_ahead"
+    if spec is None and sched.inflight is None and _may_launch_ahead(sched, decode, chunks):
+        sched.decode_ahead = _launch_ahead(sched, decode, chunks)
+        return f"{kind.value}_ahead"
     _run_now(sched, decode, chunks, spec)
     return "overlap_decode" if sched.inflight is not None else kind.value
 
@@ -388,9 +398,13 @@ def _apply(sched: SchedulerState, step: LaunchedStep, result: StepResult) -> Non
 
 def apply_step(sched: SchedulerState, step: LaunchedStep, result: StepResult) -> None:
     """A step's result: tokens to its decode rows' requests still running, then its chunks promoted or
-    requeued."""
+    requeued (a step launched ahead handed them over at launch: its completed chunks' requests still
+    running get their first token)."""
     dispatch_decode_tokens(sched, step.decode, result)
-    promote_or_requeue(sched, step.chunks, result, offset=len(step.decode))
+    if step.ahead:
+        _deliver_first_tokens(sched, step.chunks, result, offset=len(step.decode))
+    else:
+        promote_or_requeue(sched, step.chunks, result, offset=len(step.decode))
     cache = sched.cache
     if cache.prefix_caching:
         size = cache.page_size
@@ -478,31 +492,86 @@ def _speculative_chunk_row(sched: SchedulerState, c: ScheduledChunk, spec: Specu
 
 
 def _may_decode_ahead(sched: SchedulerState, decode: list[Request]) -> bool:
-    """Decode-ahead needs no host knowledge of the token in flight: penalties count output tokens on
-    the host and a grammar's next mask needs the sampled token, so a step with such a row runs
+    """Launching ahead needs no host knowledge of the token in flight: penalties count output tokens
+    on the host and a grammar's next mask needs the sampled token, so a step with such a row runs
     synchronously."""
     return sched.config.decode_ahead and not any(uses_penalties(r.params) or r.grammar for r in decode)
 
 
-def _launch_following_decode(sched: SchedulerState, ahead: LaunchedStep) -> LaunchedStep | None:
-    """The step after `ahead`, fed its tokens on the device, when the next step is pure decode over
-    requests of `ahead` with free pages for all of them; None otherwise (the caller then finishes
-    `ahead` and plans normally)."""
-    if sched.waiting or sched.prefilling or sched.inflight is not None:
+def _may_launch_ahead(sched: SchedulerState, decode: list[Request], chunks: list[ScheduledChunk]) -> bool:
+    """A planned step goes ahead when its decoders may (`_may_decode_ahead`) and its chunks too: not
+    beside an async prefill's mode, not timed for the latency budget, no prompt logprobs to read at
+    once, and requests that may decode ahead once promoted."""
+    if not _may_decode_ahead(sched, decode):
+        return False
+    if not chunks:
+        return bool(decode)
+    config = sched.config
+    if config.prefill_overlap or (decode and config.decode_latency_budget_ms > 0):
+        return False
+    requests = [c.request for c in chunks]
+    scoring = any(r.prompt_logprobs is not None and not r.prompt_logprobs_sent for r in requests)
+    return _may_decode_ahead(sched, requests) and not scoring
+
+
+def _launch_ahead(
+    sched: SchedulerState, decode: list[Request], chunks: list[ScheduledChunk], feed: TokenFeed | None = None
+) -> LaunchedStep | None:
+    """Launches the step without reading it, and hands its chunks' requests over at once: a partial
+    chunk's request back to the front of the prefilling FIFO (its cursor has moved), a completing
+    chunk's to the decoders, its first token in flight."""
+    step = _launch(sched, decode, chunks, feed)
+    if step is None:
         return None
-    rows = {id(r): i for i, r in enumerate(ahead.decode)}
-    if any(id(r) not in rows for r in sched.running):
+    step.ahead = True
+    requeue: list[Request] = []
+    for c in chunks:
+        req = c.request
+        if c.completes:
+            req.phase = Phase.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
+            sched.running.append(req)
+        else:
+            req.phase = Phase.PREFILLING
+            requeue.append(req)
+    sched.prefilling.extendleft(reversed(requeue))
+    return step
+
+
+def _launch_following(sched: SchedulerState, ahead: LaunchedStep) -> LaunchedStep | None:
+    """The step after `ahead`, launched ahead before `ahead` is read: every decoder (each has its
+    token in flight in `ahead`, fed on the device) but those whose token in flight is their last, and
+    the next prefill chunks, within the free pages. None when it cannot be planned without the tokens
+    (an async prefill, speculation, a row or chunk that must run synchronously, too few free pages:
+    preemption is planned after the tokens are known) or there is nothing to launch; the caller then
+    reads `ahead` and plans normally."""
+    if sched.inflight is not None:
         return None
-    # A request whose token in flight is its last (by length) does not continue.
+    fed = ahead.sampled_rows()
+    if any(id(r) not in fed for r in sched.running):
+        return None
     follow = [r for r in sched.running if len(r.output_token_ids) + 1 < r.max_tokens]
-    if not follow or not _may_decode_ahead(sched, follow):
+    if not _may_decode_ahead(sched, follow):
         return None
-    if sched.guard is not None and sched.guard.draft_length(len(follow)) > 0:
+    if sched.guard is not None and sched.guard.draft_length(max(1, len(follow))) > 0:
         return None  # the next step speculates: it is planned once these tokens are known
     cache = sched.cache
-    if sum(cache.pages_needed(r.seq, r.num_computed + 1) for r in follow) > cache.kv.num_free:
-        return None  # preemption is planned by the normal path, after the tokens are known
-    return _launch(sched, follow, [], TokenFeed(ahead.pending, [rows[id(r)] for r in follow]))
+    free = cache.kv.num_free - sum(cache.pages_needed(r.seq, r.num_computed + 1) for r in follow)
+    if free < 0:
+        return None
+    chunks: list[ScheduledChunk] = []
+    if sched.prefilling:
+        if sched.config.prefill_overlap:
+            return None  # the overlap mode plans its chunks synchronously
+        chunks = take_prefill_chunks(sched, _prefill_budget(sched, follow, pending=1), free)
+        if not _may_launch_ahead(sched, follow, chunks):
+            sched.prefilling.extendleft(reversed([c.request for c in chunks]))  # taken back, untouched
+            return None
+    if not follow and not chunks:
+        return None
+    feed = TokenFeed(ahead.pending, [fed[id(r)] for r in follow]) if follow else None
+    return _launch_ahead(sched, follow, chunks, feed)
 
 
 def finish_decode_ahead(sched: SchedulerState, ahead: LaunchedStep) -> None:
@@ -599,6 +668,27 @@ def promote_or_requeue(
             req.phase = Phase.RUNNING
             sched.running.append(req)
     sched.prefilling.extendleft(reversed(requeue))
+
+
+def _deliver_first_tokens(
+    sched: SchedulerState, chunks: list[ScheduledChunk], result: StepResult, offset: int
+) -> None:
+    """The first tokens of a launched-ahead step's completed chunks, to their requests still running
+    (promoted at launch; one that left since, aborted or failed, gets nothing)."""
+    finished = []
+    sampled = offset
+    for c in chunks:
+        if not c.completes:
+            continue
+        req, row = c.request, sampled
+        sampled += 1
+        if req.phase is Phase.RUNNING and _append_token(
+            sched, req, result.token_ids[row], result.logprobs[row]
+        ):
+            finished.append(req)
+    if finished:
+        done = set(map(id, finished))
+        sched.running = [r for r in sched.running if id(r) not in done]
 
 
 # ---- token dispatch / retirement ---------------------------------------------------------------
