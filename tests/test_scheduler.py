@@ -352,6 +352,33 @@ def test_itl_telemetry_is_free_when_off_and_one_line_per_step_when_on(model, mon
     assert phases == ["plan", "launch", "wait", "apply"]  # the step's host time, where it went
 
 
+def test_each_step_line_describes_the_step_its_tick_delivered(model, monkeypatch, caplog):
+    # Under launch-ahead a tick launches step N + 1 and delivers step N: a decoder's inter-token
+    # interval ends with N, so the line describes N (a tick that only launched describes that launch).
+    monkeypatch.setattr(telemetry, "ITL_DEBUG", True)
+    run = Run(model, max_num_batched_tokens=16)
+    with caplog.at_level("INFO", logger="deltaserve.itl"):
+        run.add("a", [1, 2, 3], GREEDY8)
+        run.tick()  # launches a's prefill
+        run.add("b", list(range(40)), GREEDY8)
+        run.tick(2)  # launches a's decode row + b's chunks; delivers a's prefill, then the unified step
+    lines = [r.getMessage() for r in caplog.records if "ITL_STEP" in r.getMessage()]
+    described = [
+        tuple(
+            part.split("=")[1]
+            for part in line.split()
+            if part.split("=")[0] in ("kind", "prefill_tokens", "decode_rows")
+        )
+        for line in lines
+    ]
+    assert described == [
+        ("prefill_ahead", "3", "0"),
+        ("prefill_ahead", "3", "0"),
+        ("unified_ahead", "15", "1"),
+    ]
+    assert "wait" not in lines[0] and "wait" in lines[1]  # the first tick read nothing
+
+
 def test_invalid_policy_combinations_are_refused_before_the_model_loads(tmp_path):
     from deltaserve.config import EngineConfig
     from deltaserve.engine.core import EngineCore

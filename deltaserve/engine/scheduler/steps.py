@@ -127,8 +127,12 @@ def admit(sched: SchedulerState) -> None:
 
 
 def run_step(sched: SchedulerState) -> None:
-    """One step: continue a decode-ahead step when the next step is pure decode over the same
-    requests; otherwise plan decode rows and prefill chunks and launch them as one plan."""
+    """One step: with a step launched ahead, launch the one after it when it can be planned without
+    its tokens, then read it; otherwise (or after reading it) plan decode rows and prefill chunks and
+    launch them as one plan.
+
+    The step log's line describes the step whose tokens the tick delivered (the end of a decoder's
+    inter-token interval), or, in a tick that only launched, the step it launched."""
     started = time.monotonic() if telemetry.ITL_DEBUG else 0.0
     ahead = sched.decode_ahead
     if ahead is not None:
@@ -137,18 +141,25 @@ def run_step(sched: SchedulerState) -> None:
         finish_decode_ahead(sched, ahead)
         if follow is not None:
             if telemetry.ITL_DEBUG:
-                chunks = follow.chunks
-                label = f"{build_next_plan(len(follow.decode), len(chunks)).value}_ahead"
-                prefill_tokens = sum(c.length for c in chunks)
-                telemetry.log_itl_step(
-                    label, prefill_tokens, len(chunks), len(follow.decode), started, time.monotonic()
-                )
+                _log_step(f"{_kind(ahead.decode, ahead.chunks)}_ahead", ahead.decode, ahead.chunks, started)
             return
     decode, chunks, spec = _plan_work(sched)
     label = _launch_work(sched, decode, chunks, spec)
     if telemetry.ITL_DEBUG:
-        prefill_tokens = sum(c.length for c in chunks)
-        telemetry.log_itl_step(label, prefill_tokens, len(chunks), len(decode), started, time.monotonic())
+        if ahead is not None and label.endswith("_ahead"):  # this tick delivered `ahead`, then launched
+            _log_step(f"{_kind(ahead.decode, ahead.chunks)}_ahead", ahead.decode, ahead.chunks, started)
+        else:
+            _log_step(label, decode, chunks, started)
+
+
+def _kind(decode: list[Request], chunks: list[ScheduledChunk]) -> str:
+    kind = build_next_plan(len(decode), len(chunks))
+    return "idle" if kind is None else kind.value
+
+
+def _log_step(label: str, decode: list[Request], chunks: list[ScheduledChunk], started: float) -> None:
+    prefill_tokens = sum(c.length for c in chunks)
+    telemetry.log_itl_step(label, prefill_tokens, len(chunks), len(decode), started, time.monotonic())
 
 
 @dataclass(slots=True)
