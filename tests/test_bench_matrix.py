@@ -272,7 +272,7 @@ def test_markdown_puts_the_floor_and_previous_record_beside_each_number(tmp_path
     ) in md
     assert (
         "| 4B, 1024 in / 256 out, concurrency 64 | **failed: bench serve exited with 1; see 1024-256-c64.log: "
-        "HTTP 500** | | | | | | — | output 5.6k tok/s; TPOT 10.3 ms; ITL p99 42.9 ms |"
+        "HTTP 500** | | | | | | — | output 6.1k tok/s; TPOT 9.75 ms; ITL p99 37.5 ms |"
     ) in md
     assert "python3 -m deltaserve.cli bench matrix --group decode-4b --cells 1-256-c1,1024-256-c64" in md
     assert "python3 -m deltaserve.cli make-tiny $MODEL_DIR --preset 4b-shape --config-only" in md

@@ -51,10 +51,11 @@ REFERENCES: dict[str, CellReference] = {
     "4b-shape:1024-256-c16": CellReference(previous=(Figure("TPOT", 4.72, "ms"),)),
     "4b-shape:1024-256-c64": CellReference(
         previous=(
-            Figure("output", 5.6e3, "tok/s", text="5.6k tok/s"),
-            Figure("TPOT", 10.3, "ms"),
-            Figure("ITL p99", 42.9, "ms"),
-        )
+            Figure("output", 6.1e3, "tok/s", text="6.1k tok/s"),
+            Figure("TPOT", 9.75, "ms"),
+            Figure("ITL p99", 37.5, "ms"),
+        ),
+        note="the 2026-12-02 record (decode-4b-ahead)",
     ),
     "4b-shape:128-512-c256": CellReference(
         previous=(Figure("output", 14.7e3, "tok/s", text="14.7k tok/s"), Figure("ITL p99", 528, "ms"))
@@ -76,8 +77,8 @@ REFERENCES: dict[str, CellReference] = {
         note="published elsewhere: SGLang, 4B on one H200, 128 multi-turn clients, prefix hit rate 0.83"
     ),
     "9b-shape:1024-128-c512": CellReference(
-        previous=(Figure("total", 26.6e3, "tok/s", text="26.6k tok/s"),),
-        note="30.8k with --max-num-seqs 512 --max-num-batched-tokens 8192; vLLM 0.17.1 on an H100: 29.8k "
+        previous=(Figure("total", 30.9e3, "tok/s", text="30.9k tok/s"),),
+        note="the 2026-12-02 record (saturated-9b-ahead); 30.8k on 2026-12-01 with --max-num-seqs 512 --max-num-batched-tokens 8192; vLLM 0.17.1 on an H100: 29.8k "
         "default, 34.5k tuned",
     ),
     "35b-a3b-shape:1024-128-c512": CellReference(
