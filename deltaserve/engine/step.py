@@ -20,6 +20,7 @@ from deltaserve.engine.protocol import TokenLogprobs
 from deltaserve.engine.sampler import Sampler, SamplingRow
 from deltaserve.engine.structured import apply_grammars
 from deltaserve.ops.batch import BatchRow
+from deltaserve.ops.pinned import PINNED
 
 
 @dataclass(slots=True)
@@ -168,26 +169,32 @@ class StagedResult:
 
     tensors: list[torch.Tensor]  # token ids, then sampled logprob, rank, top ids, top logprobs
     done: torch.cuda.Event | None
+    buffers: list[torch.Tensor] = field(default_factory=list)  # reused page-locked buffers (CUDA)
 
     @classmethod
     def start(cls, sources: list[torch.Tensor]) -> StagedResult:
         device = sources[0].device
         if device.type != "cuda":
             return cls([t.clone() for t in sources], None)
-        staged = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in sources]
+        buffers = [PINNED.take(t.numel(), t.dtype) for t in sources]
+        staged = [buf[: t.numel()].view(t.shape) for buf, t in zip(buffers, sources, strict=True)]
         for host, dev in zip(staged, sources, strict=True):
             host.copy_(dev, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        return cls(staged, done)
+        return cls(staged, done, buffers)
 
     def read(self, rows: Sequence[SamplingRow]) -> StepResult:
         if self.done is not None:
             self.done.synchronize()  # this step's copies only: later launches are not waited for
-        token_ids = self.tensors[0].tolist()
-        if len(self.tensors) == 1:
+        values = [t.tolist() for t in self.tensors]
+        for buf in self.buffers:  # read: nothing pending on them (a result never read keeps its own)
+            PINNED.give_back(buf)
+        self.buffers, self.tensors = [], []  # read once: the buffers now serve later steps
+        token_ids = values[0]
+        if len(values) == 1:
             return StepResult(token_ids, [None] * len(rows))
-        sampled, ranks, top_ids, top_lps = (t.tolist() for t in self.tensors[1:])
+        sampled, ranks, top_ids, top_lps = values[1:]
         logprobs: list[TokenLogprobs | None] = []
         for i, row in enumerate(rows):
             k = row.params.logprobs

@@ -17,6 +17,8 @@ from typing import Protocol
 
 import torch
 
+from deltaserve.ops.pinned import PINNED
+
 
 class CacheLayers(Protocol):
     """A device pool with one tensor pair per layer: the paged KV pool (k, v of each full-attention
@@ -114,10 +116,12 @@ def fla_chunk_list(lengths: Sequence[int]) -> list[tuple[int, int]]:
 
 
 def to_device(data: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Host values to `device` in one copy; on CUDA staged in pinned memory, so the copy blocks neither
-    the host nor the stream."""
-    staged = torch.tensor(data, dtype=dtype, pin_memory=device.type == "cuda")
-    return staged.to(device, non_blocking=True)
+    """Host values to `device` in one copy; on CUDA staged in a reused page-locked buffer
+    (ops/pinned.py), so the copy blocks neither the host nor the stream."""
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        # A capture would bake a reused buffer's address into the graph: stage a fresh one there.
+        return torch.tensor(data, dtype=dtype, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+    return PINNED.upload(data, dtype, device)
 
 
 # Row kinds, in the order a batch holds them.
