@@ -3,14 +3,16 @@ pages, slots, context) and owns every cache allocation; the backend only execute
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections import defaultdict
 
+import pytest
 import torch
 
 from deltaserve.cache.manager import CacheManager
-from deltaserve.engine.protocol import AddRequest, RequestUpdate, Shutdown, StepOutputs
+from deltaserve.engine.protocol import AbortRequest, AddRequest, RequestUpdate, Shutdown, StepOutputs
 from deltaserve.engine.scheduler import Scheduler, SchedulerConfig
 from deltaserve.engine.step import PendingStep, StagedResult, StepPlan
 from deltaserve.sampling_params import SamplingParams
@@ -44,6 +46,7 @@ def make(
     seqs: int = 4,
     max_model_len: int = 256,
     saturated: int = 0,
+    eos: tuple[int, ...] = (),
 ):
     backend = PositionBackend()
     updates: dict[str, list[RequestUpdate]] = defaultdict(list)
@@ -58,6 +61,7 @@ def make(
         max_num_batched_tokens=budget,
         max_num_batched_tokens_saturated=saturated,
         vocab_size=VOCAB,
+        eos_token_ids=eos,
         decode_ahead=decode_ahead,
     )
     cache = CacheManager(num_pages=pages, page_size=PAGE, num_slots=seqs + 1)
@@ -310,3 +314,42 @@ def test_admission_looks_at_the_queue_head_and_new_arrivals_only_and_still_rejec
     while sched.tick():
         pass
     assert all(len([t for u in updates[n] for t in u.new_token_ids]) == 20 for n in "abc")
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_traffic_launched_ahead_ends_as_read_step_by_step(seed):
+    """Arrivals, stop tokens, length limits, aborts and a pool short of pages, in random order: with
+    launch-ahead every request ends once, those not aborted with the same tokens and finish reason as
+    reading every step, and every page and slot comes back."""
+    rng = random.Random(seed)
+    events: dict[int, list] = {}
+    names = [f"r{i}" for i in range(14)]
+    for name in names:
+        n, max_tokens = rng.randrange(1, 40), rng.randrange(1, 14)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=rng.random() < 0.5)
+        events.setdefault(rng.randrange(0, 30), []).append(AddRequest(name, list(range(n)), params))
+    aborted = set(rng.sample(names, 3))
+    for name in aborted:
+        events.setdefault(rng.randrange(0, 40), []).append(AbortRequest(name))
+    budget, pages = rng.choice((5, 16, 64)), rng.choice((14, 24, 64))
+    ends = {}
+    for ahead in (False, True):
+        sched, backend, updates = make(budget, ahead, pages=pages, seqs=4, eos=(7, 19, 31))
+        for tick in range(2000):
+            for msg in events.get(tick, []):
+                sched.submit(msg)
+            if not sched.tick() and tick > 40:
+                break
+        for name in names:
+            finals = [u for u in updates[name] if u.finished]
+            assert len(finals) == 1, f"{name}: {len(finals)} terminal updates"
+            assert all(not u.finished for u in updates[name][:-1]), f"{name}: an update after its terminal"
+        assert sched.cache.kv.num_used == 0 and sched.cache.states.num_free == 4 and not sched.by_id
+        ends[ahead] = {
+            name: ([t for u in updates[name] for t in u.new_token_ids], updates[name][-1].finish_reason)
+            for name in names
+        }
+    for name in names:
+        if ends[False][name][1] == "abort" or ends[True][name][1] == "abort":
+            continue  # an abort lands at a different point of each run
+        assert ends[True][name] == ends[False][name], name
