@@ -200,7 +200,9 @@ def build_forward_batch(rows: Sequence[BatchRow], page_size: int, device: torch.
         block_tables.append(list(row.pages) + [0] * (max_pages - len(row.pages)))
 
     def t(values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=device)
+        # Without waiting for the stream: a plain torch.tensor(..., device=cuda) would first drain it,
+        # stalling this launch behind a step launched ahead.
+        return to_device(values, dtype, device)
 
     context = [r.context_len for r in rows]
     query = [len(r.token_ids) for r in rows]
