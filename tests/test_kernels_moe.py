@@ -258,3 +258,53 @@ def test_bad_inputs_are_rejected_naming_the_argument(change, match: str) -> None
     args = change(dict(x=x, w13=w13, w2=w2, weights=weights, ids=ids))
     with pytest.raises(ValueError, match=match):
         tri.fused_experts(**args)
+
+
+@pytest.mark.parametrize(
+    "tiles",
+    [
+        tri.MoeTiles(block_m=32, block_n=128, block_k=64, num_warps=8, num_stages=2),
+        tri.MoeTiles(block_m=128, block_n=32, block_k=16, num_warps=4, num_stages=4),
+    ],
+)
+def test_other_launch_parameters_give_the_same_experts(tiles) -> None:
+    # What the block-size sweep (python3 -m deltaserve.bench.moe_kernel) runs: any tiles, same result.
+    inputs = make_inputs(80, 2, torch.bfloat16, seed=11)
+    out = poisoned(*inputs[0].shape, dtype=inputs[0].dtype)
+    assert_matches(tri.fused_experts(*inputs, out=out, tiles=tiles), moe.fused_experts(*inputs))
+
+
+def test_launch_parameters_are_checked_before_any_launch() -> None:
+    inputs = make_inputs(3, 2, torch.bfloat16, seed=12)
+    default = tri.default_tiles(3, 2, E, torch.bfloat16)
+    for bad, field in (
+        (default._replace(block_m=48), "tiles.block_m must be a power of two >= 16"),
+        (default._replace(block_k=8), "tiles.block_k must be a power of two >= 16"),
+        (default._replace(num_warps=3), "tiles.num_warps must be 1, 2, 4, 8 or 16, got 3"),
+        (default._replace(num_stages=0), "tiles.num_stages must be >= 1, got 0"),
+    ):
+        with pytest.raises(ValueError, match=field):
+            tri.fused_experts(*inputs, tiles=bad)
+
+
+def test_the_block_size_sweep_offers_valid_tiles_and_names_a_bad_argument() -> None:
+    import argparse
+
+    from deltaserve.bench import moe_kernel as bench
+
+    for tiles in bench.SWEEP + bench.QUICK:
+        tri.check_tiles(tiles)
+    assert bench.SWEEP[:2] == [
+        tri.default_tiles(1, 8, 256, torch.bfloat16),
+        tri.default_tiles(4096, 8, 256, torch.bfloat16),
+    ]
+    assert bench.parse_shape("256,8,2048,512") == bench.SHAPE_35B_A3B
+    assert bench.parse_tokens("16,2048") == [16, 2048]
+    for parse, bad, message in (
+        (bench.parse_shape, "256,8,2048", "expected E,K,H,I"),
+        (bench.parse_shape, "4,8,64,64", "8 experts per token exceed the 4 experts"),
+        (bench.parse_tokens, "16,x", "expected positive integers"),
+        (bench.parse_tokens, "0", "expected positive integers"),
+    ):
+        with pytest.raises(argparse.ArgumentTypeError, match=message):
+            parse(bad)

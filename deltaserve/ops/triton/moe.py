@@ -48,8 +48,9 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _ID_DTYPES = (torch.int64, torch.int32)
 
 
-class _Tiles(NamedTuple):
-    """Fixed launch parameters of the two grouped GEMMs (no autotuning: nothing benchmarks while serving)."""
+class MoeTiles(NamedTuple):
+    """Fixed launch parameters of the two grouped GEMMs (no autotuning: nothing benchmarks while serving;
+    `python3 -m deltaserve.bench.moe_kernel` sweeps them offline)."""
 
     block_m: int  # (token, slot) rows per block; one expert per block
     block_n: int  # output columns per program (I for gate_up, each for gate and up; H for down)
@@ -77,12 +78,25 @@ _NUM_STAGES = 3
 _BLOCK_H = 1024
 
 
-def _tiles(tokens: int, top_k: int, num_experts: int, dtype: torch.dtype) -> _Tiles:
-    """Launch parameters: a function of shapes and dtype only (graph-capture safe)."""
+def default_tiles(tokens: int, top_k: int, num_experts: int, dtype: torch.dtype) -> MoeTiles:
+    """The launch parameters `fused_experts` uses unless given others: a function of shapes and dtype
+    only (graph-capture safe)."""
     small = tokens * top_k <= _SMALL_BATCH_BLOCK_M * num_experts
     block_m = _SMALL_BATCH_BLOCK_M if small else _LARGE_BATCH_BLOCK_M
     block_k = _BLOCK_K_FP32 if dtype == torch.float32 else _BLOCK_K_16BIT
-    return _Tiles(block_m, _BLOCK_N, block_k, _NUM_WARPS, _NUM_STAGES)
+    return MoeTiles(block_m, _BLOCK_N, block_k, _NUM_WARPS, _NUM_STAGES)
+
+
+def check_tiles(tiles: MoeTiles) -> None:
+    """Raises ValueError naming the field when `tiles` cannot launch the kernels."""
+    for name in ("block_m", "block_n", "block_k"):
+        value = getattr(tiles, name)
+        if value < 16 or value & (value - 1):
+            raise ValueError(f"tiles.{name} must be a power of two >= 16 (a tl.dot dimension), got {value}")
+    if tiles.num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"tiles.num_warps must be 1, 2, 4, 8 or 16, got {tiles.num_warps}")
+    if tiles.num_stages < 1:
+        raise ValueError(f"tiles.num_stages must be >= 1, got {tiles.num_stages}")
 
 
 class _Grouping(NamedTuple):
@@ -274,12 +288,16 @@ def fused_experts(
     ids: torch.Tensor,
     *,
     out: torch.Tensor | None = None,
+    tiles: MoeTiles | None = None,
 ) -> torch.Tensor:
     """x: [T, H]; w13: [E, 2I, H] (gate rows then up rows); w2: [E, H, I]; weights: [T, k] in x's dtype;
     ids: [T, k] int64 (or int32) expert ids in [0, E). Sum over each token's experts of
     weight * down(silu(gate x) * up x): [T, H] in x's dtype, written into `out` when given (contiguous).
-    Never synchronises with the host: CUDA-graph capturable (module docstring)."""
+    `tiles`: launch parameters other than `default_tiles` (benchmarks). Never synchronises with the
+    host: CUDA-graph capturable (module docstring)."""
     _check_inputs(x, w13, w2, weights, ids)
+    if tiles is not None:
+        check_tiles(tiles)
     tokens, hidden = x.shape
     num_experts, inter_size = w13.shape[0], w13.shape[1] // 2
     top_k = ids.shape[1]
@@ -292,7 +310,7 @@ def fused_experts(
         )
     if tokens == 0 or hidden == 0:
         return out
-    tiles = _tiles(tokens, top_k, num_experts, x.dtype)
+    tiles = tiles or default_tiles(tokens, top_k, num_experts, x.dtype)
     grouping = _group_slots(ids, num_experts, tiles.block_m)
     num_blocks = grouping.block_expert.shape[0]
     num_slots = tokens * top_k

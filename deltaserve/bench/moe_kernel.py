@@ -1,0 +1,143 @@
+"""Block-size sweep of the fused-MoE kernels on CUDA (ops/triton/moe.py), at a model's expert shape.
+
+For each token count: the default launch parameters (`default_tiles`) against the torch reference
+(max |difference|, bf16), then every candidate of SWEEP timed (triton.testing.do_bench, L2 flushed) and
+checked against the default's output; a candidate the GPU cannot launch (shared memory) prints n/a.
+The TFLOP/s count the routed experts' GEMMs only: 2 * T * k * 3 * H * I.
+
+python3 -m deltaserve.bench.moe_kernel [--shape E,K,H,I] [--tokens 16,256,2048,8192] [--quick]
+(needs CUDA; the default shape is the 35B-A3B's: 256 experts, 8 per token, hidden 2048, expert 512)
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton
+import triton.testing
+
+from deltaserve.ops import moe as reference
+from deltaserve.ops.triton.moe import MoeTiles, default_tiles, fused_experts
+
+DTYPE = torch.bfloat16
+SHAPE_35B_A3B = (256, 8, 2048, 512)
+
+# (block_m, block_n, block_k, num_warps, num_stages); the first two are the defaults of small and large
+# batches.
+SWEEP = [
+    MoeTiles(16, 64, 64, 4, 3),
+    MoeTiles(64, 64, 64, 4, 3),
+    MoeTiles(32, 64, 64, 4, 3),
+    MoeTiles(32, 128, 64, 4, 3),
+    MoeTiles(64, 128, 64, 4, 3),
+    MoeTiles(64, 128, 64, 8, 3),
+    MoeTiles(64, 128, 64, 4, 4),
+    MoeTiles(64, 256, 64, 8, 3),
+    MoeTiles(128, 64, 64, 4, 3),
+    MoeTiles(128, 128, 64, 8, 3),
+    MoeTiles(128, 128, 64, 8, 4),
+    MoeTiles(128, 256, 64, 8, 3),
+    MoeTiles(64, 64, 128, 4, 3),
+    MoeTiles(128, 128, 128, 8, 2),
+]
+QUICK = SWEEP[:2] + [MoeTiles(64, 128, 64, 8, 3), MoeTiles(128, 128, 64, 8, 3)]
+
+
+def parse_shape(text: str) -> tuple[int, int, int, int]:
+    parts = text.split(",")
+    if len(parts) != 4 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"expected E,K,H,I (four positive integers), got {text!r}")
+    experts, top_k, hidden, inter = (int(p) for p in parts)
+    if top_k > experts:
+        raise argparse.ArgumentTypeError(f"{top_k} experts per token exceed the {experts} experts")
+    return experts, top_k, hidden, inter
+
+
+def parse_tokens(text: str) -> list[int]:
+    try:
+        tokens = [int(p) for p in text.split(",")]
+    except ValueError:
+        tokens = []
+    if not tokens or min(tokens) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers like 16,2048, got {text!r}")
+    return tokens
+
+
+def make_inputs(tokens: int, shape: tuple[int, int, int, int], seed: int) -> tuple[torch.Tensor, ...]:
+    """x, w13, w2 scaled so every stage stays O(1); routing from random logits (near uniform)."""
+    experts, top_k, hidden, inter = shape
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def randn(*size: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*size, generator=gen, device="cuda") * scale).to(DTYPE)
+
+    x = randn(tokens, hidden)
+    w13 = randn(experts, 2 * inter, hidden, scale=hidden**-0.5)
+    w2 = randn(experts, hidden, inter, scale=inter**-0.5)
+    weights, ids = reference.route(randn(tokens, experts), top_k, renormalize=True)
+    return x, w13, w2, weights, ids
+
+
+def tflops(tokens: int, shape: tuple[int, int, int, int], ms: float) -> float:
+    _, top_k, hidden, inter = shape
+    return 2 * tokens * top_k * 3 * hidden * inter / ms / 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python3 -m deltaserve.bench.moe_kernel")
+    parser.add_argument("--shape", type=parse_shape, default=SHAPE_35B_A3B, help="E,K,H,I")
+    parser.add_argument("--tokens", type=parse_tokens, default=[16, 256, 2048, 8192])
+    parser.add_argument("--quick", action="store_true", help=f"only {len(QUICK)} candidates")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs CUDA")
+    shape, candidates = args.shape, QUICK if args.quick else SWEEP
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    print(f"experts {shape[0]}, {shape[1]} per token, hidden {shape[2]}, expert {shape[3]}, {DTYPE}\n")
+    cases = []
+    for seed, tokens in enumerate(args.tokens):
+        inputs = make_inputs(tokens, shape, seed)
+        want = fused_experts(*inputs)
+        error = (want.float() - reference.fused_experts(*inputs).float()).abs().max().item()
+        default = default_tiles(tokens, shape[1], shape[0], DTYPE)
+        print(f"T={tokens}: default {tuple(default)}, max |default - reference| = {error:.3g}")
+        cases.append((tokens, inputs, want, default))
+    print(
+        f"\n{'tiles (m, n, k, warps, stages)':<32}"
+        + "".join(f"{f'T={t} ms':>13}{'TF/s':>6}" for t in args.tokens)
+    )
+    best: dict[int, tuple[float, MoeTiles]] = {}
+    default_ms: dict[int, float] = {}
+    for tiles in candidates:
+        cells = []
+        for tokens, inputs, want, default in cases:
+            try:
+                got = fused_experts(*inputs, tiles=tiles)
+                ms = triton.testing.do_bench(
+                    lambda inputs=inputs, tiles=tiles: fused_experts(*inputs, tiles=tiles)
+                )
+            except Exception as exc:  # out of shared memory, or a launch the GPU refuses
+                cells.append(f"{'n/a':>13}{'':>6}")
+                print(f"  {tuple(tiles)} at T={tokens}: {type(exc).__name__}")
+                continue
+            same = (got.float() - want.float()).abs().max().item() <= 2e-2 * want.float().abs().max().item()
+            mark = ("*" if tiles == default else "") + ("" if same else "!")
+            cells.append(f"{ms:>12.4f}{mark:<1}{tflops(tokens, shape, ms):>6.0f}")
+            if tiles == default:
+                default_ms[tokens] = ms
+            if same and (tokens not in best or ms < best[tokens][0]):
+                best[tokens] = (ms, tiles)
+        print(f"{str(tuple(tiles)):<32}" + "".join(cells))
+    print("\n* the default; ! differs from the default's output beyond bf16 rounding")
+    for tokens, *_ in cases:
+        if tokens in best:
+            ms, tiles = best[tokens]
+            versus = f", {default_ms[tokens] / ms:.2f}x the default" if tokens in default_ms else ""
+            print(
+                f"T={tokens}: best {tuple(tiles)}, {ms:.4f} ms ({tflops(tokens, shape, ms):.0f} TFLOP/s){versus}"
+            )
+
+
+if __name__ == "__main__":
+    main()
