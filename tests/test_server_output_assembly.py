@@ -182,3 +182,22 @@ def test_responses_cut_by_length_is_incomplete() -> None:
     assert response.status == "incomplete" and response.incomplete_details is not None
     assert response.incomplete_details.reason == "max_output_tokens"
     assert [item.status for item in response.output] == ["incomplete"]
+
+
+def test_a_completion_delta_of_tokens_with_held_back_text_still_goes_out() -> None:
+    from deltaserve.server.completions import carries_output
+    from deltaserve.tiny import default_model_dir
+    from deltaserve.tokenizer import Tokenizer
+
+    # A character split across tokens: its first byte's token decodes to nothing yet.
+    tokenizer = Tokenizer.from_dir(default_model_dir())
+    ids = tokenizer.encode("𝄞")  # three tokens
+    assert len(ids) == 3, "the test needs a character the vocabulary splits"
+    detok = tokenizer.new_detokenizer()
+    for token in ids[:2]:
+        held = OutputDelta(detok.push([token]), [token], None)
+        assert held.text == "" and carries_output(held, "", logprobs=False)  # an empty-text chunk, as vLLM's
+    last = OutputDelta(detok.push(ids[2:]), ids[2:], None)
+    assert last.text == "𝄞" and carries_output(last, "", logprobs=False)
+    assert not carries_output(OutputDelta("", [], None), "", logprobs=False)  # nothing at all
+    assert carries_output(OutputDelta("", [], None, finish_reason="length"), "", logprobs=False)

@@ -107,6 +107,13 @@ def _scores_only(body: CompletionRequest) -> bool:
     return body.echo and body.max_tokens == 0
 
 
+def carries_output(delta: OutputDelta, echo_text: str, logprobs: bool) -> bool:
+    """Whether a delta goes out as a chunk. One of tokens whose text is held back (a character split
+    across tokens, a possible stop string) does, with empty text, as vLLM sends it: a client sees every
+    engine step that produced tokens, not a gap of several. Only a delta with nothing at all is dropped."""
+    return bool(echo_text or delta.text or delta.token_ids or logprobs or delta.finished)
+
+
 def _without_output(delta: OutputDelta) -> OutputDelta:
     return dataclasses.replace(
         delta,
@@ -295,7 +302,7 @@ async def _stream(
                     lp = completion_logprobs(state.token_texts, delta.token_ids, delta.logprobs or [], offset)
                     lp = _joined(echo.logprobs, lp)
                 prompt_lps = _prompt_logprobs(state, body, reqs[i], delta.prompt_logprobs)
-                if echo.text or delta.text or lp is not None or delta.finished or prompt_lps is not None:
+                if carries_output(delta, echo.text, lp is not None or prompt_lps is not None):
                     choice = CompletionChoice(
                         index=i,
                         text=echo.text + delta.text,
