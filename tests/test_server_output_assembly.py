@@ -201,3 +201,13 @@ def test_a_completion_delta_of_tokens_with_held_back_text_still_goes_out() -> No
     assert last.text == "𝄞" and carries_output(last, "", logprobs=False)
     assert not carries_output(OutputDelta("", [], None), "", logprobs=False)  # nothing at all
     assert carries_output(OutputDelta("", [], None, finish_reason="length"), "", logprobs=False)
+
+
+def test_a_chat_delta_of_tokens_with_held_back_text_still_goes_out_empty() -> None:
+    out = AssistantOutput.for_prompt(_prompt())
+    # "<tool" could begin a tag: the parser holds it back, but the step's token still shows.
+    held = stream_choice(out, OutputDelta("<tool", [1234], None), None)
+    assert held is not None and held.delta.model_dump(exclude_none=True) == {}
+    assert stream_choice(out, OutputDelta("", [], None), None) is None  # nothing at all: no chunk
+    shown = stream_choice(out, OutputDelta("s are", [99], None), None)
+    assert shown is not None and (shown.delta.reasoning_content or shown.delta.content) == "<tools are"

@@ -204,15 +204,23 @@ def _delta_tool_calls(parsed: ParsedDelta) -> list[DeltaToolCall] | None:
 def stream_choice(
     out: AssistantOutput, delta: OutputDelta, logprobs: ChatLogprobs | None, index: int = 0
 ) -> ChatStreamChoice | None:
-    """The stream choice for one engine delta; None when it adds nothing a client would see (text held
-    back by the stop-string or tag parsers)."""
+    """The stream choice for one engine delta; None only when it carries nothing: no token, no
+    finish. A delta of tokens whose text the stop-string or tag parsers hold back goes out with an
+    empty delta, as vLLM sends one: a client sees every engine step that produced tokens."""
     parsed = out.feed(delta.text, final=delta.finished)
     message = ChatDelta(
         content=parsed.content or None,
         reasoning_content=parsed.reasoning or None,
         tool_calls=_delta_tool_calls(parsed),
     )
-    if not (message.content or message.reasoning_content or message.tool_calls or logprobs or delta.finished):
+    if not (
+        message.content
+        or message.reasoning_content
+        or message.tool_calls
+        or logprobs
+        or delta.finished
+        or delta.token_ids
+    ):
         return None
     return ChatStreamChoice(
         index=index,
