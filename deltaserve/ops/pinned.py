@@ -2,9 +2,9 @@
 (the inputs an op or the sampler builds from host lists, a step's sampled tokens on their way back).
 
 Why not a fresh pinned tensor each time: a page-locked allocation (cudaHostAlloc) synchronises the
-device implicitly, and PyTorch's caching host allocator hands a freed block out again only after every
-event queued before it has completed. With a step launched ahead, the oldest event can belong to the
-step still running, so the allocator allocates anew and the launch waits for the device. Buffers here
+device implicitly, and PyTorch's caching host allocator hands freed blocks out again only as far as
+its event queue has completed, in order. With a step launched ahead, the first pending event can belong
+to the step still running, so the allocator allocates anew and the launch waits for the device. Buffers here
 go back to a free list of their own: an upload's once its copy has run (its event), a download's once
 the host has read it. Sizes are rounded up to a power of two, so a few buffers serve every step.
 """
