@@ -156,10 +156,15 @@ def test_grouping_lists_every_slot_once_in_single_expert_blocks(top_k: int, bloc
 
 
 def test_tiles_follow_shapes_only() -> None:
-    assert tri._tiles(1, 8, 256, torch.bfloat16).block_m == 16  # decode
-    assert tri._tiles(512, 8, 256, torch.bfloat16).block_m == 16  # 4096 slots: 16 per expert on average
-    assert tri._tiles(513, 8, 256, torch.bfloat16).block_m == 64
-    assert tri._tiles(513, 8, 256, torch.float32).block_k < tri._tiles(513, 8, 256, torch.bfloat16).block_k
+    assert tri.default_tiles(1, 8, 256, torch.bfloat16).block_m == 16  # decode
+    assert (
+        tri.default_tiles(512, 8, 256, torch.bfloat16).block_m == 16
+    )  # 4096 slots: 16 per expert on average
+    assert tri.default_tiles(513, 8, 256, torch.bfloat16).block_m == 64
+    assert (
+        tri.default_tiles(513, 8, 256, torch.float32).block_k
+        < tri.default_tiles(513, 8, 256, torch.bfloat16).block_k
+    )
     # decode: at most min(E, T*k) experts are used, so the grid stays small even with many experts
     assert tri._max_blocks(8, 256, 16) == 8
 
@@ -176,7 +181,7 @@ def test_same_shapes_different_routing_use_the_same_launches() -> None:
     grids = []
     for logits in (spread, concentrated):
         inputs = make_inputs(tokens, top_k, torch.float32, seed=3, logits=logits)
-        grouping = tri._group_slots(inputs[4], E, tri._tiles(tokens, top_k, E, torch.float32).block_m)
+        grouping = tri._group_slots(inputs[4], E, tri.default_tiles(tokens, top_k, E, torch.float32).block_m)
         grids.append((grouping.sorted_slots.shape, grouping.block_expert.shape))
         assert_matches(run_kernels(*inputs), moe.fused_experts(*inputs))
     assert grids[0] == grids[1]
