@@ -65,9 +65,7 @@ def deliver_first_tokens(
             sched, req, result.token_ids[row], result.logprobs[row]
         ):
             finished.append(req)
-    if finished:
-        done = set(map(id, finished))
-        sched.running = [r for r in sched.running if id(r) not in done]
+    _leave_running(sched, finished)
 
 
 def dispatch_decode_tokens(sched: SchedulerState, decode: list[Request], result: StepResult) -> None:
@@ -86,9 +84,7 @@ def dispatch_decode_tokens(sched: SchedulerState, decode: list[Request], result:
             done = _append_token(sched, req, result.token_ids[i], result.logprobs[i])
         if done:
             finished.append(req)
-    if finished:
-        done = set(map(id, finished))
-        sched.running = [r for r in sched.running if id(r) not in done]
+    _leave_running(sched, finished)
 
 
 def _append_speculated(sched: SchedulerState, req: Request, spec: SpeculationResult, row: int) -> bool:
@@ -173,3 +169,10 @@ def _check_stop(sched: SchedulerState, req: Request, token: int) -> tuple[str | 
     if produced >= req.max_tokens:
         return "length", None
     return None, None
+
+
+def _leave_running(sched: SchedulerState, finished: list[Request]) -> None:
+    """Takes the requests that finished in a dispatch out of the decoders."""
+    if finished:
+        done = set(map(id, finished))
+        sched.running = [r for r in sched.running if id(r) not in done]

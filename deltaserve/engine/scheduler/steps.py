@@ -140,20 +140,21 @@ def run_step(sched: SchedulerState) -> None:
         finish_decode_ahead(sched, ahead)
         if follow is not None:
             if telemetry.ITL_DEBUG:
-                _log_step(f"{_kind(ahead.decode, ahead.chunks)}_ahead", ahead.decode, ahead.chunks, started)
+                _log_delivered_ahead(ahead, started)
             return
     decode, chunks, spec = _plan_work(sched)
     label = _launch_work(sched, decode, chunks, spec)
     if telemetry.ITL_DEBUG:
         if ahead is not None and label.endswith("_ahead"):  # this tick delivered `ahead`, then launched
-            _log_step(f"{_kind(ahead.decode, ahead.chunks)}_ahead", ahead.decode, ahead.chunks, started)
+            _log_delivered_ahead(ahead, started)
         else:
             _log_step(label, decode, chunks, started)
 
 
-def _kind(decode: list[Request], chunks: list[ScheduledChunk]) -> str:
-    kind = build_next_plan(len(decode), len(chunks))
-    return "idle" if kind is None else kind.value
+def _log_delivered_ahead(ahead: LaunchedStep, started: float) -> None:
+    kind = build_next_plan(len(ahead.decode), len(ahead.chunks))
+    assert kind is not None, "a launched step has rows"
+    _log_step(f"{kind.value}_ahead", ahead.decode, ahead.chunks, started)
 
 
 def _log_step(label: str, decode: list[Request], chunks: list[ScheduledChunk], started: float) -> None:
