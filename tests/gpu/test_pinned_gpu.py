@@ -30,9 +30,15 @@ def test_uploads_and_step_results_are_exact_and_reuse_their_buffers():
         rows = [[step, i, -i] for i in range(100 + step)]
         assert to_device(rows, torch.int64, device).tolist() == rows
         tokens = torch.arange(100 + step, device=device) * 7
-        logprobs = torch.linspace(-1, 0, 100 + step, device=device)
-        result = StagedResult.start([tokens, logprobs]).read([])
-        assert result.token_ids == tokens.tolist()
+        sampled = torch.linspace(-1, 0, 100 + step, device=device)
+        ranks = torch.arange(100 + step, device=device) % 3
+        top_ids, top_lps = tokens.view(-1, 1).repeat(1, 2), sampled.view(-1, 1).repeat(1, 2)
+        staged = StagedResult.start([tokens, sampled, ranks, top_ids, top_lps])
+        staged.done.synchronize()
+        assert [t.tolist() for t in staged.tensors] == [
+            t.tolist() for t in (tokens, sampled, ranks, top_ids, top_lps)
+        ]
+        assert staged.read([]).token_ids == tokens.tolist()
     allocated = PINNED.allocated
     for step in range(20):
         to_device(list(range(150 + step)), torch.int64, device)
