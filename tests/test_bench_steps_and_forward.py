@@ -62,6 +62,22 @@ def test_step_phases_parse_and_repeat():
     assert phase_ms(record, "wait") == 1.2
 
 
+def test_allocations_that_can_stall_a_step_are_counted_and_logged(caplog, monkeypatch):
+    from deltaserve.engine.scheduler import telemetry
+    from deltaserve.ops.alloc_counters import counts_since
+    from deltaserve.ops.pinned import PINNED
+
+    before = {"cuda_malloc": 3, "alloc_retry": 0, "host_alloc": 7, "pinned": 2}
+    after = {"cuda_malloc": 4, "alloc_retry": 0, "host_alloc": 7, "pinned": 4}
+    assert counts_since(before, after) == {"cuda_malloc": 1, "pinned": 2}
+    with caplog.at_level("INFO", logger="deltaserve.itl"):
+        telemetry.log_itl_step("decode", 0, 0, 2, 1.0, 1.002)  # the first line: nothing to compare with
+        monkeypatch.setattr(PINNED, "allocated", PINNED.allocated + 1)  # a pinned buffer allocated
+        telemetry.log_itl_step("decode", 0, 0, 2, 1.002, 1.004)
+    first, second = (parse_steps([r.getMessage()])[0] for r in caplog.records)
+    assert (first.allocs, second.allocs) == ("", "pinned:1")
+
+
 def test_forward_shapes_parse_and_name_the_field_when_wrong():
     assert parse_shape("61x1@1100+1x512@0") == [RowGroup(61, 1, 1100), RowGroup(1, 512, 0)]
     rows = shape_rows(parse_shape("2x1@20+1x5@0"), page_size=16)

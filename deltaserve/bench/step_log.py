@@ -23,7 +23,7 @@ PREFILL_BINS = ((0, 0), (1, 256), (257, 1024), (1025, 2048), (2049, 4096), (4097
 
 _LINE = re.compile(
     r"ITL_STEP mono_us=(\d+) kind=(\S+) prefill_tokens=(\d+) prefill_reqs=(\d+) decode_rows=(\d+) step_us=(\d+)"
-    r"(?: phases_us=(\S+))?"
+    r"(?: phases_us=(\S+))?(?: allocs=(\S+))?"
 )
 PHASES = ("plan", "launch", "wait", "apply")  # the step's host time, in order (engine/scheduler/telemetry.py)
 
@@ -37,6 +37,9 @@ class StepRecord:
     decode_rows: int
     step_us: int
     phases_us: tuple[tuple[str, int], ...] = ()  # (phase, µs) in order; a phase may repeat
+    allocs: str = (
+        ""  # allocations since the previous line that can synchronise the device (ops/alloc_counters.py)
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,10 +66,17 @@ def parse_steps(lines: Iterable[str]) -> list[StepRecord]:
     for line in lines:
         m = _LINE.search(line)
         if m:
-            end, kind, tokens, reqs, rows, step, phases = m.groups()
+            end, kind, tokens, reqs, rows, step, phases, allocs = m.groups()
             records.append(
                 StepRecord(
-                    int(end), kind, int(tokens), int(reqs), int(rows), int(step), _parse_phases(phases)
+                    int(end),
+                    kind,
+                    int(tokens),
+                    int(reqs),
+                    int(rows),
+                    int(step),
+                    _parse_phases(phases),
+                    allocs or "",
                 )
             )
     return records
@@ -156,10 +166,13 @@ def run_bench_steps(args: argparse.Namespace) -> list[GroupStats]:
         )
     slowest = sorted(intervals(records), key=lambda i: -i.ms)[: args.slowest]
     if slowest:
-        print("slowest intervals: ms, kind, prefill tokens / requests, decode rows, step ms")
+        print(
+            "slowest intervals: ms, kind, prefill tokens / requests, decode rows, step ms, launch ms, allocations"
+        )
         for i in slowest:
             st = i.step
             print(
-                f"  {i.ms:8.2f}  {st.kind:12s} {st.prefill_tokens:6d} / {st.prefill_reqs:<3d} {st.decode_rows:5d}  {st.step_us / 1000:8.2f}"
+                f"  {i.ms:8.2f}  {st.kind:12s} {st.prefill_tokens:6d} / {st.prefill_reqs:<3d} {st.decode_rows:5d}  "
+                f"{st.step_us / 1000:8.2f}  {phase_ms(st, 'launch'):8.2f}  {st.allocs}"
             )
     return stats

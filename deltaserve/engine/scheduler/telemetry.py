@@ -11,6 +11,7 @@ import os
 import time
 
 from deltaserve.engine.scheduler.state import SchedulerConfig
+from deltaserve.ops.alloc_counters import allocation_counts, counts_since
 
 logger = logging.getLogger("deltaserve.itl")
 
@@ -19,6 +20,7 @@ ITL_DEBUG = os.environ.get("DELTASERVE_ITL_DEBUG", "") not in ("", "0", "false")
 # Where the step's host time went: (phase, its end) in order, since the step started. Only the
 # scheduler thread marks and logs, so one module-level list serves.
 _marks: list[tuple[str, float]] = []
+_allocations: dict[str, int] = {}  # allocation_counts() at the previous line
 
 
 def mark(phase: str) -> None:
@@ -35,8 +37,12 @@ def log_itl_step(
         phases.append(f"{phase}:{int((at - last) * 1e6)}")
         last = at
     _marks.clear()
+    counts = allocation_counts()
+    moved = counts_since(_allocations, counts) if _allocations else {}
+    _allocations.update(counts)
     logger.info(
-        "ITL_STEP mono_us=%d kind=%s prefill_tokens=%d prefill_reqs=%d decode_rows=%d step_us=%d phases_us=%s",
+        "ITL_STEP mono_us=%d kind=%s prefill_tokens=%d prefill_reqs=%d decode_rows=%d step_us=%d phases_us=%s"
+        "%s",
         int(ended * 1e6),
         kind,
         prefill_tokens,
@@ -44,6 +50,7 @@ def log_itl_step(
         decode_rows,
         int((ended - started) * 1e6),
         ",".join(phases) or "-",
+        (" allocs=" + ",".join(f"{k}:{v}" for k, v in moved.items())) if moved else "",
     )
 
 
