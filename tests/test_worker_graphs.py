@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from deltaserve.engine.cuda_graphs import padded_logits_rows
 from deltaserve.engine.worker import ModelWorker
 from deltaserve.ops.batch import BatchRow, leading_decode_rows
 
@@ -91,3 +92,40 @@ def test_rows_no_prefill_graph_fits_run_eager():
     with pytest.raises(AssertionError, match="eager forward"):
         worker(decode, prefill).run([*DECODE, CHUNK])
     assert decode.calls == [] and prefill.calls == []
+
+
+def test_logits_rows_are_padded_to_the_decode_graph_bucket():
+    buckets = [1, 2, 4, 8, 16, 24]
+    assert [padded_logits_rows(n, buckets) for n in (1, 3, 4, 5, 9, 17, 24)] == [1, 4, 4, 8, 16, 24, 24]
+    assert padded_logits_rows(25, buckets) == 25  # beyond the largest bucket: as it is
+
+
+class HiddenModel:
+    """An eager forward whose hidden row i is [i]; records the row counts of its LM-head GEMMs."""
+
+    device = torch.device("cpu")
+
+    def __init__(self) -> None:
+        self.gemm_rows: list[int] = []
+
+    def __call__(self, batch, kv, states):
+        return torch.arange(batch.logits_indices.shape[0], dtype=torch.float32)[:, None]
+
+    def compute_logits(self, hidden, rows=None):
+        self.gemm_rows.append(hidden.shape[0])
+        return hidden[:rows] * 10
+
+
+def test_an_eager_steps_lm_head_runs_at_its_decode_graph_bucket():
+    # A step no graph fits (here: three prompt chunks) still pads its LM head to a decode-graph bucket:
+    # a GEMM at a row count cuBLAS has not run yet can stall the host ~130 ms on an H200.
+    model = HiddenModel()
+    decode, prefill = Runner(lambda rows: False), Runner(lambda rows: False)
+    decode.buckets = [1, 2, 4, 8]
+    eager = ModelWorker(
+        model, SimpleNamespace(page_size=16, copy=lambda copies: None, kv=None, states=None), decode, prefill
+    )
+    chunks = [BatchRow([3, 4], 0, [3], 3), BatchRow([5], 0, [4], 4), BatchRow([6, 7], 0, [5], 5)]
+    logits, _ = eager.run(chunks)
+    assert model.gemm_rows == [4]
+    assert logits.flatten().tolist() == [0.0, 10.0, 20.0]  # the live rows only, in row order

@@ -20,6 +20,15 @@ from deltaserve.model.qwen35 import Qwen35ForCausalLM
 from deltaserve.ops.batch import BatchRow, ForwardBatch, kv_slot
 
 
+def padded_logits_rows(rows: int, buckets: Sequence[int]) -> int:
+    """The row count to run the LM head's GEMM at for `rows` rows outside a decode graph: their bucket
+    (beyond the largest, `rows` itself). The first GEMM at a row count that takes a cuBLAS kernel not run
+    before costs ~130 ms on the host (measured on an H200 at the 9B's LM head: 129, 140, 160... rows),
+    which stalls a step launched ahead and every decoder behind it; the decode graphs' capture has run
+    every bucket's GEMM."""
+    return next((b for b in buckets if b >= rows), rows)
+
+
 def graph_buckets(max_num_seqs: int) -> list[int]:
     """1, 2, 4, 8, then multiples of 8 (16 past 128, 32 past 256) up to max_num_seqs (always included)."""
     buckets = [b for b in (1, 2, 4) if b < max_num_seqs]

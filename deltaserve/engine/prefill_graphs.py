@@ -48,6 +48,7 @@ import torch
 from deltaserve.cache.device import DeviceCaches
 from deltaserve.cache.kv_pages import DUMMY_PAGE
 from deltaserve.cache.state_slots import DUMMY_SLOT
+from deltaserve.engine.cuda_graphs import graph_buckets, padded_logits_rows
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
 from deltaserve.ops.batch import (
     FLA_CHUNK,
@@ -355,6 +356,7 @@ class PrefillGraphRunner:
         self.device = model.device
         self.token_buckets = token_buckets(max_tokens)
         self.chunk_buckets = pow2_buckets(1, max_rows)
+        self.logits_buckets = graph_buckets(max_rows)  # the decode graphs' (their GEMM kernels are loaded)
         self.layout = PrefillLayout(max_tokens, max_rows, -(-max_model_len // cache.page_size))
         self._longs = torch.zeros(self.layout.longs_size, dtype=torch.int64, device=self.device)
         self._ints = torch.zeros(self.layout.ints_size, dtype=torch.int32, device=self.device)
@@ -396,7 +398,7 @@ class PrefillGraphRunner:
         graph, hidden = captured
         need = self._stage(rows, fed, key)
         graph.replay()
-        return self.model.compute_logits(hidden[:need])
+        return self._logits(hidden, need)
 
     @torch.inference_mode()
     def run_eager(self, rows: Sequence[BatchRow], fed: torch.Tensor | None = None) -> torch.Tensor:
@@ -406,7 +408,13 @@ class PrefillGraphRunner:
         need = self._stage(rows, fed, key)
         batch = graph_batch(self.layout.views(self._longs, self._ints, key))
         hidden = self.model(batch, self.cache.kv, self.cache.states)
-        return self.model.compute_logits(hidden[:need])
+        return self._logits(hidden, need)
+
+    def _logits(self, hidden: torch.Tensor, need: int) -> torch.Tensor:
+        """The first `need` rows' logits, the GEMM run over their padded row count (hidden has max_rows
+        + 1 rows; those past `need` are padding)."""
+        padded = min(padded_logits_rows(need, self.logits_buckets), hidden.shape[0])
+        return self.model.compute_logits(hidden[:padded], rows=need)
 
     def _stage(self, rows: Sequence[BatchRow], fed: torch.Tensor | None, key: Bucket) -> int:
         """Writes the padded inputs of `rows` and starts their copy; returns how many rows need logits."""

@@ -12,7 +12,7 @@ import torch
 
 from deltaserve.cache.copies import CacheCopy
 from deltaserve.cache.device import DeviceCaches
-from deltaserve.engine.cuda_graphs import CudaGraphRunner
+from deltaserve.engine.cuda_graphs import CudaGraphRunner, padded_logits_rows
 from deltaserve.engine.prefill_graphs import PrefillGraphRunner
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
 from deltaserve.ops.batch import BatchRow, build_forward_batch
@@ -83,7 +83,16 @@ class ModelWorker:
         if not logits:
             return None, None
         sampled = sum(r.need_logits for r in rows)
-        return self.model.compute_logits(hidden[:sampled]), hidden[sampled:] if scoring else None
+        return self._logits(hidden[:sampled]), hidden[sampled:] if scoring else None
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of an eager forward's rows; with decode graphs, the GEMM runs at the rows' bucket
+        (zero rows appended), whose kernel their capture has loaded."""
+        rows = hidden.shape[0]
+        padded = rows if self.graphs is None else padded_logits_rows(rows, self.graphs.buckets)
+        if padded > rows:
+            hidden = torch.cat([hidden, hidden.new_zeros(padded - rows, hidden.shape[1])])
+        return self.model.compute_logits(hidden, rows=rows)
 
 
 def _all_need_logits(rows: list[BatchRow]) -> bool:

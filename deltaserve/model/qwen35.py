@@ -143,10 +143,11 @@ class Qwen35ForCausalLM(nn.Module):
             input_ids, hidden, self.embed_tokens, batch, self.inv_freq, kv.layer(self.mtp_kv_index)
         )
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[R, hidden] -> [R, logits_vocab_size] float32. The GEMM runs over a width rounded up to a
-        multiple of 64 rows of the (padded) vocabulary: an odd width like 248077 sends cuBLAS to slow,
-        unaligned kernels."""
+    def compute_logits(self, hidden: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+        """[R, hidden] -> [rows, logits_vocab_size] float32 (rows: R by default; the GEMM runs over all
+        R rows, so a caller can pad R to a row count whose GEMM kernel is already loaded). The GEMM runs
+        over a width rounded up to a multiple of 64 rows of the (padded) vocabulary: an odd width like
+        248077 sends cuBLAS to slow, unaligned kernels."""
         n = self.logits_vocab_size
         width = min(self.config.vocab_size, -(-n // 64) * 64)
-        return linear(hidden, self.lm_head[:width])[:, :n].float()
+        return linear(hidden, self.lm_head[:width])[:rows, :n].float()
