@@ -87,7 +87,8 @@ def assert_matches(got: torch.Tensor, want: torch.Tensor, identical_share: float
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     ("tokens", "top_k"),
-    [(1, 1), (1, 2), (3, 1), (3, 2), (37, 1), (37, 2), (80, 2)],  # 80 x 2 > 16 * E: 64-row blocks
+    # 80 x 2 >= 16 * E: 64-row blocks; 520 x 2 >= 128 * E: 128 x 128 tiles (16-bit)
+    [(1, 1), (1, 2), (3, 1), (3, 2), (37, 1), (37, 2), (80, 2), (520, 2)],
 )
 def test_matches_reference(dtype: torch.dtype, tokens: int, top_k: int) -> None:
     inputs = make_inputs(tokens, top_k, dtype, seed=100 * tokens + top_k)
@@ -156,15 +157,15 @@ def test_grouping_lists_every_slot_once_in_single_expert_blocks(top_k: int, bloc
 
 
 def test_tiles_follow_shapes_only() -> None:
-    assert tri.default_tiles(1, 8, 256, torch.bfloat16).block_m == 16  # decode
-    assert (
-        tri.default_tiles(512, 8, 256, torch.bfloat16).block_m == 16
-    )  # 4096 slots: 16 per expert on average
-    assert tri.default_tiles(513, 8, 256, torch.bfloat16).block_m == 64
-    assert (
-        tri.default_tiles(513, 8, 256, torch.float32).block_k
-        < tri.default_tiles(513, 8, 256, torch.bfloat16).block_k
-    )
+    # 16-bit, by the rows an expert averages (T*k / E) at 256 experts, 8 per token: under 16, 16 to 127, 128+
+    assert tri.default_tiles(1, 8, 256, torch.bfloat16) == (16, 64, 64, 4, 3)  # decode
+    assert tri.default_tiles(511, 8, 256, torch.bfloat16) == (16, 64, 64, 4, 3)  # 4088 slots: 15.97 each
+    assert tri.default_tiles(512, 8, 256, torch.bfloat16) == (64, 64, 64, 4, 3)  # 16 each
+    assert tri.default_tiles(4095, 8, 256, torch.bfloat16) == (64, 64, 64, 4, 3)
+    assert tri.default_tiles(4096, 8, 256, torch.bfloat16) == (128, 128, 64, 8, 3)  # 128 each
+    # fp32 (tests): 16-row blocks up to 16 rows per expert, then 64; half the 16-bit reduction step
+    assert tri.default_tiles(512, 8, 256, torch.float32) == (16, 64, 32, 4, 3)
+    assert tri.default_tiles(513, 8, 256, torch.float32) == (64, 64, 32, 4, 3)
     # decode: at most min(E, T*k) experts are used, so the grid stays small even with many experts
     assert tri._max_blocks(8, 256, 16) == 8
 
@@ -299,8 +300,9 @@ def test_the_block_size_sweep_offers_valid_tiles_and_names_a_bad_argument() -> N
 
     for tiles in bench.SWEEP + bench.QUICK:
         tri.check_tiles(tiles)
-    assert bench.SWEEP[:2] == [
+    assert bench.SWEEP[:3] == [
         tri.default_tiles(1, 8, 256, torch.bfloat16),
+        tri.default_tiles(512, 8, 256, torch.bfloat16),
         tri.default_tiles(4096, 8, 256, torch.bfloat16),
     ]
     assert bench.parse_shape("256,8,2048,512") == bench.SHAPE_35B_A3B

@@ -59,32 +59,38 @@ class MoeTiles(NamedTuple):
     num_stages: int
 
 
-# Untuned defaults in the range of common fused-MoE configs (not yet benchmarked on this engine):
-# * Decode and small batches, T*k <= 16*E (an expert averages at most one 16-row block): BLOCK_M = 16, the
-#   smallest tl.dot M, so that the padding of the few used experts costs little. These calls stream each
-#   used expert's weights once and are memory-bound.
-# * Larger batches: BLOCK_M = 64 reuses every weight tile across 64 rows.
-# BLOCK_N = BLOCK_K = 64 for 16-bit inputs: gate_up's stage is (BLOCK_M + 2 * BLOCK_N) * BLOCK_K * 2 bytes,
-# 18 / 24 KiB, so 3 stages fit any recent GPU's shared memory. fp32 inputs (tests) halve BLOCK_K to keep
-# the same bytes per stage.
+# 16-bit inputs, by the rows an expert averages (T*k / E):
+# * under 16 (decode and small batches): BLOCK_M = 16, the smallest tl.dot M, so that the padding of the
+#   few used experts costs little. These calls stream each used expert's weights and are memory-bound.
+# * 16 to 127: BLOCK_M = 64 reuses every weight tile across 64 rows.
+# * 128 and more (large prefill steps): 128 x 128 tiles over 8 warps, 1.17x the 64 x 64 tiles at T = 8192
+#   on the 35B-A3B's experts (279 vs 239 TFLOP/s on an H200, `python3 -m deltaserve.bench.moe_kernel`,
+#   docs/benchmarks/2026-12-02-h200-moe-tiles.md). Below 128 rows the sweep's rankings did not repeat
+#   from one run to the next, so the former tiles stay.
+# gate_up's stage is (BLOCK_M + 2 * BLOCK_N) * BLOCK_K * 2 bytes: 18 to 48 KiB, 3 stages within any
+# recent GPU's shared memory. fp32 inputs (tests) halve BLOCK_K to keep the same bytes per stage, and stop
+# at 64-row tiles.
+_TILES_16BIT = (
+    (16, MoeTiles(16, 64, 64, 4, 3)),
+    (128, MoeTiles(64, 64, 64, 4, 3)),
+    (None, MoeTiles(128, 128, 64, 8, 3)),
+)  # (rows per expert below which, tiles)
 _SMALL_BATCH_BLOCK_M = 16
-_LARGE_BATCH_BLOCK_M = 64
-_BLOCK_N = 64
-_BLOCK_K_16BIT = 64
-_BLOCK_K_FP32 = 32
-_NUM_WARPS = 4
-_NUM_STAGES = 3
+_TILES_FP32_SMALL = MoeTiles(16, 64, 32, 4, 3)
+_TILES_FP32_LARGE = MoeTiles(64, 64, 32, 4, 3)
 # The combine kernel: one token row's BLOCK_H columns per program (8 values per thread over 4 warps).
 _BLOCK_H = 1024
+_COMBINE_WARPS = 4
 
 
 def default_tiles(tokens: int, top_k: int, num_experts: int, dtype: torch.dtype) -> MoeTiles:
     """The launch parameters `fused_experts` uses unless given others: a function of shapes and dtype
     only (graph-capture safe)."""
-    small = tokens * top_k <= _SMALL_BATCH_BLOCK_M * num_experts
-    block_m = _SMALL_BATCH_BLOCK_M if small else _LARGE_BATCH_BLOCK_M
-    block_k = _BLOCK_K_FP32 if dtype == torch.float32 else _BLOCK_K_16BIT
-    return MoeTiles(block_m, _BLOCK_N, block_k, _NUM_WARPS, _NUM_STAGES)
+    if dtype == torch.float32:
+        small = tokens * top_k <= _SMALL_BATCH_BLOCK_M * num_experts
+        return _TILES_FP32_SMALL if small else _TILES_FP32_LARGE
+    slots = tokens * top_k
+    return next(tiles for below, tiles in _TILES_16BIT if below is None or slots < below * num_experts)
 
 
 def check_tiles(tiles: MoeTiles) -> None:
@@ -361,6 +367,6 @@ def fused_experts(
         **launch,
     )
     _combine_kernel[(tokens, triton.cdiv(hidden, _BLOCK_H))](
-        per_slot, out, top_k, hidden, out.stride(0), BLOCK_H=_BLOCK_H, num_warps=_NUM_WARPS
+        per_slot, out, top_k, hidden, out.stride(0), BLOCK_H=_BLOCK_H, num_warps=_COMBINE_WARPS
     )
     return out
