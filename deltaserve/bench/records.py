@@ -70,15 +70,15 @@ REFERENCES: dict[str, CellReference] = {
     "4b-shape:first-start": CellReference(previous=(Figure("HTTP ready", 18.3, "s"),)),
     "4b-shape:restart": CellReference(previous=(Figure("HTTP ready", 17.1, "s"),)),
     "4b-shape:mixed": CellReference(
-        previous=(Figure("decoder ITL p99", 10.6, "ms"), Figure("decoder ITL max", 42.2, "ms")),
-        note="the 2026-12-02 record (mixed-4b-even)",
+        previous=(Figure("decoder ITL p99", 6.64, "ms"), Figure("decoder ITL max", 38.9, "ms")),
+        note="the 2026-12-02 record (mixed-4b-chunks)",
     ),
     "4b-shape:multi-turn-c32": CellReference(
         note="published elsewhere: SGLang, 4B on one H200, 128 multi-turn clients, prefix hit rate 0.83"
     ),
     "9b-shape:1024-128-c512": CellReference(
-        previous=(Figure("total", 30.9e3, "tok/s", text="30.9k tok/s"),),
-        note="the 2026-12-02 record (saturated-9b-ahead); 30.8k on 2026-12-01 with --max-num-seqs 512 --max-num-batched-tokens 8192; vLLM 0.17.1 on an H100: 29.8k "
+        previous=(Figure("total", 31.1e3, "tok/s", text="31.1k tok/s"), Figure("ITL p99", 71.2, "ms")),
+        note="the 2026-12-02 record (saturated-9b-logits-rows); 30.8k on 2026-12-01 with --max-num-seqs 512 --max-num-batched-tokens 8192; vLLM 0.17.1 on an H100: 29.8k "
         "default, 34.5k tuned",
     ),
     "35b-a3b-shape:1024-128-c512": CellReference(
