@@ -140,7 +140,7 @@ def _warm_up(
         device=device,
         num_kv_layers=model.num_kv_layers,
     )
-    report = warm_up(model, scratch, cfg.largest_step_tokens, cfg.max_num_seqs)
+    report = warm_up(model, scratch, cfg.largest_step_tokens, cfg.max_num_seqs, sample=model.tp.rank == 0)
     del scratch
     torch.cuda.empty_cache()
     logger.info(

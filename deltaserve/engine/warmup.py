@@ -1,7 +1,10 @@
-"""Start-up warm-up (GPU only): forwards at the shapes serving will use, before the KV pool is sized.
+"""Start-up warm-up (GPU only): forwards at the shapes serving will use, and every stage of the
+sampler, before the KV pool is sized.
 
 Every Triton kernel compiles and autotunes here, never on a user request, and the activation peak is
-measured for the memory plan. The forwards write only the reserved page and slot.
+measured for the memory plan. The forwards write only the reserved page and slot. Kernels that need no
+compiling still load on their first launch in the process (CUDA's lazy loading), and a load waits for
+all work queued on the device: under load, a stall for every running request. Hence the sampler too.
 """
 
 from __future__ import annotations
@@ -14,8 +17,27 @@ import torch
 from deltaserve.cache.device import DeviceCaches
 from deltaserve.cache.kv_pages import DUMMY_PAGE
 from deltaserve.cache.state_slots import DUMMY_SLOT
+from deltaserve.engine.sampler import Sampler, SamplingRow
+from deltaserve.engine.step import sample_and_stage
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
 from deltaserve.ops.batch import BatchRow, build_forward_batch
+from deltaserve.sampling_params import SamplingParams
+
+# Between them these take every stage of the sampler (engine/sampler.py): greedy argmax; temperature
+# with top-k, top-p, min-p and logprobs; top-p over the whole vocabulary (a full sort); bias, penalties.
+SAMPLER_STAGES = (
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, logprobs=5),
+    SamplingParams(temperature=1.0, top_p=0.95),
+    SamplingParams(
+        temperature=0.6,
+        repetition_penalty=1.1,
+        frequency_penalty=0.5,
+        presence_penalty=0.5,
+        logit_bias={1: 2.0},
+        logprobs=0,
+    ),
+)
 
 
 def dummy_rows(num_seqs: int, tokens_each: int, page_size: int, *, context: int = 0) -> list[BatchRow]:
@@ -32,10 +54,17 @@ class WarmupReport:
 
 @torch.inference_mode()
 def warm_up(
-    model: Qwen35ForCausalLM, cache: DeviceCaches, max_batched_tokens: int, max_num_seqs: int
+    model: Qwen35ForCausalLM,
+    cache: DeviceCaches,
+    max_batched_tokens: int,
+    max_num_seqs: int,
+    *,
+    sample: bool = True,
 ) -> WarmupReport:
     """Runs prefill and decode forwards at the shapes serving will use, on the reserved page and slot,
-    and measures the activation peak above the resident weights and caches."""
+    then (`sample`: the rank that samples) the sampler, and measures the activation peak above the
+    resident weights and caches: a full batch's sampling temporaries (a top-p sort over the vocabulary)
+    included."""
     device = model.device
     torch.cuda.synchronize(device)
     started = time.monotonic()
@@ -49,6 +78,25 @@ def warm_up(
     for seqs in sorted({1, min(8, max_num_seqs), max_num_seqs}):
         batch = build_forward_batch(dummy_rows(seqs, 1, page, context=page + 1), page, device)
         model.compute_logits(model(batch, cache.kv, cache.states))
+    if sample:
+        warm_sampler(Sampler(), model.logits_vocab_size, device, max_num_seqs)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - base
     return WarmupReport(peak_activation_bytes=peak, seconds=time.monotonic() - started)
+
+
+@torch.inference_mode()
+def warm_sampler(sampler: Sampler, vocab: int, device: torch.device, max_rows: int) -> None:
+    """Every SAMPLER_STAGES entry alone and all of them in one step (greedy rows beside sampled ones),
+    at 1, 8 and `max_rows` rows, through to the staged host copy a step reads."""
+    for rows in sorted({1, min(8, max_rows), max_rows}):
+        logits = torch.randn(rows, vocab, device=device)
+        batches = [[params] * rows for params in SAMPLER_STAGES]
+        batches.append([SAMPLER_STAGES[i % len(SAMPLER_STAGES)] for i in range(rows)])
+        for batch in batches:
+            sampling = [
+                SamplingRow(params, seed=i, step=1, prompt_token_ids=[1, 2], output_token_ids=[3])
+                for i, params in enumerate(batch)
+            ]
+            sampling[0].suppressed_token_ids = (4,)
+            sample_and_stage(sampler, logits, sampling)[1].read(sampling)
