@@ -18,6 +18,8 @@ future second stream as well.
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Sequence
 
 import torch
@@ -33,6 +35,11 @@ from deltaserve.model.qwen35 import Qwen35ForCausalLM
 from deltaserve.ops.batch import BatchRow, to_device
 
 SCORE_BLOCK = 256  # prompt positions whose full-vocabulary logits exist at once
+# DELTASERVE_SYNC_DEBUG=1: every launch runs under torch.cuda.set_sync_debug_mode("warn"), and the
+# warnings go to the log (once per source line): where a launch waits for the device, which costs a
+# step launched ahead its head start. Intended waits warn too (prompt logprobs, speculative steps).
+# Waits below PyTorch (a kernel's first load, page-locked allocation) do not show.
+SYNC_DEBUG = os.environ.get("DELTASERVE_SYNC_DEBUG", "") not in ("", "0", "false")
 
 
 class Backend:
@@ -52,6 +59,9 @@ class Backend:
         self.speculative = (
             SpeculativeStep(model, caches, self.sampler, spec_graphs) if model.mtp is not None else None
         )
+        self._sync_debug = SYNC_DEBUG and self.device.type == "cuda"
+        if self._sync_debug:
+            logging.captureWarnings(True)
 
     def capture_ahead(self) -> bool:
         """Idle time: one graph capture ahead of need (engine/prefill_graphs.py); False: none left."""
@@ -63,11 +73,20 @@ class Backend:
         the forward alone, for tests and tools that drive the model row by row."""
         return self.worker.run(rows)[0]
 
-    @torch.inference_mode()
     def launch(self, plan: StepPlan) -> PendingStep:
         """Runs the plan's forward and the sampler and starts copying the results to the host; returns
         without waiting for the device. A speculative step (plan.num_drafts > 0) is read during its
         launch: its rows' lengths depend on what the target accepts."""
+        if not self._sync_debug:
+            return self._launch(plan)
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            return self._launch(plan)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    @torch.inference_mode()
+    def _launch(self, plan: StepPlan) -> PendingStep:
         if plan.num_drafts:
             if self.speculative is None:
                 raise ValueError("a speculative step needs a model with an MTP head")
