@@ -157,10 +157,10 @@ def test_grouping_lists_every_slot_once_in_single_expert_blocks(top_k: int, bloc
 
 
 def test_tiles_follow_shapes_only() -> None:
-    # 16-bit, by the rows an expert averages (T*k / E) at 256 experts, 8 per token: under 16, 16 to 127, 128+
+    # 16-bit, by the rows an expert averages (T*k / E) at 256 experts, 8 per token: up to 16, to 127, 128+
     assert tri.default_tiles(1, 8, 256, torch.bfloat16) == (16, 64, 64, 4, 3)  # decode
-    assert tri.default_tiles(511, 8, 256, torch.bfloat16) == (16, 64, 64, 4, 3)  # 4088 slots: 15.97 each
-    assert tri.default_tiles(512, 8, 256, torch.bfloat16) == (64, 64, 64, 4, 3)  # 16 each
+    assert tri.default_tiles(512, 8, 256, torch.bfloat16) == (16, 64, 64, 4, 3)  # 4096 slots: 16 each
+    assert tri.default_tiles(513, 8, 256, torch.bfloat16) == (64, 64, 64, 4, 3)  # 16.03 each
     assert tri.default_tiles(4095, 8, 256, torch.bfloat16) == (64, 64, 64, 4, 3)
     assert tri.default_tiles(4096, 8, 256, torch.bfloat16) == (128, 128, 64, 8, 3)  # 128 each
     # fp32 (tests): 16-row blocks up to 16 rows per expert, then 64; half the 16-bit reduction step
@@ -302,7 +302,7 @@ def test_the_block_size_sweep_offers_valid_tiles_and_names_a_bad_argument() -> N
         tri.check_tiles(tiles)
     assert bench.SWEEP[:3] == [
         tri.default_tiles(1, 8, 256, torch.bfloat16),
-        tri.default_tiles(512, 8, 256, torch.bfloat16),
+        tri.default_tiles(513, 8, 256, torch.bfloat16),
         tri.default_tiles(4096, 8, 256, torch.bfloat16),
     ]
     assert bench.parse_shape("256,8,2048,512") == bench.SHAPE_35B_A3B

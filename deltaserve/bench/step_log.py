@@ -37,9 +37,8 @@ class StepRecord:
     decode_rows: int
     step_us: int
     phases_us: tuple[tuple[str, int], ...] = ()  # (phase, µs) in order; a phase may repeat
-    allocs: str = (
-        ""  # allocations since the previous line that can synchronise the device (ops/alloc_counters.py)
-    )
+    # Allocations since the previous line that can synchronise the device (ops/alloc_counters.py).
+    allocs: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -60,9 +60,9 @@ class MoeTiles(NamedTuple):
 
 
 # 16-bit inputs, by the rows an expert averages (T*k / E):
-# * under 16 (decode and small batches): BLOCK_M = 16, the smallest tl.dot M, so that the padding of the
+# * at most 16 (decode and small batches): BLOCK_M = 16, the smallest tl.dot M, so that the padding of the
 #   few used experts costs little. These calls stream each used expert's weights and are memory-bound.
-# * 16 to 127: BLOCK_M = 64 reuses every weight tile across 64 rows.
+# * above 16, under 128: BLOCK_M = 64 reuses every weight tile across 64 rows.
 # * 128 and more (large prefill steps): 128 x 128 tiles over 8 warps, 1.17x the 64 x 64 tiles at T = 8192
 #   on the 35B-A3B's experts (279 vs 239 TFLOP/s on an H200, `python3 -m deltaserve.bench.moe_kernel`,
 #   docs/benchmarks/2026-12-02-h200-moe-tiles.md). Below 128 rows the sweep's rankings did not repeat
@@ -70,12 +70,11 @@ class MoeTiles(NamedTuple):
 # gate_up's stage is (BLOCK_M + 2 * BLOCK_N) * BLOCK_K * 2 bytes: 18 to 48 KiB, 3 stages within any
 # recent GPU's shared memory. fp32 inputs (tests) halve BLOCK_K to keep the same bytes per stage, and stop
 # at 64-row tiles.
-_TILES_16BIT = (
-    (16, MoeTiles(16, 64, 64, 4, 3)),
-    (128, MoeTiles(64, 64, 64, 4, 3)),
-    (None, MoeTiles(128, 128, 64, 8, 3)),
-)  # (rows per expert below which, tiles)
 _SMALL_BATCH_BLOCK_M = 16
+_LARGE_TILES_FROM = 128  # rows per expert
+_TILES_SMALL = MoeTiles(16, 64, 64, 4, 3)
+_TILES_MEDIUM = MoeTiles(64, 64, 64, 4, 3)
+_TILES_LARGE = MoeTiles(128, 128, 64, 8, 3)
 _TILES_FP32_SMALL = MoeTiles(16, 64, 32, 4, 3)
 _TILES_FP32_LARGE = MoeTiles(64, 64, 32, 4, 3)
 # The combine kernel: one token row's BLOCK_H columns per program (8 values per thread over 4 warps).
@@ -86,11 +85,13 @@ _COMBINE_WARPS = 4
 def default_tiles(tokens: int, top_k: int, num_experts: int, dtype: torch.dtype) -> MoeTiles:
     """The launch parameters `fused_experts` uses unless given others: a function of shapes and dtype
     only (graph-capture safe)."""
-    if dtype == torch.float32:
-        small = tokens * top_k <= _SMALL_BATCH_BLOCK_M * num_experts
-        return _TILES_FP32_SMALL if small else _TILES_FP32_LARGE
     slots = tokens * top_k
-    return next(tiles for below, tiles in _TILES_16BIT if below is None or slots < below * num_experts)
+    small = slots <= _SMALL_BATCH_BLOCK_M * num_experts
+    if dtype == torch.float32:
+        return _TILES_FP32_SMALL if small else _TILES_FP32_LARGE
+    if small:
+        return _TILES_SMALL
+    return _TILES_MEDIUM if slots < _LARGE_TILES_FROM * num_experts else _TILES_LARGE
 
 
 def check_tiles(tiles: MoeTiles) -> None:
