@@ -24,7 +24,7 @@ from deltaserve.engine.protocol import ClientMessage, Shutdown, StepOutputs
 from deltaserve.engine.rank import build_rank, verify_scratch_slots
 from deltaserve.engine.scheduler import Scheduler, SchedulerConfig, start_scheduler
 from deltaserve.engine.spec_graphs import SpeculativeGraphs
-from deltaserve.engine.structured import GrammarBackend, grammar_vocabulary
+from deltaserve.engine.structured import GrammarBackend, grammar_vocabulary, warm_grammar_masks
 from deltaserve.engine.tp import RankWorkers, TensorParallelError, TensorParallelWorker
 from deltaserve.engine.worker import ModelWorker
 from deltaserve.errors import ConfigError
@@ -261,8 +261,10 @@ class EngineCore:
         self._grammars.result()
 
     def start(self, publish: Callable[[StepOutputs], None]) -> None:
+        grammars = self._grammars.result()
+        warm_grammar_masks(grammars, self.model.logits_vocab_size, self.model.device)
         self.scheduler, self.thread = start_scheduler(
-            self.scheduler_config, self.backend, publish, self._grammars.result(), self.cache
+            self.scheduler_config, self.backend, publish, grammars, self.cache
         )
 
     def wait_for_captures_ahead(self, timeout_s: float) -> bool:

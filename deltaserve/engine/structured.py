@@ -211,3 +211,27 @@ def apply_grammars(logits: torch.Tensor, grammars: Sequence[RequestGrammar | Non
     xgr.apply_token_bitmask_inplace(
         logits, bitmask, vocab_size=min(vocab_size, logits.shape[1]), indices=rows
     )
+
+
+# Masked-row counts that take each specialisation of xgrammar's CUDA mask kernel (Triton specialises an
+# integer argument equal to 1 and one divisible by 16).
+WARM_MASK_ROWS = (1, 2, 16)
+
+
+def warm_grammar_masks(grammars: GrammarBackend, logits_width: int, device: torch.device) -> None:
+    """Applies all-allowing masks on `device` at WARM_MASK_ROWS rows, so that the first structured-output
+    step under load neither compiles xgrammar's mask kernel nor loads it (a kernel's first launch waits
+    for the work queued on the device) while every decoder waits. Nothing to do on CPU, or without a
+    compiler (structured output unavailable)."""
+    if device.type != "cuda" or grammars.vocab_size == 0:
+        return
+    import torch
+    import xgrammar as xgr
+
+    width = min(grammars.vocab_size, logits_width)
+    for rows in WARM_MASK_ROWS:
+        logits = torch.zeros(rows, logits_width, device=device)
+        bitmask = xgr.allocate_token_bitmask(rows, grammars.vocab_size).to(device)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=width, indices=list(range(rows)))
+        if not bool(torch.isfinite(logits).all()):
+            raise RuntimeError("xgrammar's mask kernel masked tokens an all-allowing bitmask allows")
