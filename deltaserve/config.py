@@ -461,7 +461,10 @@ class SpeculativeConfig:
 
     adaptive: the guard may lower the draft length (to 0) when the batch is large or the measured
     acceptance is low; False pins it at num_speculative_tokens. max_batch: the most decode rows a step
-    speculates for (the verify scratch states are sized for it); larger batches decode plainly."""
+    speculates for (the verify scratch states are sized for it); larger batches decode plainly.
+    draft_vocab_size: the MTP head proposes only among the first N token ids (a BPE vocabulary lists
+    its most frequent merges first), reading N rows of the LM head per draft instead of all of them;
+    verification still takes the full vocabulary, so outputs are unchanged, only acceptance may drop."""
 
     method: str = "mtp"
     num_speculative_tokens: int = 1
@@ -469,6 +472,7 @@ class SpeculativeConfig:
     max_batch: int = 32
     benchmark_draft: str | None = None
     benchmark_draft_file: str | None = None
+    draft_vocab_size: int | None = None
 
     @classmethod
     def from_json(cls, text: str | dict[str, Any]) -> SpeculativeConfig:
@@ -483,7 +487,7 @@ class SpeculativeConfig:
         if not isinstance(data, dict):
             raise ConfigError(f"{where} must be a JSON object, got {text!r}")
         known = {"method", "num_speculative_tokens", "adaptive", "max_batch"}
-        known |= {"benchmark_draft", "benchmark_draft_file", "model"}
+        known |= {"benchmark_draft", "benchmark_draft_file", "model", "draft_vocab_size"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ConfigError(f"{where}: unknown keys {unknown}; known: {sorted(known)}")
@@ -518,7 +522,10 @@ class SpeculativeConfig:
                 f"{[d for d in BENCHMARK_DRAFTS if d not in FORCED_BENCHMARK_DRAFTS]} and only with them, "
                 f"got {draft!r} and {draft_file!r}"
             )
-        return cls(method, k, adaptive, max_batch, draft, draft_file)
+        vocab = data.get("draft_vocab_size")
+        if vocab is not None and (isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1):
+            raise ConfigError(f"{where}: 'draft_vocab_size' must be absent or an integer >= 1, got {vocab!r}")
+        return cls(method, k, adaptive, max_batch, draft, draft_file, vocab)
 
 
 # A 2,048-token 4B forward takes 34 ms on an H200's GPU against 50 ms of eager kernel launching; at twice

@@ -24,6 +24,8 @@ def test_speculative_config_reads_vllms_json():
     assert (spec.method, spec.num_speculative_tokens, spec.adaptive, spec.max_batch) == ("mtp", 3, True, 32)
     pinned = SpeculativeConfig.from_json({"num_speculative_tokens": 2, "adaptive": False, "max_batch": 4})
     assert (pinned.num_speculative_tokens, pinned.adaptive, pinned.max_batch) == (2, False, 4)
+    assert pinned.draft_vocab_size is None
+    assert SpeculativeConfig.from_json('{"draft_vocab_size": 32768}').draft_vocab_size == 32768
     assert (
         EngineConfig(speculative_config='{"num_speculative_tokens": 1}').speculative_config
         == SpeculativeConfig()
@@ -41,6 +43,8 @@ def test_speculative_config_reads_vllms_json():
         ('{"num_speculative_tokens": true}', "in 1..4, got True"),
         ('{"adaptive": "yes"}', "'adaptive' must be true or false, got 'yes'"),
         ('{"max_batch": 0}', "'max_batch' must be an integer >= 1, got 0"),
+        ('{"draft_vocab_size": 0}', "'draft_vocab_size' must be absent or an integer >= 1, got 0"),
+        ('{"draft_vocab_size": "32k"}', "'draft_vocab_size' must be absent or an integer >= 1, got '32k'"),
         ('{"model": "Qwen/Qwen3.5-0.8B"}', "'model' must be absent or null"),
         ('{"draft_tensor_parallel_size": 1}', "unknown keys ['draft_tensor_parallel_size']"),
         (

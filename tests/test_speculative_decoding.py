@@ -25,6 +25,8 @@ from deltaserve.config import ModelConfig, SpeculativeConfig
 from deltaserve.engine.backend import Backend
 from deltaserve.engine.sampler import Sampler, SamplingRow
 from deltaserve.engine.step import PlannedRow, StepPlan
+from deltaserve.errors import ConfigError
+from deltaserve.model.qwen35 import Qwen35ForCausalLM
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.tiny import random_text_weights
 
@@ -113,6 +115,38 @@ def test_greedy_with_the_mtp_heads_drafts_equals_plain_decoding(model, k, budget
     fast = serve(model, PROMPTS, greedy(), speculative=spec(k), arrivals_after=arrivals, **kw)
     assert_same_outputs(fast, plain, PROMPTS)
     assert counters(fast).num_drafts > 0  # verify rows ran
+
+
+def test_a_reduced_draft_vocabulary_proposes_only_its_ids_and_keeps_the_tokens(model, monkeypatch):
+    # Drafting over the first 40 ids reads 40 LM-head rows per draft; verification over all of them
+    # keeps every output token, whatever the drafts.
+    plain = serve(model, PROMPTS, greedy())
+    proposed: list[int] = []
+    draft_tokens = type(model).draft_tokens
+
+    def recording(self, hidden):
+        tokens = draft_tokens(self, hidden)
+        proposed.extend(tokens.tolist())
+        return tokens
+
+    monkeypatch.setattr(model, "draft_vocab_size", 40)
+    monkeypatch.setattr(type(model), "draft_tokens", recording)
+    fast = serve(model, PROMPTS, greedy(), speculative=spec(3))
+    assert_same_outputs(fast, plain, PROMPTS)
+    assert proposed and max(proposed) < 40
+    assert max(t for rid in PROMPTS for t in plain.tokens(rid)) >= 40  # the targets reach beyond them
+
+
+def test_a_draft_vocabulary_larger_than_the_tokenizers_is_refused(model):
+    with pytest.raises(ConfigError, match="'draft_vocab_size' must be in 1..64 .*got 65"):
+        Qwen35ForCausalLM(
+            model.config,
+            dtype=torch.float32,
+            device=torch.device("meta"),
+            logits_vocab_size=64,
+            mtp=True,
+            draft_vocab_size=65,
+        )
 
 
 @pytest.mark.parametrize("mode", ["replay", "wrong"])

@@ -66,7 +66,13 @@ def build_rank(
         )
     started = time.monotonic()
     model = Qwen35ForCausalLM(
-        model_config, dtype=dtype, device=device, logits_vocab_size=tokenizer_vocab, tp=tp, mtp=mtp
+        model_config,
+        dtype=dtype,
+        device=device,
+        logits_vocab_size=tokenizer_vocab,
+        tp=tp,
+        mtp=mtp,
+        draft_vocab_size=config.speculative_config.draft_vocab_size if mtp else None,
     )
     if config.load_format == "dummy":
         init_dummy_weights(model, seed=config.seed)

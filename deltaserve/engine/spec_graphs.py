@@ -238,7 +238,7 @@ class SpeculativeGraphs:
                     hidden = model.mtp_forward(
                         self.draft_tokens[:rows], self.draft_hidden[:rows], batch, caches.kv
                     )
-                    return hidden, model.compute_logits(hidden).argmax(dim=-1)
+                    return hidden, model.draft_tokens(hidden)
 
                 self.draft_graphs[rows] = self._capture(draft, stream)
         torch.cuda.current_stream(self.device).wait_stream(stream)
@@ -275,7 +275,7 @@ class SpeculativeGraphs:
         next_ids = torch.where(taken, after, by_row).reshape(-1)
         mtp_hidden = model.mtp_forward(next_ids, hidden, batch, caches.kv).view(rows, t, -1)
         last = mtp_hidden[torch.arange(rows, device=self.device), accepted]  # [rows, H]
-        token = model.compute_logits(last).argmax(dim=-1)
+        token = model.draft_tokens(last)
         proposals = [token]
         committed = self.context_lens[:rows].long() + accepted + 1
         tables = self.block_tables[:rows].long()
@@ -297,7 +297,7 @@ class SpeculativeGraphs:
                 context_lens_host=(1,) * rows,
             )
             last = model.mtp_forward(token, last, step, caches.kv)
-            token = model.compute_logits(last).argmax(dim=-1)
+            token = model.draft_tokens(last)
             proposals.append(token)
         return torch.cat([by_row, accepted[:, None], torch.stack(proposals, dim=1)], dim=1)
 

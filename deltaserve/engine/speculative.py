@@ -215,7 +215,7 @@ class SpeculativeStep:
         proposal and the MTP's own hidden state."""
         model = self.model
         hidden = first_hidden
-        token = model.compute_logits(hidden).argmax(dim=-1)
+        token = model.draft_tokens(hidden)
         out = [token]
         for j in range(1, num_drafts):
             # Draft j (0-based) is predicted at MTP position committed + j - 1: its input is draft
@@ -231,7 +231,7 @@ class SpeculativeStep:
             ]
             batch = build_forward_batch(step_rows, self.caches.page_size, self.device)
             hidden = model.mtp_forward(token, hidden, batch, self.caches.kv)
-            token = model.compute_logits(hidden).argmax(dim=-1)
+            token = model.draft_tokens(hidden)
             out.append(token)
         return torch.stack(out, dim=1).tolist()
 

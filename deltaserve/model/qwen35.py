@@ -35,10 +35,12 @@ class Qwen35ForCausalLM(nn.Module):
         logits_vocab_size: int | None = None,
         tp: TensorParallel = SINGLE,
         mtp: bool = False,
+        draft_vocab_size: int | None = None,
     ) -> None:
         """`cfg` is the checkpoint's config; under tensor parallelism (`tp`) the layers hold this rank's
         shard (deltaserve.model.layers.parallel) and the caches follow `self.local_config`. `mtp` builds
-        the checkpoint's MTP head (speculative decoding; one rank only)."""
+        the checkpoint's MTP head (speculative decoding; one rank only); its proposals come from the
+        first `draft_vocab_size` ids (all the logits' ids by default: `draft_tokens`)."""
         super().__init__()
         if logits_vocab_size is not None and not 0 < logits_vocab_size <= cfg.vocab_size:
             raise ValueError(
@@ -60,6 +62,12 @@ class Qwen35ForCausalLM(nn.Module):
         self.dtype = dtype
         self.device = device
         self.logits_vocab_size = logits_vocab_size or cfg.vocab_size
+        if draft_vocab_size is not None and not 0 < draft_vocab_size <= self.logits_vocab_size:
+            raise ConfigError(
+                f"--speculative-config: 'draft_vocab_size' must be in 1..{self.logits_vocab_size} (the "
+                f"tokenizer's ids), got {draft_vocab_size}"
+            )
+        self.draft_vocab_size = draft_vocab_size
         self.embed_tokens = new_param((cfg.vocab_size, cfg.hidden_size), dtype, device)
         self.layers = nn.ModuleList(
             DecoderLayer(self.local_config, t, dtype, device, tp) for t in cfg.layer_types
@@ -151,3 +159,11 @@ class Qwen35ForCausalLM(nn.Module):
         n = self.logits_vocab_size
         width = min(self.config.vocab_size, -(-n // 64) * 64)
         return linear(hidden, self.lm_head[:width])[:rows, :n].float()
+
+    def draft_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The MTP head's greedy proposals from its final-normed hidden [R, hidden]: [R] int64 ids, the
+        argmax over the first `draft_vocab_size` ids (its LM-head rows alone are read), or over every
+        id of the logits."""
+        if self.draft_vocab_size is None:
+            return self.compute_logits(hidden).argmax(dim=-1)
+        return linear(hidden, self.lm_head[: self.draft_vocab_size]).argmax(dim=-1)

@@ -43,6 +43,14 @@ def test_speculation_under_graphs_equals_plain_decoding(tmp_path):
     assert load.spec_num_accepted_tokens == load.spec_num_draft_tokens > 0
 
 
+def test_a_reduced_draft_vocabulary_under_graphs_keeps_the_tokens():
+    # The draft and greedy-chain graphs read 1,024 LM-head rows per draft instead of the vocabulary.
+    plain, _ = generate()
+    reduced, load = generate({"num_speculative_tokens": 3, "draft_vocab_size": 1024})
+    assert reduced == plain
+    assert load.spec_num_drafts > 0
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_position_computes_the_same_bits_at_any_offset_of_its_verify_row(tmp_path, dtype):
     """What replaying a recording of the speculative path needs: the first differing op is named
