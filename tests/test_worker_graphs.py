@@ -98,6 +98,7 @@ def test_logits_rows_are_padded_to_the_decode_graph_bucket():
     buckets = [1, 2, 4, 8, 16, 24]
     assert [padded_logits_rows(n, buckets) for n in (1, 3, 4, 5, 9, 17, 24)] == [1, 4, 4, 8, 16, 24, 24]
     assert padded_logits_rows(25, buckets) == 25  # beyond the largest bucket: as it is
+    assert padded_logits_rows(0, buckets) == 0  # no row needs logits: no GEMM over the LM head
 
 
 class HiddenModel:

@@ -22,10 +22,12 @@ from deltaserve.ops.batch import BatchRow, ForwardBatch, kv_slot
 
 def padded_logits_rows(rows: int, buckets: Sequence[int]) -> int:
     """The row count to run the LM head's GEMM at for `rows` rows outside a decode graph: their bucket
-    (beyond the largest, `rows` itself). A GEMM at a row count that takes a cuBLAS kernel not run before
+    (none for none: a step of partial prompt chunks reads no LM head; beyond the largest, `rows` itself). A GEMM at a row count that takes a cuBLAS kernel not run before
     in the process loads that kernel (CUDA's lazy loading), which waits for the work queued on the device:
     ~3 ms on an idle H200, ~130 ms behind a step launched ahead (the 9B's LM head at 129, 140, 160...
     rows), a stall for every decoder. The decode graphs' capture has run every bucket's GEMM."""
+    if rows == 0:
+        return 0
     return next((b for b in buckets if b >= rows), rows)
 
 
