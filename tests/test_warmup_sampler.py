@@ -37,7 +37,9 @@ def test_the_sampler_warm_up_takes_every_stage_at_each_row_count(monkeypatch):
         "argmax",
         lambda self, *a, **k: seen.append(("argmax", self.shape[0])) or argmax(self, *a, **k),
     )
+    rng = torch.get_rng_state()
     warm_sampler(Sampler(), vocab=64, device=torch.device("cpu"), max_rows=12)
+    assert torch.equal(torch.get_rng_state(), rng)  # no random stream moved
     for rows in (1, 8, 12):
         stages = {name for name, n in seen if n == rows}
         assert stages >= {
