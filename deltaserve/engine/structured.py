@@ -207,6 +207,13 @@ def apply_grammars(logits: torch.Tensor, grammars: Sequence[RequestGrammar | Non
         grammar = grammars[i]
         assert grammar is not None
         grammar.matcher.fill_next_token_bitmask(bitmask, i)
+    _apply_bitmask(logits, bitmask, vocab_size, rows)
+
+
+def _apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, vocab_size: int, rows: list[int]) -> None:
+    """Masks `rows` of `logits` in place by the host `bitmask` (xgrammar's layout, `vocab_size` ids)."""
+    import xgrammar as xgr
+
     bitmask = bitmask.to(logits.device, non_blocking=True)
     xgr.apply_token_bitmask_inplace(
         logits, bitmask, vocab_size=min(vocab_size, logits.shape[1]), indices=rows
@@ -228,10 +235,9 @@ def warm_grammar_masks(grammars: GrammarBackend, logits_width: int, device: torc
     import torch
     import xgrammar as xgr
 
-    width = min(grammars.vocab_size, logits_width)
     for rows in WARM_MASK_ROWS:
         logits = torch.zeros(rows, logits_width, device=device)
-        bitmask = xgr.allocate_token_bitmask(rows, grammars.vocab_size).to(device)
-        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=width, indices=list(range(rows)))
+        bitmask = xgr.allocate_token_bitmask(rows, grammars.vocab_size)  # all allowed
+        _apply_bitmask(logits, bitmask, grammars.vocab_size, list(range(rows)))
         if not bool(torch.isfinite(logits).all()):
             raise RuntimeError("xgrammar's mask kernel masked tokens an all-allowing bitmask allows")
