@@ -57,7 +57,9 @@ class Backend:
         self.worker = worker or ModelWorker(model, caches)  # eager unless given a worker with graphs
         self.device = model.device
         self.speculative = (
-            SpeculativeStep(model, caches, self.sampler, spec_graphs) if model.mtp is not None else None
+            SpeculativeStep(model, caches, self.sampler, spec_graphs, self.worker.prefill_graphs)
+            if model.mtp is not None
+            else None
         )
         self._sync_debug = SYNC_DEBUG and self.device.type == "cuda"
         if self._sync_debug:

@@ -180,6 +180,7 @@ class EngineCore:
                 config.prefill_graph_tokens,
                 max_model_len,
                 pool=graphs.pool,
+                every_token=spec is not None,
             )
             seconds = prefill_graphs.warm()
             logger.info(

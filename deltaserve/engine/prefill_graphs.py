@@ -337,10 +337,23 @@ def graph_batch(
     )
 
 
+@dataclass(frozen=True, slots=True)
+class CapturedPrefill:
+    """One bucket's graph and its static outputs: the final-normed hidden states of the rows that need
+    logits (max_rows + 1 rows, padding past the live ones) and, when the runner keeps them, of every
+    token (the bucket's token count; the MTP head reads them)."""
+
+    graph: torch.cuda.CUDAGraph
+    logits_hidden: torch.Tensor
+    every_token_hidden: torch.Tensor | None
+
+
 class PrefillGraphRunner:
     """Replays captured forwards of steps with prompt chunks. `can_run(rows)`: no verify rows, no
     scored prompt tokens, at most `max_tokens` tokens in at most `max_rows` rows. `run(rows)` returns
-    float32 logits of the rows that need them, in row order, as an eager forward does."""
+    float32 logits of the rows that need them, in row order, as an eager forward does. With
+    `every_token` (speculative decoding: the MTP head reads every token's hidden state) the graphs
+    also keep every token's final-normed hidden state, which `run_every_token` returns."""
 
     def __init__(
         self,
@@ -350,8 +363,10 @@ class PrefillGraphRunner:
         max_tokens: int,
         max_model_len: int,
         pool: object | None = None,
+        every_token: bool = False,
     ) -> None:
         self.model = model
+        self.every_token = every_token
         self.cache = cache
         self.device = model.device
         self.token_buckets = token_buckets(max_tokens)
@@ -365,7 +380,7 @@ class PrefillGraphRunner:
         self._copied = torch.cuda.Event()  # the host twins may be rewritten once this has passed
         self._stream: torch.cuda.Stream | None = None
         self.pool = pool
-        self.graphs: dict[Bucket, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[Bucket, CapturedPrefill] = {}
         self.failed: set[Bucket] = set()  # buckets whose capture failed: they run eager
         self._ahead = ahead_of_need(self.token_buckets, self.chunk_buckets)
         self._ahead_seconds = 0.0
@@ -390,15 +405,34 @@ class PrefillGraphRunner:
     def run(self, rows: Sequence[BatchRow], fed: torch.Tensor | None = None) -> torch.Tensor | None:
         """`fed`: input tokens of the first fed.shape[0] rows (decode rows, one token each), on the
         device. Returns None when the bucket's graph could not be captured (the caller runs eager)."""
+        replayed = self._replay(rows, fed)
+        return None if replayed is None else self._logits(replayed[0].logits_hidden, replayed[1])
+
+    @torch.inference_mode()
+    def run_every_token(self, rows: Sequence[BatchRow]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`run`'s logits and the final-normed hidden state of every live token ([tokens, hidden], in
+        row order, as `model(batch, ..., every_token=True)` returns them); needs `every_token`. None
+        when the bucket's graph could not be captured."""
+        assert self.every_token, "run_every_token() needs a runner built with every_token=True"
+        replayed = self._replay(rows, None)
+        if replayed is None:
+            return None
+        captured, need = replayed
+        assert captured.every_token_hidden is not None
+        live_tokens = sum(len(r.token_ids) for r in rows)
+        return self._logits(captured.logits_hidden, need), captured.every_token_hidden[:live_tokens]
+
+    def _replay(
+        self, rows: Sequence[BatchRow], fed: torch.Tensor | None
+    ) -> tuple[CapturedPrefill, int] | None:
         key = self.bucket(rows)
         assert key is not None, "run() takes rows that can_run() accepts"
         captured = self.graphs.get(key) or self._capture(key)
         if captured is None:
             return None
-        graph, hidden = captured
         need = self._stage(rows, fed, key)
-        graph.replay()
-        return self._logits(hidden, need)
+        captured.graph.replay()
+        return captured, need
 
     @torch.inference_mode()
     def run_eager(self, rows: Sequence[BatchRow], fed: torch.Tensor | None = None) -> torch.Tensor:
@@ -407,8 +441,15 @@ class PrefillGraphRunner:
         assert key is not None, "run_eager() takes rows that fit a bucket"
         need = self._stage(rows, fed, key)
         batch = graph_batch(self.layout.views(self._longs, self._ints, key))
-        hidden = self.model(batch, self.cache.kv, self.cache.states)
-        return self._logits(hidden, need)
+        return self._logits(self._forward(batch)[0], need)
+
+    def _forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The logits rows' hidden states and, with `every_token`, every token's (the rows' are then
+        gathered from them: a row's norm is its own, so the bits are those of the rows-only forward)."""
+        if not self.every_token:
+            return self.model(batch, self.cache.kv, self.cache.states), None
+        hidden = self.model(batch, self.cache.kv, self.cache.states, every_token=True)
+        return hidden[batch.logits_indices], hidden
 
     def _logits(self, hidden: torch.Tensor, need: int) -> torch.Tensor:
         """The first `need` rows' logits, the GEMM run over their padded row count (hidden has max_rows
@@ -461,7 +502,7 @@ class PrefillGraphRunner:
         self._ahead_seconds += time.monotonic() - started
         return True
 
-    def _capture(self, key: Bucket) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
+    def _capture(self, key: Bucket) -> CapturedPrefill | None:
         """Captures bucket `key` over all-padding inputs: one eager forward first (compiles and
         autotunes every kernel at this shape; it writes only the reserved page and slot)."""
         started = time.monotonic()
@@ -473,10 +514,9 @@ class PrefillGraphRunner:
             host = self.layout.views(self._longs_host.numpy(), self._ints_host.numpy(), key)
             fill_prefill_inputs(host, [], self.cache.page_size)
             self._copy_inputs(0)
-            kv, states = self.cache.kv, self.cache.states
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
-                self.model(graph_batch(self.layout.views(self._longs, self._ints, key)), kv, states)
+                self._forward(graph_batch(self.layout.views(self._longs, self._ints, key)))
                 # A second batch over the same buffers, of new tensor objects: fla memoises what it
                 # derives from cu_seqlens by object identity, so the capture must miss that cache and
                 # record the derivation (with the warm-up's objects it would bake in the warm-up's result).
@@ -485,7 +525,7 @@ class PrefillGraphRunner:
                 with torch.cuda.graph(
                     graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"
                 ):
-                    hidden = self.model(batch, kv, states)
+                    logits_hidden, every_token_hidden = self._forward(batch)
         except Exception:  # out of memory, or a kernel that cannot be captured: serve this bucket eager
             torch.cuda.current_stream(self.device).wait_stream(stream)
             self.failed.add(key)
@@ -498,10 +538,11 @@ class PrefillGraphRunner:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         if self.pool is None:
             self.pool = graph.pool()
-        self.graphs[key] = (graph, hidden)
+        captured = CapturedPrefill(graph, logits_hidden, every_token_hidden)
+        self.graphs[key] = captured
         logger.info(
             "captured the prefill graph for %d tokens x %d chunks in %.0f ms",
             *key,
             (time.monotonic() - started) * 1e3,
         )
-        return graph, hidden
+        return captured

@@ -27,6 +27,7 @@ import torch
 from deltaserve.cache.copies import CacheCopy, StateCommit
 from deltaserve.cache.device import DeviceCaches
 from deltaserve.cache.state_slots import DUMMY_SLOT
+from deltaserve.engine.prefill_graphs import PrefillGraphRunner
 from deltaserve.engine.protocol import TokenLogprobs
 from deltaserve.engine.sampler import Sampler, SamplingRow, is_plain_argmax
 from deltaserve.engine.spec_graphs import SpeculativeGraphs
@@ -61,13 +62,19 @@ class SpeculativeStep:
         caches: DeviceCaches,
         sampler: Sampler,
         graphs: SpeculativeGraphs | None = None,
+        prefill_graphs: PrefillGraphRunner | None = None,
     ) -> None:
         if model.mtp is None:
             raise ValueError("a speculative step needs the model's MTP head")
+        if prefill_graphs is not None and not prefill_graphs.every_token:
+            raise ValueError("speculative steps need prefill graphs that keep every token's hidden state")
         self.model = model
         self.caches = caches
         self.sampler = sampler
         self.graphs = graphs  # CUDA graphs for steps of uniform verify rows only
+        # Steps without verify rows (prompt chunks, decoders without proposals) replay the target
+        # forward from these; the MTP pass and the drafts then run eager (one layer each).
+        self.prefill_graphs = prefill_graphs
         self.device = model.device
 
     @torch.inference_mode()
@@ -89,13 +96,17 @@ class SpeculativeStep:
         if graphs is not None:
             hidden, logits = graphs.verify(rows)
         else:
+            replayed = self._in_prefill_graph(rows)
             batch = build_forward_batch(rows, caches.page_size, self.device)
-            hidden = self.model(batch, caches.kv, caches.states, every_token=True)
-            num_logits = sum(logits_rows(r) for r in rows)
-            indices = batch.logits_indices
-            logits = self.model.compute_logits(hidden[indices[:num_logits]])
-            if any(r.scored for r in rows):
-                prompt = score_prompts(planned, hidden[indices[num_logits:]])
+            if replayed is not None:
+                logits, hidden = replayed
+            else:
+                hidden = self.model(batch, caches.kv, caches.states, every_token=True)
+                num_logits = sum(logits_rows(r) for r in rows)
+                indices = batch.logits_indices
+                logits = self.model.compute_logits(hidden[indices[:num_logits]])
+                if any(r.scored for r in rows):
+                    prompt = score_prompts(planned, hidden[indices[num_logits:]])
         caches.copy(plan.copies_after)
         flat = [s for r in planned for s in r.sampling_rows]
         targets, logprobs = self._sample(logits, flat)
@@ -170,6 +181,14 @@ class SpeculativeStep:
             prompt or [],
             SpeculationResult(emitted, emitted_logprobs, drafts, num_drafted),
         )
+
+    def _in_prefill_graph(self, rows: list[BatchRow]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(logits, every token's hidden state) of a step without verify rows replayed from a prefill
+        graph, or None to run it eager (no graphs, a verify or scored row, no bucket, a failed capture)."""
+        prefill = self.prefill_graphs
+        if prefill is None or not prefill.can_run(rows):
+            return None
+        return prefill.run_every_token(rows)
 
     def _greedy_graph_step(
         self, planned: list[PlannedRow], rows: list[BatchRow], graphs: SpeculativeGraphs, force_accept: bool

@@ -17,7 +17,7 @@ from deltaserve.engine.prefill_graphs import PrefillGraphRunner, ahead_of_need
 from deltaserve.engine.worker import ModelWorker
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
 from deltaserve.model.weights import load_weights
-from deltaserve.ops.batch import BatchRow
+from deltaserve.ops.batch import BatchRow, build_forward_batch
 from deltaserve.tiny import default_model_dir
 
 DEVICE = torch.device("cuda")
@@ -132,6 +132,36 @@ def test_a_unified_step_replays_whole_in_a_prefill_graph_beside_the_decode_graph
         BatchRow(list(range(800, 870)), 0, [32, 33, 34, 35, 36], 6),
     ]
     compare(setup, rows, fed, both=True)
+
+
+def test_every_token_graphs_return_the_eager_forwards_hidden_states_and_the_same_logits(setup):
+    """Speculative decoding's prefill graphs keep every token's hidden state (the MTP head reads it):
+    the replay equals the eager forward's `every_token` output, and its logits those of the rows-only
+    graphs over the same rows."""
+    eager, _, prefill, pools, _ = setup
+    model, caches = prefill.model, prefill.cache
+    every = PrefillGraphRunner(model, caches, 8, 256, 512, pool=prefill.pool, every_token=True)
+    rows = [
+        BatchRow([3], 43, [1, 2, 3], 1),  # decode row (slot 1 holds 43 tokens after the tests above)
+        BatchRow(list(range(900, 970)), 0, [45, 46, 47, 11, 12], 3),  # 70 tokens: two fla chunks
+        BatchRow(list(range(30, 40)), 0, [13], 4, need_logits=False),
+    ]
+    before = [t.clone() for t in pools]
+    logits, hidden = every.run_every_token(rows)
+    for dst, src in zip(pools, before, strict=True):
+        dst.copy_(src)
+    rows_only = prefill.run(rows)
+    for dst, src in zip(pools, before, strict=True):
+        dst.copy_(src)
+    with torch.inference_mode():
+        batch = build_forward_batch(rows, PAGE, DEVICE)
+        want = model(batch, caches.kv, caches.states, every_token=True)
+    assert hidden.shape == want.shape == (81, model.config.hidden_size)
+    # The graph runs the decode row as a one-token sequence, the eager forward through its decode
+    # attention programs: equal to fp32 accumulation order.
+    torch.testing.assert_close(hidden, want, atol=1e-4, rtol=1e-4)
+    assert logits.shape == rows_only.shape == (2, rows_only.shape[1])
+    torch.testing.assert_close(logits, rows_only, atol=1e-5, rtol=1e-5)
 
 
 def test_a_bucket_whose_capture_fails_runs_eager(setup, monkeypatch):
