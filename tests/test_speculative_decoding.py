@@ -181,6 +181,28 @@ def test_forced_acceptance_emits_the_proposals_and_the_targets_token_after_them(
         assert plain.tokens(name) == [outputs[rid][int(i)]], name
 
 
+def test_a_step_with_prompt_chunks_verifies_nothing_but_its_decoders_still_draft(model, monkeypatch):
+    """Verify rows run eager (no prefill graph holds them), so beside a prompt chunk the decoders only
+    draft: the step goes through a prefill graph on the GPU, and they verify again in the next step."""
+    plans: list[StepPlan] = []
+    launch = Backend.launch
+
+    def spy(self, plan):
+        plans.append(plan)
+        return launch(self, plan)
+
+    monkeypatch.setattr(Backend, "launch", spy)
+    fast = serve(model, PROMPTS, greedy(12), speculative=spec(3), arrivals_after=1)
+    monkeypatch.undo()
+    assert_same_outputs(fast, serve(model, PROMPTS, greedy(12), arrivals_after=1), PROMPTS)
+    beside = [p for p in plans if p.prefill and p.decode]
+    assert beside, "the later prompts arrived while the first one decoded"
+    for plan in beside:
+        assert plan.num_drafts == 3 and not any(r.is_verify for r in plan.decode)
+        assert all(r.drafts for r in plan.decode)
+    assert any(r.is_verify for p in plans for r in p.decode)
+
+
 @pytest.mark.parametrize("phase", [1, 2, 3])
 def test_a_rejection_at_every_draft_position_keeps_the_tokens(model, tmp_path, phase):
     plain, path = record(model, tmp_path, PROMPTS, greedy(14))

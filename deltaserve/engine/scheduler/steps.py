@@ -205,6 +205,10 @@ def _plan_work(
     )
     if spec is not None:
         spec.free_pages = sched.cache.kv.num_free - decode_pages - _chunk_pages(sched, chunks)
+        if chunks:
+            # Beside prompt chunks the decoders draft but verify nothing: a step with verify rows runs
+            # eager (no prefill graph holds them), which costs a chunk step more than its drafts save.
+            spec.verify.clear()
     return decode, chunks, spec
 
 
