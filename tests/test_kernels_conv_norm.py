@@ -222,6 +222,52 @@ def test_conv_rows_path_is_bit_identical_to_the_tile_kernel_on_random_batches(dt
             assert_matches(got[:live], want)
 
 
+@pytest.mark.parametrize(
+    ("case", "impl"),
+    [("decode", "rows"), ("mixed", "rows"), ("mixed", "tiles"), ("verify", "rows"), ("verify+chunk", "rows")],
+)
+def test_conv_split_output_is_the_plain_outputs_column_ranges_as_contiguous_tensors(case, impl):
+    # q, k and v leave the kernel as three contiguous tensors (fla would copy strided views), with the
+    # bits of the plain output's column ranges, on every kernel path (decode, stream + heads, tiles,
+    # verify rows with and without a chunk beside them); the state pool as the plain call leaves it.
+    rows = {
+        "decode": [(1, 5, 3), (1, 9, 1), (1, 2, 4)],
+        "mixed": [(1, 5, 3), (19, 0, 4), (13, 7, 2), (2, 0, 5)],
+        "verify": [(1, 5, 3), (4, 7, 2, (20, 21, 22)), (2, 3, 5, (23,))],
+        "verify+chunk": [(1, 5, 3), (4, 7, 2, (20, 21, 22)), (11, 0, 6)],
+    }[case]
+    batch = make_batch(rows)
+    gen = torch.Generator().manual_seed(40)
+    channels, b1, b2 = 96, 16, 32
+    x = randn(gen, batch.num_tokens, channels + 8, dtype=torch.bfloat16)[:, 4 : 4 + channels]
+    weight = randn(gen, channels, K, dtype=torch.bfloat16, scale=0.5)
+    state = randn(gen, 30, channels, K - 1, dtype=torch.bfloat16)
+    blocks = (4, 32, 1) if impl == "tiles" else None
+    plain_pool, split_pool = state.clone(), state.clone()
+    plain = triton_conv.causal_conv1d(x, weight, plain_pool, batch, impl=impl, blocks=blocks)
+    parts = triton_conv.causal_conv1d(x, weight, split_pool, batch, impl=impl, blocks=blocks, split=(b1, b2))
+    assert [p.shape for p in parts] == [(batch.num_tokens, w) for w in (b1, b2 - b1, channels - b2)]
+    assert all(p.is_contiguous() for p in parts)
+    assert parts[1].data_ptr() == parts[0].data_ptr() + parts[0].numel() * 2  # one buffer
+    for part, (lo, hi) in zip(parts, [(0, b1), (b1, b2), (b2, channels)], strict=True):
+        assert torch.equal(part.view(torch.int16), plain[:, lo:hi].contiguous().view(torch.int16))
+    assert torch.equal(split_pool.view(torch.int16), plain_pool.view(torch.int16))
+
+
+def test_conv_split_needs_ordered_cuts_inside_the_channels_and_no_out():
+    batch = make_batch([(1, 5, 3)])
+    x, w, pool = (
+        torch.zeros(1, 32, device=DEVICE),
+        torch.zeros(32, K, device=DEVICE),
+        torch.zeros(8, 32, K - 1, device=DEVICE),
+    )
+    for split in [(0, 8), (16, 8), (8, 32)]:
+        with pytest.raises(ValueError, match=r"split .* needs 0 < b1 <= b2 < 32 channels"):
+            triton_conv.causal_conv1d(x, w, pool, batch, split=split)
+    with pytest.raises(ValueError, match="no `out`"):
+        triton_conv.causal_conv1d(x, w, pool, batch, split=(8, 16), out=torch.zeros(1, 32, device=DEVICE))
+
+
 @pytest.mark.parametrize("width", [2, 5])
 def test_conv_rows_path_at_other_widths(width):
     # The window is K-1 inputs for any K: a mixed batch against the reference and the tile kernel.

@@ -99,6 +99,19 @@ def causal_conv1d(
     return _conv1d_ref.causal_conv1d(x, weight, conv_state, batch)
 
 
+def causal_conv1d_split(
+    x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, batch: ForwardBatch, b1: int, b2: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """silu(conv(x)) cut at channels b1 and b2 (q, k, v). The kernel writes the three parts as
+    contiguous tensors; the reference returns column views of its [T, C] result."""
+    if use_kernels(x):
+        from deltaserve.ops.triton.conv1d import causal_conv1d as kernel
+
+        return kernel(x, weight, conv_state, batch, split=(b1, b2))
+    y = _conv1d_ref.causal_conv1d(x, weight, conv_state, batch)
+    return y[:, :b1], y[:, b1:b2], y[:, b2:]
+
+
 def gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,

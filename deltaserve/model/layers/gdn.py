@@ -12,7 +12,7 @@ from torch import nn
 from deltaserve.config import ModelConfig
 from deltaserve.model.layers.parallel import SINGLE, TensorParallel
 from deltaserve.model.layers.params import WeightRequirement, new_param, single, stacked
-from deltaserve.ops import causal_conv1d, gated_delta_rule, gated_rms_norm, linear
+from deltaserve.ops import causal_conv1d_split, gated_delta_rule, gated_rms_norm, linear
 from deltaserve.ops.batch import ForwardBatch
 
 
@@ -75,8 +75,7 @@ class GatedDeltaNet(nn.Module):
         mixed, z, b, a = proj.split(
             [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1
         )
-        mixed = causal_conv1d(mixed, self.conv1d, conv_state, batch)
-        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q, k, v = causal_conv1d_split(mixed, self.conv1d, conv_state, batch, self.key_dim, 2 * self.key_dim)
         out = gated_delta_rule(
             q.view(tokens, self.num_k_heads, self.head_k_dim),
             k.view(tokens, self.num_k_heads, self.head_k_dim),

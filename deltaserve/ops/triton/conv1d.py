@@ -71,6 +71,18 @@ def _conv_silu(acc, dtype: tl.constexpr):
 
 
 @triton.jit
+def _out_offsets(rows, cols, out_rows, b1, b2, channels):
+    """Offsets in `out` of (rows, cols) (rows int64). `out` holds the channel ranges [0, b1), [b1, b2)
+    and [b2, channels) each as a contiguous [out_rows, width] block, so q, k and v leave the kernel as
+    three contiguous tensors (b1 = b2 = channels: a plain row-major [out_rows, channels])."""
+    upper = cols >= b2
+    middle = cols >= b1
+    seg_start = tl.where(upper, b2, tl.where(middle, b1, 0))
+    seg_end = tl.where(upper, channels, tl.where(middle, b2, b1))
+    return seg_start.to(tl.int64) * out_rows + rows * (seg_end - seg_start) + (cols - seg_start)
+
+
+@triton.jit
 def _load_taps(w_ptr, cols, cmask, stride_w_ch, stride_w_k, KW: tl.constexpr):
     """The KW taps of the channels `cols`, fp32, oldest first."""
     taps = ()
@@ -114,6 +126,9 @@ def _conv_rows(
     ctx_ptr,
     slots_ptr,
     channels,
+    out_rows,
+    b1,
+    b2,
     stride_x_tok,
     stride_w_ch,
     stride_w_k,
@@ -143,7 +158,7 @@ def _conv_rows(
             v = tl.where(in_x, v, round_to(old.to(tl.float32), v.dtype))
         acc += wk[None, :] * v.to(tl.float32)
     y = _conv_silu(acc, out_ptr.dtype.element_ty)
-    tl.store(out_ptr + rows64[:, None] * channels + cols[None, :], y, mask=mask)
+    tl.store(out_ptr + _out_offsets(rows64[:, None], cols[None, :], out_rows, b1, b2, channels), y, mask=mask)
 
 
 @triton.jit
@@ -186,7 +201,7 @@ def _write_state(
         )
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_seqs", "num_decodes", "search_steps"])
+@triton.jit(do_not_specialize=["num_tokens", "num_seqs", "num_decodes", "search_steps", "out_rows"])
 def _conv1d_tiles_kernel(
     x_ptr,
     w_ptr,
@@ -200,6 +215,9 @@ def _conv1d_tiles_kernel(
     num_decodes,
     search_steps,
     channels,
+    out_rows,
+    b1,
+    b2,
     stride_x_tok,
     stride_w_ch,
     stride_w_k,
@@ -224,7 +242,8 @@ def _conv1d_tiles_kernel(
     owned = (rows < total) & ((rows - start >= KW - 1) | (start >= block_start))
     _conv_rows(
         rows, seq, start, owned, cols, cmask, x_ptr, w_ptr, state_ptr, out_ptr, ctx_ptr, slots_ptr,
-        channels, stride_x_tok, stride_w_ch, stride_w_k, stride_s_slot, stride_s_ch, stride_s_k, KW,
+        channels, out_rows, b1, b2, stride_x_tok, stride_w_ch, stride_w_k, stride_s_slot, stride_s_ch,
+        stride_s_k, KW,
     )  # fmt: skip
 
     # The spill: slot-reading rows past the block's end of sequences that start in this block.
@@ -234,7 +253,8 @@ def _conv1d_tiles_kernel(
     owned_s = (spill < total) & (spill - start_s < KW - 1) & (start_s < block_end)
     _conv_rows(
         spill, seq_s, start_s, owned_s, cols, cmask, x_ptr, w_ptr, state_ptr, out_ptr, ctx_ptr, slots_ptr,
-        channels, stride_x_tok, stride_w_ch, stride_w_k, stride_s_slot, stride_s_ch, stride_s_k, KW,
+        channels, out_rows, b1, b2, stride_x_tok, stride_w_ch, stride_w_k, stride_s_slot, stride_s_ch,
+        stride_s_k, KW,
     )  # fmt: skip
 
     # Write-back for the sequences starting in this block, after every read of their slots.
@@ -245,7 +265,7 @@ def _conv1d_tiles_kernel(
 
 
 @triton.jit
-def _stream_row(r, v, win, taps, cols, cmask, out_ptr, channels, KW: tl.constexpr):
+def _stream_row(r, v, win, taps, cols, cmask, out_ptr, channels, out_rows, b1, b2, KW: tl.constexpr):
     """out[r] from win = the inputs r - (KW-1) .. r - 1 (fp32, oldest first) and v = x[r]; returns the
     window for row r + 1."""
     acc = tl.zeros([cols.shape[0]], dtype=tl.float32)
@@ -254,14 +274,14 @@ def _stream_row(r, v, win, taps, cols, cmask, out_ptr, channels, KW: tl.constexp
     x = v.to(tl.float32)
     acc += taps[KW - 1] * x
     y = _conv_silu(acc, out_ptr.dtype.element_ty)
-    tl.store(out_ptr + tl.cast(r, tl.int64) * channels + cols, y, mask=cmask)
+    tl.store(out_ptr + _out_offsets(tl.cast(r, tl.int64), cols, out_rows, b1, b2, channels), y, mask=cmask)
     shifted = ()
     for p in tl.static_range(1, KW - 1):
         shifted = shifted + (win[p],)
     return shifted + (x,)
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_seqs", "first_row"])
+@triton.jit(do_not_specialize=["num_tokens", "num_seqs", "first_row", "out_rows"])
 def _conv1d_stream_kernel(
     x_ptr,
     w_ptr,
@@ -271,6 +291,9 @@ def _conv1d_stream_kernel(
     num_seqs,
     first_row,
     channels,
+    out_rows,
+    b1,
+    b2,
     stride_x_tok,
     stride_w_ch,
     stride_w_k,
@@ -303,13 +326,15 @@ def _conv1d_stream_kernel(
                 tl.load(x_ptr + tl.cast(base + i, tl.int64) * stride_x_tok + cols, mask=cmask, other=0.0),
             )
         for i in tl.static_range(ROWS):
-            win = _stream_row(base + i, xs[i], win, taps, cols, cmask, out_ptr, channels, KW)
+            win = _stream_row(
+                base + i, xs[i], win, taps, cols, cmask, out_ptr, channels, out_rows, b1, b2, KW
+            )
     for r in range(full, block_end):
         v = tl.load(x_ptr + tl.cast(r, tl.int64) * stride_x_tok + cols, mask=cmask, other=0.0)
-        win = _stream_row(r, v, win, taps, cols, cmask, out_ptr, channels, KW)
+        win = _stream_row(r, v, win, taps, cols, cmask, out_ptr, channels, out_rows, b1, b2, KW)
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_seqs"])
+@triton.jit(do_not_specialize=["num_tokens", "num_seqs", "out_rows"])
 def _conv1d_heads_kernel(
     x_ptr,
     w_ptr,
@@ -321,6 +346,9 @@ def _conv1d_heads_kernel(
     num_tokens,
     num_seqs,
     channels,
+    out_rows,
+    b1,
+    b2,
     stride_x_tok,
     stride_w_ch,
     stride_w_k,
@@ -370,7 +398,11 @@ def _conv1d_heads_kernel(
         y = _conv_silu(acc, out_ptr.dtype.element_ty)
         row = start + j + tl.zeros_like(cols)
         in_seq = j < n
-        tl.store(out_ptr + row.to(tl.int64) * channels + cols, y, mask=live & in_seq & (row < total))
+        tl.store(
+            out_ptr + _out_offsets(row.to(tl.int64), cols, out_rows, b1, b2, channels),
+            y,
+            mask=live & in_seq & (row < total),
+        )
         # The window moves only within the sequence: past its end it holds the sequence's last inputs.
         shifted = ()
         for p in tl.static_range(KW - 1):
@@ -385,7 +417,7 @@ def _conv1d_heads_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["out_rows"])
 def _conv1d_decode_kernel(
     x_ptr,
     w_ptr,
@@ -393,6 +425,9 @@ def _conv1d_decode_kernel(
     out_ptr,
     slots_ptr,
     channels,
+    out_rows,
+    b1,
+    b2,
     stride_x_tok,
     stride_w_ch,
     stride_w_k,
@@ -419,7 +454,7 @@ def _conv1d_decode_kernel(
     wk = tl.load(w_ptr + cols * stride_w_ch + (KW - 1) * stride_w_k, mask=cmask, other=0.0).to(tl.float32)
     acc += wk * x.to(tl.float32)
     y = _conv_silu(acc, out_ptr.dtype.element_ty)
-    tl.store(out_ptr + row.to(tl.int64) * channels + cols, y, mask=cmask)
+    tl.store(out_ptr + _out_offsets(row.to(tl.int64), cols, out_rows, b1, b2, channels), y, mask=cmask)
     # Shift left: column p takes column p+1 (read before column p+1 is written, same thread), the
     # newest column takes x.
     for p in tl.static_range(KW - 2):
@@ -453,6 +488,9 @@ def _verify_outputs(
     w_ptr,
     out_ptr,
     channels,
+    out_rows,
+    b1,
+    b2,
     stride_x_tok,
     stride_w_ch,
     stride_w_k,
@@ -471,7 +509,7 @@ def _verify_outputs(
             )
             acc += wk * v.to(tl.float32)
         y = _conv_silu(acc, out_ptr.dtype.element_ty)
-        tl.store(out_ptr + token * channels + cols, y, mask=cmask)
+        tl.store(out_ptr + _out_offsets(token, cols, out_rows, b1, b2, channels), y, mask=cmask)
 
 
 @triton.jit
@@ -500,7 +538,7 @@ def _window_to_slot(
         tl.store(dst_row + p * stride_s_k, round_to(v.to(tl.float32), state_ptr.dtype.element_ty), mask=cmask)
 
 
-@triton.jit(do_not_specialize=["first_seq"])
+@triton.jit(do_not_specialize=["first_seq", "out_rows"])
 def _conv1d_verify_kernel(
     x_ptr,
     w_ptr,
@@ -511,6 +549,9 @@ def _conv1d_verify_kernel(
     verify_slots_ptr,
     first_seq,
     channels,
+    out_rows,
+    b1,
+    b2,
     stride_x_tok,
     stride_w_ch,
     stride_w_k,
@@ -535,7 +576,7 @@ def _conv1d_verify_kernel(
     own_row = state_ptr + slot * stride_s_slot + cols * stride_s_ch
     if OUTPUTS:
         _verify_outputs(
-            start, n, own_row, cols, cmask, x_ptr, w_ptr, out_ptr, channels,
+            start, n, own_row, cols, cmask, x_ptr, w_ptr, out_ptr, channels, out_rows, b1, b2,
             stride_x_tok, stride_w_ch, stride_w_k, stride_s_k, KW,
         )  # fmt: skip
     for i in range(0, n - 1):
@@ -563,6 +604,7 @@ def _decode_rows(
     channels: int,
     strides: tuple[int, ...],
     width: int,
+    layout: tuple[int, int, int],
 ) -> None:
     """The decode kernel over the batch's first `rows` rows (decode rows: one token each)."""
     _conv1d_decode_kernel[(rows, triton.cdiv(channels, _DECODE_BLOCK_C))](
@@ -572,6 +614,7 @@ def _decode_rows(
         out,
         batch.state_slots,
         channels,
+        *layout,
         *strides,
         KW=width,
         BLOCK_C=_DECODE_BLOCK_C,
@@ -587,6 +630,7 @@ def _varlen_rows(
     batch: ForwardBatch,
     strides: tuple[int, ...],
     blocks: tuple[int, int, int, int],
+    layout: tuple[int, int, int],
 ) -> None:
     """The stream kernel over the rows after the decode rows, then the heads kernel over every sequence."""
     tokens, channels = x.shape
@@ -603,6 +647,7 @@ def _varlen_rows(
             num_seqs,
             nd,
             channels,
+            *layout,
             *strides[:3],
             KW=weight.shape[1],
             BLOCK_T=block_t,
@@ -621,6 +666,7 @@ def _varlen_rows(
         tokens,
         num_seqs,
         channels,
+        *layout,
         *strides,
         KW=weight.shape[1],
         BLOCK_C=_DECODE_BLOCK_C,
@@ -636,6 +682,7 @@ def _varlen_tiles(
     batch: ForwardBatch,
     strides: tuple[int, ...],
     blocks: tuple[int, int, int],
+    layout: tuple[int, int, int],
 ) -> None:
     """The tile kernel over the whole batch."""
     tokens, channels = x.shape
@@ -656,6 +703,7 @@ def _varlen_tiles(
         batch.num_decodes,
         (num_prefills - 1).bit_length() if num_prefills > 0 else 0,
         channels,
+        *layout,
         *strides,
         KW=width,
         BLOCK_T=block_t,
@@ -674,11 +722,14 @@ def causal_conv1d(
     out: torch.Tensor | None = None,
     blocks: tuple[int, ...] | None = None,
     impl: Literal["rows", "tiles"] = "rows",
-) -> torch.Tensor:
+    split: tuple[int, int] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x: [T, C] (rows may be strided, e.g. the qkv part of the fused in_proj output); weight: [C, K];
     conv_state: [slots, C, K-1], updated in place at batch.state_slots (and, for the windows after a
     verify row's tokens, at batch.verify_state_slots). Returns silu(conv(x)) [T, C] in
     x's dtype, written into `out` when given (contiguous). Reads only the batch's device tensors.
+    `split` = (b1, b2): instead, the channel ranges [0, b1), [b1, b2) and [b2, C) as three contiguous
+    tensors of one buffer (q, k and v, which fla's kernels would otherwise copy to contiguous ones).
     `impl` picks the path of batches with prefill rows: "rows" (the stream and heads kernels, the
     default) or "tiles" (the earlier tile kernel, the same bits). `blocks`, a tuning knob, is the
     program shape of its main kernel: (tokens, channels, rows loaded per step, warps) for "rows",
@@ -703,25 +754,55 @@ def causal_conv1d(
         )
     if x.stride(1) != 1:
         x = x.contiguous()
-    if out is None:
+    if split is not None:
+        b1, b2 = split
+        if out is not None or not 0 < b1 <= b2 < channels:
+            raise ValueError(f"split {split} needs 0 < b1 <= b2 < {channels} channels and no `out`")
+        out = torch.empty(tokens * channels, dtype=x.dtype, device=x.device)
+    elif out is None:
         out = torch.empty(tokens, channels, dtype=x.dtype, device=x.device)
     elif out.shape != (tokens, channels) or out.dtype != x.dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {x.dtype} tensor of shape {(tokens, channels)}")
+    layout = (tokens, channels, channels) if split is None else (tokens, *split)
+    _run_kernels(x, weight, conv_state, batch, out, blocks, impl, layout)
+    if split is None:
+        return out
+    b1, b2 = split
+    return (
+        out[: tokens * b1].view(tokens, b1),
+        out[tokens * b1 : tokens * b2].view(tokens, b2 - b1),
+        out[tokens * b2 :].view(tokens, channels - b2),
+    )
+
+
+def _run_kernels(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    batch: ForwardBatch,
+    out: torch.Tensor,
+    blocks: tuple[int, ...],
+    impl: Literal["rows", "tiles"],
+    layout: tuple[int, int, int],
+) -> None:
+    """`layout` = (out_rows, b1, b2): where each output lands (_out_offsets)."""
+    tokens, channels = x.shape
+    width = weight.shape[1]
     num_seqs = batch.state_slots.shape[0]
     nd, nv = batch.num_decodes, batch.num_verify
     if tokens == 0 or num_seqs == 0:
-        return out
+        return
     # x row, weight channel/tap, state slot/channel/column strides: the same for every kernel.
     strides = (x.stride(0), weight.stride(0), weight.stride(1), *conv_state.stride())
     if nv == 0 and nd == num_seqs == tokens:
-        _decode_rows(x, weight, conv_state, out, batch, nd, channels, strides, width)
-        return out
+        _decode_rows(x, weight, conv_state, out, batch, nd, channels, strides, width, layout)
+        return
     if nv > 0:
         # Without prefill rows the verify kernel does the verify rows' whole step; with them it only
         # saves the windows after their inner tokens, before the varlen kernel rewrites their slots.
         whole = nd + nv == num_seqs
         if whole and nd > 0:
-            _decode_rows(x, weight, conv_state, out, batch, nd, channels, strides, width)
+            _decode_rows(x, weight, conv_state, out, batch, nd, channels, strides, width, layout)
         _conv1d_verify_kernel[(nv, triton.cdiv(channels, _DECODE_BLOCK_C))](
             x,
             weight,
@@ -732,6 +813,7 @@ def causal_conv1d(
             batch.verify_state_slots,
             nd,
             channels,
+            *layout,
             *strides,
             KW=width,
             BLOCK_C=_DECODE_BLOCK_C,
@@ -739,9 +821,8 @@ def causal_conv1d(
             num_warps=_DECODE_NUM_WARPS,
         )
         if whole:
-            return out
+            return
     if impl == "tiles":
-        _varlen_tiles(x, weight, conv_state, out, batch, strides, blocks)
-        return out
-    _varlen_rows(x, weight, conv_state, out, batch, strides, blocks)
-    return out
+        _varlen_tiles(x, weight, conv_state, out, batch, strides, blocks, layout)
+        return
+    _varlen_rows(x, weight, conv_state, out, batch, strides, blocks, layout)
