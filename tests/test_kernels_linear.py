@@ -12,18 +12,20 @@ triton_linear = pytest.importorskip("deltaserve.ops.triton.linear")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-@pytest.mark.parametrize(("n", "k"), [(1, 64), (37, 200), (130, 1000), (8, 64)])
+@pytest.mark.parametrize(
+    ("n", "k", "m"), [(1, 64, 1), (37, 200, 1), (130, 1000, 1), (8, 64, 1), (37, 200, 3), (130, 1000, 4)]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gemv_matches_linear_on_strided_rows_and_ragged_blocks(n, k, dtype):
-    # N and K off the block multiples; x is one row of a wider activation, W a row slice of a larger matrix.
-    gen = torch.Generator().manual_seed(n * 1000 + k)
-    x = torch.randn(3, k + 24, generator=gen).to(dtype).to(DEVICE)[1:2, 8 : 8 + k]
+def test_gemv_matches_linear_on_strided_rows_and_ragged_blocks(n, k, m, dtype):
+    # N and K off the block multiples; x is m rows of a wider activation, W a row slice of a larger matrix.
+    gen = torch.Generator().manual_seed(n * 1000 + k + m)
+    x = torch.randn(m + 2, k + 24, generator=gen).to(dtype).to(DEVICE)[1 : 1 + m, 8 : 8 + k]
     w = torch.randn(n + 5, k, generator=gen).to(dtype).to(DEVICE)[2 : 2 + n]
-    out = torch.full((1, n), float("nan"), dtype=dtype, device=DEVICE)  # unwritten rows would stay NaN
+    out = torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)  # unwritten rows would stay NaN
     got = triton_linear.gemv(x, w, out=out)
     want = F.linear(x.double(), w.double())
     assert got.data_ptr() == out.data_ptr()
-    assert got.shape == (1, n) and got.dtype == dtype
+    assert got.shape == (m, n) and got.dtype == dtype
     if dtype == torch.float32:
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
     else:  # one rounding of an fp32 sum: within a bf16 step of the exact result
@@ -32,15 +34,15 @@ def test_gemv_matches_linear_on_strided_rows_and_ragged_blocks(n, k, dtype):
 
 def test_gemv_rejects_mismatched_inputs_naming_them():
     x = torch.zeros(1, 16, device=DEVICE)
-    with pytest.raises(ValueError, match="one row"):
-        triton_linear.gemv(torch.zeros(2, 16, device=DEVICE), torch.zeros(4, 16, device=DEVICE))
+    with pytest.raises(ValueError, match=r"1\.\.4 rows"):
+        triton_linear.gemv(torch.zeros(5, 16, device=DEVICE), torch.zeros(4, 16, device=DEVICE))
     with pytest.raises(ValueError, match="16 columns, the weight's K is 8"):
         triton_linear.gemv(x, torch.zeros(4, 8, device=DEVICE))
     with pytest.raises(ValueError, match="dtype"):
         triton_linear.gemv(x, torch.zeros(4, 16, device=DEVICE, dtype=torch.bfloat16))
 
 
-def test_op_boundary_sends_16bit_rows_on_the_gpu_to_the_gemv_and_when_on_the_skinny_gemm(monkeypatch):
+def test_op_boundary_sends_16bit_rows_to_the_gemv_and_when_switched_on_the_skinny_gemm(monkeypatch):
     calls = []
     monkeypatch.setattr(
         triton_linear, "gemv", lambda x, w: calls.append(("gemv", *x.shape)) or F.linear(x, w)
@@ -50,15 +52,16 @@ def test_op_boundary_sends_16bit_rows_on_the_gpu_to_the_gemv_and_when_on_the_ski
     )
     monkeypatch.setattr(ops, "use_kernels", lambda t: True)
     w = torch.randn(8, 16, dtype=torch.bfloat16)
-    for m in (1, 2, 16, 17):  # M > 16: cuBLAS
+    for m in (1, 4, 5, 16, 17):  # M > 16: cuBLAS
         ops.linear(torch.randn(m, 16, dtype=torch.bfloat16), w)
     ops.linear(torch.randn(1, 16), w.float())  # fp32: cuBLAS
-    assert calls == [("gemv", 1, 16)]  # the skinny GEMM is off by default: cuBLAS for 2..16 rows
+    assert calls == [("gemv", 1, 16)]  # by default one row; the skinny GEMM is off: cuBLAS for 2..16 rows
     calls.clear()
+    monkeypatch.setattr(ops, "GEMV_ROWS", 4)
     monkeypatch.setattr(ops, "SKINNY_GEMM", True)
-    for m in (1, 2, 16, 17):
+    for m in (1, 4, 5, 16, 17):
         ops.linear(torch.randn(m, 16, dtype=torch.bfloat16), w)
-    assert calls == [("gemv", 1, 16), ("skinny", 2, 16), ("skinny", 16, 16)]
+    assert calls == [("gemv", 1, 16), ("gemv", 4, 16), ("skinny", 5, 16), ("skinny", 16, 16)]
 
 
 @pytest.mark.parametrize("m", [2, 5, 16])
@@ -75,6 +78,16 @@ def test_skinny_gemm_matches_linear_on_strided_rows_and_ragged_blocks(m, dtype):
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
     else:
         torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-2)
+
+
+def test_gemv_gives_a_row_the_same_bits_at_any_place_among_its_rows():
+    """A verify row's positions: each token's bits are its own whatever its offset in the row."""
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(4, 96, generator=gen).to(torch.bfloat16).to(DEVICE)
+    w = torch.randn(40, 96, generator=gen).to(torch.bfloat16).to(DEVICE)
+    full = triton_linear.gemv(x, w)
+    assert torch.equal(triton_linear.gemv(x.flip(0), w), full.flip(0))
+    assert torch.equal(triton_linear.gemv(x[[2, 0, 3, 1]], w), full[[2, 0, 3, 1]])
 
 
 def test_skinny_gemm_gives_a_row_the_same_bits_whatever_the_other_rows():

@@ -23,6 +23,12 @@ REFERENCE_ONLY = os.environ.get("DELTASERVE_REFERENCE_OPS", "") == "1"
 # default: on an H200 at the 4B shape it measured level with cuBLAS at 16 decode rows (see the record
 # in docs/benchmarks), and it has not yet been through the GPU gate.
 SKINNY_GEMM = os.environ.get("DELTASERVE_SKINNY_GEMM", "0") == "1"
+# DELTASERVE_GEMV_ROWS=N (1..4) sends 16-bit linears of up to N rows to the GEMV, which streams the weight
+# once for all of them (a K = 3 verify row has 4 tokens). Default 1 (batch-1 decode only): the 2..4-row
+# GEMV passes its kernel tests on an H200 but has neither a measured win over cuBLAS nor the GPU gate yet.
+GEMV_ROWS = int(os.environ.get("DELTASERVE_GEMV_ROWS", "1"))
+if not 1 <= GEMV_ROWS <= 4:
+    raise ValueError(f"DELTASERVE_GEMV_ROWS must be 1..4, got {GEMV_ROWS}")
 
 
 def use_kernels(t: torch.Tensor) -> bool:
@@ -30,8 +36,9 @@ def use_kernels(t: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight^T. One 16-bit row on the GPU (batch-1 decode) takes the GEMV kernel; 2..16 rows take
-    the skinny GEMM when it is switched on (SKINNY_GEMM); everything else is F.linear (cuBLAS)."""
+    """x @ weight^T. One 16-bit row on the GPU (batch-1 decode; up to GEMV_ROWS rows when raised) takes
+    the GEMV kernel, which streams the weight once for all its rows; up to 16 rows take the skinny GEMM
+    when it is switched on (SKINNY_GEMM); everything else is F.linear (cuBLAS)."""
     rows = x.shape[0]
     if (
         x.dim() == 2
@@ -40,15 +47,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         and x.stride(1) == 1
         and weight.stride(1) == 1
     ):
-        if rows == 1:
-            from deltaserve.ops.triton.linear import gemv
+        from deltaserve.ops.triton.linear import SKINNY_MAX_ROWS, gemv, skinny_gemm
 
+        if 1 <= rows <= GEMV_ROWS:
             return gemv(x, weight)
-        if SKINNY_GEMM:
-            from deltaserve.ops.triton.linear import SKINNY_MAX_ROWS, skinny_gemm
-
-            if rows <= SKINNY_MAX_ROWS:
-                return skinny_gemm(x, weight)
+        if SKINNY_GEMM and rows <= SKINNY_MAX_ROWS:
+            return skinny_gemm(x, weight)
     return F.linear(x, weight)
 
 

@@ -1,7 +1,9 @@
 """Weight-streaming linears for decode: y = x @ W^T with x [M, K] and W [N, K] row-major, M <= 16.
 
-One row (batch-1 decode) takes the GEMV; 2..16 rows (small decode batches, speculative verify rows)
-take the skinny GEMM, which reads the weight once for all rows on the tensor cores.
+The GEMV takes up to GEMV_MAX_ROWS rows (batch-1 decode; a speculative verify row of up to 4 tokens)
+and streams the weight once for all of them; the skinny GEMM takes 2..16 rows and reads the weight
+once for all rows on the tensor cores. ops.linear routes one row to the GEMV and, by default, nothing
+else here (DELTASERVE_GEMV_ROWS and DELTASERVE_SKINNY_GEMM switch the others on; ops/__init__.py).
 
 GEMV:
 
@@ -13,7 +15,7 @@ once at the end, so the inner loop is loads and FMAs only.
 
 Numerics: products and sums in fp32, rounded once to the output dtype; the summation order differs
 from cuBLAS's (as cuBLAS's differs between its own kernels), so results agree to fp32 rounding before
-the final cast. The block shape is autotuned per (N, K) on the GPU; the first call at a new shape
+the final cast. The block shape is autotuned per (N, K, rows) on the GPU; the first call at a new shape
 tunes (engine warm-up makes those calls before serving, and before CUDA-graph capture).
 """
 
@@ -31,25 +33,66 @@ _CONFIGS = [(4, 1024, 8), (4, 512, 4), (8, 256, 4), (8, 512, 4), (16, 512, 8), (
 _INTERPRETER_BLOCKS = (8, 64)
 
 
+GEMV_MAX_ROWS = 4  # rows streamed together (a K = 3 verify row has 4 tokens)
+
+
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _row_product(acc, w, x_row_ptr, cols, col_ok):
+    x = tl.load(x_row_ptr + cols, mask=col_ok, other=0.0)
+    return acc + w * x.to(tl.float32)[None, :]
+
+
+@triton.jit
+def _store_row(out_row_ptr, acc, rows, row_ok):
+    tl.store(out_row_ptr + rows, round_to(tl.sum(acc, axis=1), out_row_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # Each weight tile is loaded once for all ROWS rows (1..4), each row with its own accumulator in the
+    # same order, so a row's bits depend only on that row and W (and the block shape).
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         col_ok = cols < K
-        w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
-        x = tl.load(x_ptr + cols, mask=col_ok, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    y = tl.sum(acc, axis=1)
-    tl.store(out_ptr + rows, round_to(y, out_ptr.dtype.element_ty), mask=row_ok)
+        w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+        acc0 = _row_product(acc0, w, x_ptr, cols, col_ok)
+        if ROWS > 1:
+            acc1 = _row_product(acc1, w, x_ptr + stride_xm, cols, col_ok)
+        if ROWS > 2:
+            acc2 = _row_product(acc2, w, x_ptr + 2 * stride_xm, cols, col_ok)
+        if ROWS > 3:
+            acc3 = _row_product(acc3, w, x_ptr + 3 * stride_xm, cols, col_ok)
+    _store_row(out_ptr, acc0, rows, row_ok)
+    if ROWS > 1:
+        _store_row(out_ptr + stride_om, acc1, rows, row_ok)
+    if ROWS > 2:
+        _store_row(out_ptr + 2 * stride_om, acc2, rows, row_ok)
+    if ROWS > 3:
+        _store_row(out_ptr + 3 * stride_om, acc3, rows, row_ok)
 
 
 _gemv_tuned = triton.autotune(
     configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n, k, w in _CONFIGS],
-    key=["N", "K"],
+    key=["N", "K", "ROWS"],
     cache_results=True,  # the winners persist in Triton's cache directory: a restart does not re-tune
 )(_gemv_kernel)
 
@@ -154,23 +197,22 @@ def _check_operands(x: torch.Tensor, weight: torch.Tensor, *, max_rows: int) -> 
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [1, K] (any row stride, unit column stride); weight: [N, K] with unit column stride (row
-    slices of a larger matrix are fine). Returns [1, N] in x's dtype, written into `out` when given
-    (contiguous)."""
-    _check_operands(x, weight, max_rows=1)
-    n, k = weight.shape
+    """x: [M, K] with 1 <= M <= GEMV_MAX_ROWS (any row stride, unit column stride); weight: [N, K] with
+    unit column stride (row slices of a larger matrix are fine). Returns [M, N] in x's dtype, written
+    into `out` when given (contiguous). The weight is streamed once for all M rows."""
+    _check_operands(x, weight, max_rows=GEMV_MAX_ROWS)
+    m, (n, k) = x.shape[0], weight.shape
     if out is None:
-        out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    elif out.shape != (1, n) or out.dtype != x.dtype or not out.is_contiguous():
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    elif out.shape != (m, n) or out.dtype != x.dtype or not out.is_contiguous():
         raise ValueError(
-            f"out must be a contiguous {x.dtype} tensor of shape (1, {n}), got {tuple(out.shape)}"
+            f"out must be a contiguous {x.dtype} tensor of shape ({m}, {n}), got {tuple(out.shape)}"
         )
+    args = (x, weight, out, n, k, x.stride(0), weight.stride(0), out.stride(0))
     if _INTERPRETER:
         block_n, block_k = _INTERPRETER_BLOCKS
-        _gemv_kernel[(triton.cdiv(n, block_n),)](
-            x, weight, out, n, k, weight.stride(0), BLOCK_N=block_n, BLOCK_K=block_k
-        )
+        _gemv_kernel[(triton.cdiv(n, block_n),)](*args, ROWS=m, BLOCK_N=block_n, BLOCK_K=block_k)
     else:
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-        _gemv_tuned[grid](x, weight, out, n, k, weight.stride(0))
+        _gemv_tuned[grid](*args, ROWS=m)
     return out
