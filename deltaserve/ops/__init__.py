@@ -47,12 +47,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         and x.stride(1) == 1
         and weight.stride(1) == 1
     ):
-        from deltaserve.ops.triton.linear import SKINNY_MAX_ROWS, gemv, skinny_gemm
-
         if 1 <= rows <= GEMV_ROWS:
+            from deltaserve.ops.triton.linear import gemv
+
             return gemv(x, weight)
-        if SKINNY_GEMM and rows <= SKINNY_MAX_ROWS:
-            return skinny_gemm(x, weight)
+        if SKINNY_GEMM:
+            from deltaserve.ops.triton.linear import SKINNY_MAX_ROWS, skinny_gemm
+
+            if rows <= SKINNY_MAX_ROWS:
+                return skinny_gemm(x, weight)
     return F.linear(x, weight)
 
 
