@@ -1,12 +1,12 @@
 """The decode and verify graphs' input layouts (engine/cuda_graphs.fill_decode_inputs,
-engine/spec_graphs.fill_verify_inputs), with hand-computed values."""
+engine/spec_graphs.fill_verify_inputs and fill_block_tables), with hand-computed values."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from deltaserve.engine.cuda_graphs import DUMMY_PAGE, DUMMY_SLOT, fill_decode_inputs
-from deltaserve.engine.spec_graphs import fill_verify_inputs
+from deltaserve.engine.spec_graphs import fill_block_tables, fill_verify_inputs
 from deltaserve.ops.batch import BatchRow
 
 
@@ -51,3 +51,15 @@ def test_verify_inputs_by_hand():
     assert ints[:8].tolist() == [5, 2, 1, 1, 7, 4, 3, 3]  # context lengths, sequence lengths
     # Columns a row's drafts can reach past its pages point at the reserved page; others keep stale ids.
     assert ints[8:].reshape(4, 3).tolist() == [[7, 8, 0], [4, 0, -1], [0, 0, -1], [0, 0, -1]]
+
+
+def test_block_tables_for_drafts_after_a_step_no_verify_replay_filled():
+    # Drafting rows in a new order over tables a verify replay left: each row's pages land in its own
+    # row; with reach 0 nothing past a row's pages is touched; padding rows get the reserved page.
+    tables = np.full((4, 3), -1, dtype=np.int32)
+    rows = [BatchRow([0], 20, (6, 2), 1), BatchRow([0], 3, (5,), 2)]
+    fill_block_tables(tables, rows, page_size=16, reach=0)
+    assert tables.tolist() == [[6, 2, -1], [5, -1, -1], [0, -1, -1], [0, -1, -1]]
+    # With reach 20, positions up to 40 (row 0) and 23 (row 1) are reachable: page columns 2 and 1.
+    fill_block_tables(tables, rows, page_size=16, reach=20)
+    assert tables.tolist() == [[6, 2, 0], [5, 0, -1], [0, 0, -1], [0, 0, -1]]

@@ -5,7 +5,10 @@ A step the graphs run holds verify rows only, each of the same k + 1 tokens (the
 with fewer proposals, which only costs rejections). Captured per (bucket, k) for k in 1..K:
   verify: the target forward over bucket x (k + 1) tokens -> final-normed hidden and logits of every token
   mtp:    the MTP head over the same tokens (next-token ids and that hidden state in static buffers)
-and per bucket: one MTP draft step (a token per row at its own position) -> hidden and draft logits.
+and per bucket: one MTP draft step (a token per row at its own position) -> hidden and draft logits, and
+the MTP pass over one token per row (a step of 1-token prompts or of decoders without proposals, whose
+target forward a prefill graph ran). Drafts after such a step replay the draft graphs too, over block
+tables loaded for their rows.
 A step whose rows are all greedy (no logit processing, no logprobs) runs as ONE graph per (bucket, k)
 instead, with nothing on the host between its parts:
   greedy: verify -> argmax per position -> accepted drafts per row (capped per row) -> state commit
@@ -69,11 +72,9 @@ def fill_verify_inputs(
     longs[5, :n] = list(accept_limits) if accept_limits else 0
     ints[:n] = [r.context_len for r in rows]
     ints[m : m + n] = [r.context_len + t for r in rows]
-    tables = ints[2 * m : 2 * m + bucket * max_pages].reshape(bucket, max_pages)
-    for i, r in enumerate(rows):
-        tables[i, : len(r.pages)] = r.pages
-        reach = min(max_pages, (r.context_len + 2 * t) // page_size + 1)
-        tables[i, len(r.pages) : reach] = DUMMY_PAGE
+    fill_block_tables(
+        ints[2 * m : 2 * m + bucket * max_pages].reshape(bucket, max_pages), rows, page_size, 2 * t
+    )
     pad = slice(used, bucket * t)
     longs[0, pad] = 0
     longs[1, pad] = 1
@@ -82,7 +83,17 @@ def fill_verify_inputs(
     longs[4:, n:bucket] = [[DUMMY_SLOT], [0]]
     ints[n:bucket] = 1
     ints[m + n : m + bucket] = 1 + t
-    tables[n:bucket, : min(max_pages, (1 + 2 * t) // page_size + 1)] = DUMMY_PAGE
+
+
+def fill_block_tables(tables: np.ndarray, rows: Sequence[BatchRow], page_size: int, reach: int) -> None:
+    """tables [bucket, P]: row i's pages, then the reserved page over the further columns that positions
+    up to its context + reach can touch; padding rows (from len(rows)) the reserved page over the columns
+    positions up to 1 + reach touch. Columns past those are left as they are: no position reads them."""
+    max_pages = tables.shape[1]
+    for i, r in enumerate(rows):
+        tables[i, : len(r.pages)] = r.pages
+        tables[i, len(r.pages) : min(max_pages, (r.context_len + reach) // page_size + 1)] = DUMMY_PAGE
+    tables[len(rows) :, : min(max_pages, (1 + reach) // page_size + 1)] = DUMMY_PAGE
 
 
 @dataclass(slots=True)
@@ -146,6 +157,7 @@ class SpeculativeGraphs:
         self.greedy_graphs: dict[tuple[int, int], _Captured] = {}
         self.mtp_graphs: dict[tuple[int, int], _Captured] = {}
         self.draft_graphs: dict[int, _Captured] = {}
+        self.single_mtp_graphs: dict[int, _Captured] = {}
         self.pool = None
 
     # ---- batches over the static buffers ---------------------------------------------------------
@@ -167,6 +179,23 @@ class SpeculativeGraphs:
             context_lens_host=(1,) * rows,  # never read on the GPU
             num_verify=rows,
             verify_state_slots=self.verify_slots[:n],
+        )
+
+    def _single_batch(self, rows: int) -> ForwardBatch:
+        """One token per row over the verify buffers (fill_verify_inputs with t = 1), as decode rows."""
+        return ForwardBatch(
+            input_ids=self.tokens[:rows],
+            positions=self.positions[:rows],
+            query_start_loc=self.query_starts[0][: rows + 1],
+            context_lens=self.context_lens[:rows],
+            seq_lens=self.seq_lens[:rows],
+            block_tables=self.block_tables[:rows],
+            slot_mapping=self.slot_mapping[:rows],
+            state_slots=self.state_slots[:rows],
+            logits_indices=self.logits_indices[:rows],
+            num_decodes=rows,
+            query_lens_host=(1,) * rows,
+            context_lens_host=(1,) * rows,
         )
 
     def _draft_batch(self, rows: int) -> ForwardBatch:
@@ -241,6 +270,16 @@ class SpeculativeGraphs:
                     return hidden, model.draft_tokens(hidden)
 
                 self.draft_graphs[rows] = self._capture(draft, stream)
+                single_batch = self._single_batch(rows)
+
+                def single_mtp(
+                    batch: ForwardBatch = single_batch, rows: int = rows
+                ) -> tuple[torch.Tensor, ...]:
+                    return (
+                        model.mtp_forward(self.mtp_ids[:rows], self.mtp_hidden_in[:rows], batch, caches.kv),
+                    )
+
+                self.single_mtp_graphs[rows] = self._capture(single_mtp, stream)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         self._reset_padding()
@@ -323,6 +362,16 @@ class SpeculativeGraphs:
             and all(len(r.pages) <= self.max_pages for r in rows)
         )
 
+    def can_run_single(self, rows: Sequence[BatchRow]) -> bool:
+        """`mtp_single` can take the rows: one token each, unscored, at most the largest bucket."""
+        return self.can_draft(rows) and all(
+            len(r.token_ids) == 1 and not r.state_after and not r.scored for r in rows
+        )
+
+    def can_draft(self, rows: Sequence[BatchRow]) -> bool:
+        """The draft graphs can take the rows (`load_tables` first when no verify replay filled them)."""
+        return 0 < len(rows) <= self.max_rows and all(len(r.pages) <= self.max_pages for r in rows)
+
     def bucket(self, rows: int) -> int:
         return next(b for b in self.buckets if b >= rows)
 
@@ -382,11 +431,38 @@ class SpeculativeGraphs:
         return captured.outputs[0][:m]
 
     @torch.inference_mode()
+    def mtp_single(self, rows: Sequence[BatchRow], ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The MTP head over rows of one token each (`can_run_single`) whose target forward ran elsewhere:
+        ids [n] the next token of each, hidden [n, H] the target's. Returns the MTP hidden [n, H]; the
+        rows' block tables stay loaded for `draft`."""
+        n = len(rows)
+        bucket = self.bucket(n)
+        self._fill_verify(rows, bucket)
+        self.mtp_ids[:n].copy_(ids)
+        self.mtp_hidden_in[:n].copy_(hidden)
+        captured = self.single_mtp_graphs[bucket]
+        captured.graph.replay()
+        return captured.outputs[0][:n]
+
+    def load_tables(self, rows: Sequence[BatchRow]) -> None:
+        """The rows' block tables (`can_draft`) for `draft` after a step no verify replay ran."""
+        bucket = self.bucket(len(rows))
+        m, p = self.max_rows, self.max_pages
+        self._copied.synchronize()
+        ints = self._ints_host.numpy()
+        fill_block_tables(ints[2 * m : 2 * m + bucket * p].reshape(bucket, p), rows, self.caches.page_size, 0)
+        self._ints[2 * m : 2 * m + bucket * p].copy_(
+            self._ints_host[2 * m : 2 * m + bucket * p], non_blocking=True
+        )
+        self._copied.record()
+
+    @torch.inference_mode()
     def draft(
         self, rows: Sequence[BatchRow], tokens: torch.Tensor, hidden: torch.Tensor, positions: Sequence[int]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One MTP draft step: row i's token at positions[i] (its pages as in the last verify replay),
-        over the previous step's MTP hidden. Returns (hidden [n, H], greedy draft [n])."""
+        """One MTP draft step: row i's token at positions[i] (its pages as in the last verify replay,
+        `mtp_single` or `load_tables`), over the previous step's MTP hidden. Returns (hidden [n, H],
+        greedy draft [n])."""
         n = len(rows)
         bucket = self.bucket(n)
         page = self.caches.page_size

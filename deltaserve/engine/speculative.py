@@ -73,7 +73,8 @@ class SpeculativeStep:
         self.sampler = sampler
         self.graphs = graphs  # CUDA graphs for steps of uniform verify rows only
         # Steps without verify rows (prompt chunks, decoders without proposals) replay the target
-        # forward from these; the MTP pass and the drafts then run eager (one layer each).
+        # forward from these; their MTP pass runs eager (one layer) unless every row has one token,
+        # and their chained drafts replay `graphs`' draft steps.
         self.prefill_graphs = prefill_graphs
         self.device = model.device
 
@@ -93,11 +94,16 @@ class SpeculativeStep:
             return self._greedy_graph_step(planned, rows, graphs, plan.force_accept)
         prompt = None
         batch = None
+        # A step of one token per row that a prefill graph runs also takes its MTP pass from a graph.
+        single = None
         if graphs is not None:
             hidden, logits = graphs.verify(rows)
         else:
             replayed = self._in_prefill_graph(rows)
-            batch = build_forward_batch(rows, caches.page_size, self.device)
+            if replayed is not None and self.graphs is not None and self.graphs.can_run_single(rows):
+                single = self.graphs
+            else:
+                batch = build_forward_batch(rows, caches.page_size, self.device)
             if replayed is not None:
                 logits, hidden = replayed
             else:
@@ -162,6 +168,8 @@ class SpeculativeStep:
         ids = to_device(mtp_ids, torch.int64, self.device)
         if graphs is not None:
             mtp_hidden = graphs.mtp(len(rows), len(rows[0].token_ids) - 1, ids, hidden)
+        elif single is not None:
+            mtp_hidden = single.mtp_single(rows, ids, hidden)
         else:
             mtp_hidden = self.model.mtp_forward(ids, hidden, batch, caches.kv)
         if drafting:
@@ -236,6 +244,12 @@ class SpeculativeStep:
         hidden = first_hidden
         token = model.draft_tokens(hidden)
         out = [token]
+        if graphs is None and num_drafts > 1 and self.graphs is not None:
+            # After a step no verify replay ran: the draft graphs, over the drafting rows' block tables.
+            batch_rows = [r.batch_row() for r in rows]
+            if self.graphs.can_draft(batch_rows):
+                graphs = self.graphs
+                graphs.load_tables(batch_rows)
         for j in range(1, num_drafts):
             # Draft j (0-based) is predicted at MTP position committed + j - 1: its input is draft
             # j - 1, the token at position committed + j.

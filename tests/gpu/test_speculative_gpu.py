@@ -77,3 +77,64 @@ def test_a_position_computes_the_same_bits_at_any_offset_of_its_verify_row(tmp_p
         num_kv_layers=model.num_kv_layers,
     )
     assert first_differences(model, caches, list(range(1000, 1100))) == []
+
+
+def test_the_mtp_pass_over_one_token_rows_and_drafts_after_it_replay_what_eager_computes(tmp_path):
+    """A step a prefill graph ran (1-token prompts, decoders without proposals) takes its MTP pass from
+    the one-token graph and its chained drafts from the draft graphs, over block tables loaded for the
+    drafting rows (here in another order than the pass's rows, so stale tables would show)."""
+    from deltaserve.cache.device import build_device_caches
+    from deltaserve.config import ModelConfig
+    from deltaserve.engine.spec_graphs import SpeculativeGraphs
+    from deltaserve.model.qwen35 import Qwen35ForCausalLM
+    from deltaserve.model.weights import init_dummy_weights
+    from deltaserve.ops.batch import BatchRow, build_forward_batch
+    from deltaserve.tiny import make_tiny
+
+    cfg = ModelConfig.from_dir(make_tiny(tmp_path / "m", "tiny", weights=False))
+    device, page = torch.device("cuda"), 16
+    model = Qwen35ForCausalLM(cfg, dtype=torch.float32, device=device, mtp=True)
+    init_dummy_weights(model)
+    caches = build_device_caches(
+        cfg,
+        num_pages=64,
+        page_size=page,
+        num_slots=12,
+        dtype=torch.float32,
+        device=device,
+        num_kv_layers=model.num_kv_layers,
+    )
+    graphs = SpeculativeGraphs(model, caches, max_rows=4, max_drafts=3, max_model_len=256)
+    graphs.capture()
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    lengths, pages = [20, 5, 33], [[1, 2], [3], [4, 5, 6]]
+    prompts = [
+        BatchRow(torch.randint(0, 1000, (n,), generator=gen).tolist(), 0, p, i + 1)
+        for i, (n, p) in enumerate(zip(lengths, pages, strict=True))
+    ]
+    with torch.inference_mode():
+        batch = build_forward_batch(prompts, page, device)
+        hidden = model(batch, caches.kv, caches.states, every_token=True)
+        ids = torch.randint(0, 1000, (sum(lengths),), generator=gen).to(device)
+        model.mtp_forward(ids, hidden, batch, caches.kv)  # the prompts' MTP K/V
+
+        rows = [BatchRow([7 + i], n, p, i + 1) for i, (n, p) in enumerate(zip(lengths, pages, strict=True))]
+        rows.append(BatchRow([10], 0, [7], 4))  # a 1-token prompt
+        ids = torch.tensor([11, 12, 13, 14], device=device)
+        target_hidden = torch.randn(4, cfg.hidden_size, generator=gen).to(device)
+        want = model.mtp_forward(ids, target_hidden, build_forward_batch(rows, page, device), caches.kv)
+        got = graphs.mtp_single(rows, ids, target_hidden)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+        order = [2, 3, 0, 1]
+        drafting = [rows[i] for i in order]
+        tokens = model.draft_tokens(want[order])
+        positions = [r.context_len + 1 for r in drafting]
+        step = [BatchRow([0], pos, r.pages, 0) for r, pos in zip(drafting, positions, strict=True)]
+        want_hidden = model.mtp_forward(
+            tokens, want[order], build_forward_batch(step, page, device), caches.kv
+        )
+        graphs.load_tables(drafting)
+        got_hidden, got_tokens = graphs.draft(drafting, tokens, want[order], positions)
+        torch.testing.assert_close(got_hidden, want_hidden, rtol=1e-4, atol=1e-4)
+        assert got_tokens.tolist() == model.draft_tokens(want_hidden).tolist()
