@@ -28,6 +28,7 @@ from deltaserve.errors import ConfigError
 from deltaserve.model.layers.parallel import TensorParallel
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
 from deltaserve.model.weights import checkpoint_has_mtp, init_dummy_weights, load_weights
+from deltaserve.triton_key import reuse_triton_key
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,8 @@ def build_rank(
     if tp.size > 1 and device.type == "cuda":
         device = torch.device("cuda", tp.rank)
         torch.cuda.set_device(device)
+    if device.type == "cuda":
+        reuse_triton_key()  # before the first kernel compiles
     dtype = config.resolved_dtype(device)
     mtp = config.speculative_config is not None
     if mtp and config.load_format != "dummy" and not checkpoint_has_mtp(model_dir):
