@@ -24,8 +24,9 @@ REFERENCE_ONLY = os.environ.get("DELTASERVE_REFERENCE_OPS", "") == "1"
 # in docs/benchmarks), and it has not yet been through the GPU gate.
 SKINNY_GEMM = os.environ.get("DELTASERVE_SKINNY_GEMM", "0") == "1"
 # DELTASERVE_GEMV_ROWS=N (1..4) sends 16-bit linears of up to N rows to the GEMV, which streams the weight
-# once for all of them (a K = 3 verify row has 4 tokens). Default 1 (batch-1 decode only): the 2..4-row
-# GEMV passes its kernel tests on an H200 but has neither a measured win over cuBLAS nor the GPU gate yet.
+# once for all of them (a K = 3 verify row has 4 tokens). Default 1 (batch-1 decode only): at 4 rows it
+# measured slower than cuBLAS on an H200 (K = 3 verify steps: TPOT 1.73 against 1.19 ms;
+# docs/benchmarks/2026-12-02-h200-mtp-c1-target.md).
 GEMV_ROWS = int(os.environ.get("DELTASERVE_GEMV_ROWS", "1"))
 if not 1 <= GEMV_ROWS <= 4:
     raise ValueError(f"DELTASERVE_GEMV_ROWS must be 1..4, got {GEMV_ROWS}")
