@@ -70,6 +70,36 @@ def fill_decode_inputs(
     tables[n:bucket, 0] = DUMMY_PAGE
 
 
+def decode_batch_over(
+    rows: int,
+    *,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    state_slots: torch.Tensor,
+    logits_indices: torch.Tensor,
+) -> ForwardBatch:
+    """`rows` decode rows (one token each) over the front of a graph's static buffers."""
+    return ForwardBatch(
+        input_ids=input_ids[:rows],
+        positions=positions[:rows],
+        query_start_loc=query_start_loc[: rows + 1],
+        context_lens=context_lens[:rows],
+        seq_lens=seq_lens[:rows],
+        block_tables=block_tables[:rows],
+        slot_mapping=slot_mapping[:rows],
+        state_slots=state_slots[:rows],
+        logits_indices=logits_indices[:rows],
+        num_decodes=rows,
+        query_lens_host=(1,) * rows,
+        context_lens_host=(1,) * rows,  # never read on the GPU decode path
+    )
+
+
 class CudaGraphRunner:
     """Replays captured decode forwards. `run(rows)` takes one-token rows (decode rows, and one-token
     prompts at context 0) and returns float32 logits [len(rows), vocab]; the caller advances the caches
@@ -107,19 +137,17 @@ class CudaGraphRunner:
         self.pool = None
 
     def _batch(self, rows: int) -> ForwardBatch:
-        return ForwardBatch(
-            input_ids=self.input_ids[:rows],
-            positions=self.positions[:rows],
-            query_start_loc=self.query_start_loc[: rows + 1],
-            context_lens=self.context_lens[:rows],
-            seq_lens=self.seq_lens[:rows],
-            block_tables=self.block_tables[:rows],
-            slot_mapping=self.slot_mapping[:rows],
-            state_slots=self.state_slots[:rows],
-            logits_indices=self.logits_indices[:rows],
-            num_decodes=rows,
-            query_lens_host=(1,) * rows,
-            context_lens_host=(1,) * rows,  # never read on the GPU decode path
+        return decode_batch_over(
+            rows,
+            input_ids=self.input_ids,
+            positions=self.positions,
+            query_start_loc=self.query_start_loc,
+            context_lens=self.context_lens,
+            seq_lens=self.seq_lens,
+            block_tables=self.block_tables,
+            slot_mapping=self.slot_mapping,
+            state_slots=self.state_slots,
+            logits_indices=self.logits_indices,
         )
 
     def _reset_padding(self) -> None:

@@ -30,7 +30,7 @@ import torch
 from deltaserve.cache.device import DeviceCaches
 from deltaserve.cache.kv_pages import DUMMY_PAGE
 from deltaserve.cache.state_slots import DUMMY_SLOT
-from deltaserve.engine.cuda_graphs import graph_buckets
+from deltaserve.engine.cuda_graphs import decode_batch_over, graph_buckets
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
 from deltaserve.ops.batch import BatchRow, ForwardBatch, kv_slot
 
@@ -183,35 +183,31 @@ class SpeculativeGraphs:
 
     def _single_batch(self, rows: int) -> ForwardBatch:
         """One token per row over the verify buffers (fill_verify_inputs with t = 1), as decode rows."""
-        return ForwardBatch(
-            input_ids=self.tokens[:rows],
-            positions=self.positions[:rows],
-            query_start_loc=self.query_starts[0][: rows + 1],
-            context_lens=self.context_lens[:rows],
-            seq_lens=self.seq_lens[:rows],
-            block_tables=self.block_tables[:rows],
-            slot_mapping=self.slot_mapping[:rows],
-            state_slots=self.state_slots[:rows],
-            logits_indices=self.logits_indices[:rows],
-            num_decodes=rows,
-            query_lens_host=(1,) * rows,
-            context_lens_host=(1,) * rows,
+        return decode_batch_over(
+            rows,
+            input_ids=self.tokens,
+            positions=self.positions,
+            query_start_loc=self.query_starts[0],
+            context_lens=self.context_lens,
+            seq_lens=self.seq_lens,
+            block_tables=self.block_tables,
+            slot_mapping=self.slot_mapping,
+            state_slots=self.state_slots,
+            logits_indices=self.logits_indices,
         )
 
     def _draft_batch(self, rows: int) -> ForwardBatch:
-        return ForwardBatch(
-            input_ids=self.draft_tokens[:rows],
-            positions=self.draft_positions[:rows],
-            query_start_loc=self.query_starts[0][: rows + 1],
-            context_lens=self.draft_context[:rows],
-            seq_lens=self.draft_seq_lens[:rows],
-            block_tables=self.block_tables[:rows],
-            slot_mapping=self.draft_slot_mapping[:rows],
-            state_slots=self.state_slots[:rows],
-            logits_indices=self.logits_indices[:rows],
-            num_decodes=rows,
-            query_lens_host=(1,) * rows,
-            context_lens_host=(1,) * rows,
+        return decode_batch_over(
+            rows,
+            input_ids=self.draft_tokens,
+            positions=self.draft_positions,
+            query_start_loc=self.query_starts[0],
+            context_lens=self.draft_context,
+            seq_lens=self.draft_seq_lens,
+            block_tables=self.block_tables,
+            slot_mapping=self.draft_slot_mapping,
+            state_slots=self.state_slots,
+            logits_indices=self.logits_indices,
         )
 
     def _reset_padding(self) -> None:
