@@ -49,6 +49,22 @@ def test_pages_are_shared_by_reference_and_only_unreferenced_cached_pages_are_ev
         kv.allocate(1)
 
 
+def test_a_page_registered_without_its_mtp_kv_says_so_until_it_loses_its_key():
+    kv = PageAllocator(num_pages=4, page_size=4)
+    a, b = kv.allocate(2)
+    assert kv.register(a, b"ka", mtp_gaps=True) and kv.register(b, b"kb")
+    assert kv.has_mtp_gaps(a) and not kv.has_mtp_gaps(b)
+    assert not kv.register(a, b"other")  # registered once: the mark stays as it was
+    kv.free([a, b])
+    assert sorted(kv.allocate(3)[1:]) == [a, b]  # the free page, then both cached pages lose their keys
+    assert not kv.has_mtp_gaps(a)
+    kv.register(a, b"ka2")
+    assert not kv.has_mtp_gaps(a)  # new content, registered without gaps
+    kv.register(b, b"kb2", mtp_gaps=True)
+    kv.forget_all()
+    assert not kv.has_mtp_gaps(b)
+
+
 def test_a_snapshot_being_read_is_never_evicted_and_the_least_recently_used_one_is():
     table = SnapshotTable(2)
     snaps = []

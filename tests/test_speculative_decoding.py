@@ -391,3 +391,71 @@ def test_kv_pressure_with_speculation_preempts_and_still_gives_the_plain_tokens(
     fast = serve(model, PROMPTS, greedy(16), speculative=spec(3), **kw)
     assert_same_outputs(fast, plain, PROMPTS)
     assert fast.sched.num_preemptions > 0 or plain.sched.num_preemptions > 0
+
+
+def _spy_plans(monkeypatch) -> list[StepPlan]:
+    plans: list[StepPlan] = []
+    launch = Backend.launch
+
+    def spy(self, plan):
+        plans.append(plan)
+        return launch(self, plan)
+
+    monkeypatch.setattr(Backend, "launch", spy)
+    return plans
+
+
+def _drafting_rows(plans: list[StepPlan]) -> int:
+    return sum(1 for p in plans for r in p.rows if r.drafts or r.is_verify)
+
+
+def test_a_request_a_plain_step_advanced_never_drafts_again(model, monkeypatch):
+    """With two decoders and max_batch 1 the guard runs plain steps, which write no MTP K/V: once the
+    short request ends, the long one decodes alone (the guard would draft) but never drafts. A request
+    arriving after that drafts from its prompt on. The tokens stay those of plain decoding."""
+    plans = _spy_plans(monkeypatch)
+    cfg = SpeculativeConfig(num_speculative_tokens=3, max_batch=1)
+    run = Run(model, speculative=cfg, vocab_size=VOCAB)
+    run.add("a", PROMPTS["a"], greedy(3))
+    run.add("b", PROMPTS["b"], greedy(14))
+    while not run.terminals("a"):
+        run.tick()
+    alone = len(plans)
+    while not run.terminals("b"):
+        run.tick()
+    b_alone = plans[alone:]
+    assert b_alone and all(len(p.rows) == 1 for p in b_alone)
+    assert any(p.num_drafts > 0 for p in b_alone), "the guard was up for one decoder"
+    assert _drafting_rows(b_alone) == 0
+    later = len(plans)
+    run.add("c", PROMPTS["c"], greedy(8))
+    run.run_until_idle()
+    assert _drafting_rows(plans[later:]) > 0
+    monkeypatch.undo()
+    plain = Run(model, vocab_size=VOCAB)
+    for rid, params in (("a", greedy(3)), ("b", greedy(14)), ("c", greedy(8))):
+        plain.add(rid, PROMPTS[rid], params)
+    plain.run_until_idle()
+    assert_same_outputs(run, plain, ["a", "b", "c"])
+
+
+@pytest.mark.parametrize("gaps", [False, True])
+def test_a_prefix_cache_hit_on_positions_without_mtp_kv_does_not_draft(model, monkeypatch, gaps):
+    """Turn 1 decodes beside another request (plain steps under max_batch 1: its decode pages lack MTP
+    K/V) or alone (every step speculative); turn 2 resumes from turn 1's pages and drafts only when
+    they hold the MTP head's K/V."""
+    params = greedy(8)
+    cfg = SpeculativeConfig(num_speculative_tokens=3, max_batch=1)
+    run = Run(model, speculative=cfg, vocab_size=VOCAB, num_snapshots=32)
+    run.add("t1", PROMPTS["b"], params)
+    if gaps:
+        run.add("other", PROMPTS["c"], greedy(20))
+    run.run_until_idle()
+    turn2 = PROMPTS["b"] + run.tokens("t1") + [50, 51, 52, 53, 54]
+    plans = _spy_plans(monkeypatch)
+    run.add("t2", turn2, params)
+    run.run_until_idle()
+    assert run.terminal("t2").num_cached_tokens > len(PROMPTS["b"])
+    assert (_drafting_rows(plans) == 0) == gaps
+    monkeypatch.undo()
+    assert_same_outputs(run, serve(model, {"t2": turn2}, params), ["t2"])

@@ -59,6 +59,9 @@ class PageAllocator:
         self._key_of: dict[int, bytes] = {}
         self._page_of: dict[bytes, int] = {}
         self._cached: OrderedDict[int, None] = OrderedDict()  # unreferenced registered pages, oldest first
+        # Registered pages whose MTP-head K/V has a position its own MTP pass did not write (speculative
+        # decoding: a sequence that resumes from such a page must not draft).
+        self._mtp_gaps: set[int] = set()
 
     @property
     def capacity(self) -> int:
@@ -117,19 +120,26 @@ class PageAllocator:
                 else:
                     self._free.append(page)
 
-    def register(self, page: int, key: bytes) -> bool:
-        """Makes `page` findable by `key`. False (and nothing changes) when the key already names a
-        page or the page already has a key: content is never registered twice."""
+    def register(self, page: int, key: bytes, *, mtp_gaps: bool = False) -> bool:
+        """Makes `page` findable by `key` (`mtp_gaps`: see has_mtp_gaps). False (and nothing changes)
+        when the key already names a page or the page already has a key: content is never registered
+        twice."""
         if key in self._page_of or page in self._key_of:
             return False
         self._page_of[key] = page
         self._key_of[page] = key
+        if mtp_gaps:
+            self._mtp_gaps.add(page)
         if self._refs[page] == 0:
             self._cached[page] = None
         return True
 
     def lookup(self, key: bytes) -> int | None:
         return self._page_of.get(key)
+
+    def has_mtp_gaps(self, page: int) -> bool:
+        """The registered page's MTP-head K/V was not all written by the MTP pass of its sequence."""
+        return page in self._mtp_gaps
 
     def forget_all(self) -> None:
         """Every key is dropped: cached pages become free, referenced ones are freed at their release."""
@@ -138,6 +148,8 @@ class PageAllocator:
         self._cached.clear()
         self._key_of.clear()
         self._page_of.clear()
+        self._mtp_gaps.clear()
 
     def _forget(self, page: int) -> None:
         del self._page_of[self._key_of.pop(page)]
+        self._mtp_gaps.discard(page)

@@ -44,6 +44,7 @@ class PrefixHit:
     position: int  # tokens whose KV and GDN state are cached: the sequence resumes here
     pages: list[int]  # the full pages before the snapshot's tail
     snapshot: Snapshot
+    mtp_gaps: bool = False  # some cached position lacks MTP-head K/V of its own (PageAllocator)
 
 
 @dataclass(slots=True)
@@ -189,7 +190,11 @@ class CacheManager:
                 break
         for snap in stale:
             snaps.drop(snap)
-        return PrefixHit(best.position, pages[:full], best) if best is not None else None
+        if best is None:
+            return None
+        held = pages[:full] + ([best.tail_page] if best.tail_page is not None else [])
+        gaps = best.mtp_gaps or any(self.kv.has_mtp_gaps(page) for page in held)
+        return PrefixHit(best.position, pages[:full], best, gaps)
 
     def open_hit(self, hit: PrefixHit) -> SequenceCache:
         """A sequence resuming at `hit.position`: it shares the full pages, gets its own copy of the
@@ -218,24 +223,33 @@ class CacheManager:
         self.pending.extend(work)
         return SequenceCache(slot=slot, pages=pages, num_computed=hit.position, registered=len(hit.pages))
 
-    def register_pages(self, seq: SequenceCache, keys: Sequence[bytes]) -> None:
-        """Offers the sequence's computed full pages whose keys are known, once each. A page whose
-        content another page already holds stays private (it is freed, not cached, at release)."""
+    def register_pages(self, seq: SequenceCache, keys: Sequence[bytes], *, mtp_gaps: bool = False) -> None:
+        """Offers the sequence's computed full pages whose keys are known, once each (`mtp_gaps`: the
+        sequence has a position without MTP-head K/V of its own). A page whose content another page
+        already holds stays private (it is freed, not cached, at release)."""
         if self.snapshots is None:
             return
         full = min(len(keys), seq.num_computed // self.page_size, len(seq.pages))
         for i in range(seq.registered, full):
-            self.kv.register(seq.pages[i], keys[i])
+            self.kv.register(seq.pages[i], keys[i], mtp_gaps=mtp_gaps)
         seq.registered = max(seq.registered, full)
 
     def save(
-        self, seq: SequenceCache, keys: Sequence[bytes], tokens: Sequence[int], position: int, *, donate: bool
+        self,
+        seq: SequenceCache,
+        keys: Sequence[bytes],
+        tokens: Sequence[int],
+        position: int,
+        *,
+        donate: bool,
+        mtp_gaps: bool = False,
     ) -> CacheWork | None:
         """A snapshot of `seq` after `position` tokens, to be written by the launch that carries the
         returned work: the state must be exactly at `position` when its copies run and the KV of
         `tokens[:position]` in its pages. The boundary page is copied, or with `donate` (the sequence
-        ends here) itself becomes the snapshot's. None when prefix caching is off, the same snapshot
-        exists, or every snapshot place is being read."""
+        ends here) itself becomes the snapshot's. `mtp_gaps`: the sequence has a position without
+        MTP-head K/V of its own. None when prefix caching is off, the same snapshot exists, or every
+        snapshot place is being read."""
         snaps = self.snapshots
         size = self.page_size
         full = position // size
@@ -262,7 +276,7 @@ class CacheManager:
                 work.copies.append(PageCopy(seq.pages[full], tail_page))
             work.held_pages.append(tail_page)
         tail_key = chain(b"tail:" + prefix, tail) if tail else None
-        work.writes.append(Snapshot(index, position, prefix, tail, tail_page, tail_key))
+        work.writes.append(Snapshot(index, position, prefix, tail, tail_page, tail_key, mtp_gaps=mtp_gaps))
         return work
 
     def take_pending(self) -> CacheWork:
@@ -272,7 +286,9 @@ class CacheManager:
     def launched(self, work: CacheWork) -> None:
         """The launch carrying `work` has happened: its snapshots become findable, its holds end."""
         for snap in work.writes:
-            if snap.tail_page is not None and not self.kv.register(snap.tail_page, snap.tail_key):
+            if snap.tail_page is not None and not self.kv.register(
+                snap.tail_page, snap.tail_key, mtp_gaps=snap.mtp_gaps
+            ):
                 existing = self.kv.lookup(snap.tail_key)
                 if existing is None:  # the page has another key: it cannot serve this tail
                     self.snapshots.release(snap.index)

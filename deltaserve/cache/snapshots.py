@@ -46,6 +46,7 @@ class Snapshot:
     tail_key: bytes | None  # the key that page is registered under while it holds this tail
     refs: int = 0  # restores planned from it and not yet launched
     indexed: bool = False
+    mtp_gaps: bool = False  # its sequence had a position without MTP-head K/V of its own (kv_pages)
 
 
 class SnapshotTable:

@@ -71,7 +71,7 @@ def register_computed_pages(sched: SchedulerState, req: Request) -> None:
     known = min(seq.num_computed, req.num_tokens)
     if len(req.page_keys) < known // cache.page_size:
         extend_page_keys(req.page_keys, req.token_slice(0, known), cache.page_size)
-    cache.register_pages(seq, req.page_keys)
+    cache.register_pages(seq, req.page_keys, mtp_gaps=req.mtp_gaps)
 
 
 def save_request_end(sched: SchedulerState, req: Request) -> None:
@@ -92,7 +92,7 @@ def _save(sched: SchedulerState, req: Request, position: int, *, donate: bool) -
     cache = sched.cache
     tokens = req.token_slice(0, position)
     extend_page_keys(req.page_keys, tokens, cache.page_size)
-    return cache.save(req.seq, req.page_keys, tokens, position, donate=donate)
+    return cache.save(req.seq, req.page_keys, tokens, position, donate=donate, mtp_gaps=req.mtp_gaps)
 
 
 def _scores_prompt(req: Request) -> bool:

@@ -63,6 +63,11 @@ class Request:
     # max_tokens): what the acceptance counters and the guard count.
     num_proposed: int = 0
     state_ahead: bool = False
+    # Some position of its sequence lacks the MTP head's own K/V: a step without the MTP pass computed
+    # it (speculation configured, the step plain), or it was resumed from prefix-cache pages or a
+    # snapshot with such a position. It never drafts again: its drafts would attend to stale K/V, and
+    # their low acceptance would steer the guard for every request.
+    mtp_gaps: bool = False
 
     @property
     def num_tokens(self) -> int:

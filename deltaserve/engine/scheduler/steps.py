@@ -26,7 +26,9 @@ head's proposals becomes a verify row (its last token and k drafts, after the pl
 every sampling row of the step, completed chunks included, gets new proposals. Such a step is read
 at once (no decode-ahead): its cursor advances by the row's tokens at launch and is rewound by the
 rejected drafts when the result is applied, after the backend has committed the state of the last
-accepted token. Each row also holds pages for the MTP's proposals beyond it (k - 1 positions).
+accepted token. Each row also holds pages for the MTP's proposals beyond it (k - 1 positions). Only a
+speculative step runs the MTP pass (over every token of the step, which writes the MTP head's K/V):
+a request that a plain step advanced (the guard at 0 drafts, an async prefill) drafts no more.
 """
 
 from __future__ import annotations
@@ -106,6 +108,7 @@ def admit(sched: SchedulerState) -> None:
         req = waiting[index]
         hit = hits.get(index)
         req.seq = cache.open() if hit is None else cache.open_hit(hit)
+        req.mtp_gaps = hit is not None and hit.mtp_gaps  # a preempted request computes again
         if cache.prefix_caching and req.num_preemptions == 0:  # counted at its first admission
             req.num_cached_tokens = 0 if hit is None else hit.position
             sched.prefix_queries += req.num_tokens
@@ -247,8 +250,9 @@ def _chunk_pages(sched: SchedulerState, chunks: list[ScheduledChunk]) -> int:
 
 
 def _may_speculate(req: Request) -> bool:
-    """Verify rows sample without a grammar (its state cannot fork per draft)."""
-    return req.grammar is None
+    """Verify rows sample without a grammar (its state cannot fork per draft); a request drafts only
+    while the MTP head's K/V covers its whole sequence (Request.mtp_gaps)."""
+    return req.grammar is None and not req.mtp_gaps
 
 
 def _plan_speculation(
@@ -326,6 +330,10 @@ def _launch(
     memory (its requests have failed)."""
     cache = sched.cache
     pending = 0 if feed is None else 1  # a fed row's input token is in flight, not yet on the host
+    if sched.guard is not None and spec is None:
+        # A plain step runs no MTP pass over its positions (before the snapshots below are planned).
+        for req in decode + [c.request for c in chunks]:
+            req.mtp_gaps = True
     if spec is not None:  # plain decode rows first, then verify rows
         decode = [r for r in decode if id(r) not in spec.verify] + [r for r in decode if id(r) in spec.verify]
     before, after = cache.take_pending(), CacheWork()
