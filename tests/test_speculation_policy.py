@@ -123,9 +123,16 @@ def test_guard_measures_acceptance_per_position_and_probes_when_off():
         guard.record_step(drafted=False)
     assert guard.draft_length(1) == 0
     guard.record_step(drafted=False)
-    assert guard.draft_length(1) == 1  # a one-draft probe
+    assert guard.draft_length(1) == 1  # a one-draft probe: this step drafts,
+    guard.record_step(drafted=True)
+    assert guard.draft_length(1) == 1  # and the next verifies its proposals
     guard.record_step(drafted=True)
     assert guard.draft_length(1) == 0
+    for _ in range(PROBE_INTERVAL):
+        guard.record_step(drafted=False)
+    guard.record_step(drafted=True)
+    guard.record_step(drafted=False)  # a plain step in between (more rows than max_batch, say)
+    assert guard.draft_length(1) == 0  # ends the probe: its proposals were dropped
 
 
 def test_counters_match_vllms_metrics():

@@ -7,8 +7,10 @@ is accepted given that the ones before it were), and costs 1 + k (DRAFT_STEP_COS
 VERIFY_TOKEN_COST) plain steps: an MTP step is about a fifth of a target step at the 4B shape (its
 full-vocabulary head dominates), and each verified token adds a little compute, which matters only as
 the batch grows. The guard picks the k with the best ratio, 0 (plain decoding) included. When it has
-stepped down to 0 for low acceptance it probes with one draft every PROBE_INTERVAL steps, so a
-workload that becomes predictable again is noticed. `adaptive=False` pins k at the configured count.
+stepped down to 0 for low acceptance it probes every PROBE_INTERVAL steps with PROBE_STEPS one-draft
+steps (the first drafts, the next verifies what it drafted), so a workload that becomes predictable
+again is noticed. Only requests whose MTP K/V has no gap verify (Request.mtp_gaps): after plain steps
+those are the requests a probe admits. `adaptive=False` pins k at the configured count.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from deltaserve.config import SpeculativeConfig
 DRAFT_STEP_COST = 0.2  # one MTP draft step, in target decode steps
 VERIFY_TOKEN_COST = 0.01  # one more token per row in the verify forward, per row of the batch
 PROBE_INTERVAL = 32  # plain steps between one-draft probes while the guard has speculation off
+PROBE_STEPS = 2  # one-draft steps per probe: proposals are verified by the step after the one drafting
 ACCEPTANCE_PRIOR = 0.8  # before any measurement
 ACCEPTANCE_SMOOTHING = 0.1  # weight of one step's measurement in the running estimate
 
@@ -52,6 +55,7 @@ class DraftGuard:
     config: SpeculativeConfig
     acceptance: list[float] = field(default_factory=list)  # per draft position, conditional
     plain_steps: int = 0  # consecutive steps the guard has run without drafts
+    probe_left: int = 0  # one-draft steps still owed to the probe under way
 
     def __post_init__(self) -> None:
         if not self.acceptance:
@@ -67,12 +71,20 @@ class DraftGuard:
         if rows > cfg.max_batch:
             return 0
         k = best_draft_length(self.acceptance, cfg.num_speculative_tokens, rows)
-        if k == 0 and self.plain_steps >= PROBE_INTERVAL:
+        if k == 0 and (self.probe_left > 0 or self.plain_steps >= PROBE_INTERVAL):
             return 1
         return k
 
     def record_step(self, drafted: bool) -> None:
-        self.plain_steps = 0 if drafted else self.plain_steps + 1
+        if not drafted:
+            self.plain_steps += 1
+            self.probe_left = 0  # a plain step drops the proposals a probe was to verify
+            return
+        if self.probe_left > 0:
+            self.probe_left -= 1
+        elif self.plain_steps >= PROBE_INTERVAL:
+            self.probe_left = PROBE_STEPS - 1
+        self.plain_steps = 0
 
     def record_verify(self, num_drafts: int, num_accepted: int) -> None:
         """One verify row: `num_accepted` leading drafts of its `num_drafts` were accepted. Position i
