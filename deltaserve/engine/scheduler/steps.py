@@ -255,6 +255,18 @@ def _may_speculate(req: Request) -> bool:
     return req.grammar is None and not req.mtp_gaps
 
 
+def _speculates(sched: SchedulerState, decode: list[Request]) -> bool:
+    """A step over `decode` speculates: the guard drafts at its size and a decoder or a prompt being
+    prefilled may take part (a step in which no request may draft is a plain one: no wasted MTP pass,
+    and it may be launched ahead)."""
+    guard = sched.guard
+    return (
+        guard is not None
+        and guard.draft_length(max(1, len(decode))) > 0
+        and any(_may_speculate(r) for r in (*decode, *sched.prefilling))
+    )
+
+
 def _plan_speculation(
     sched: SchedulerState, decode: list[Request], free_pages: int
 ) -> SpeculativePlan | None:
@@ -262,11 +274,9 @@ def _plan_speculation(
     scratch lasts and their pages (this step's tokens and the lookahead of the next proposals) are
     free. None: a plain step."""
     guard = sched.guard
-    if guard is None:
+    if guard is None or not _speculates(sched, decode):
         return None
     k = guard.draft_length(max(1, len(decode)))
-    if k == 0:
-        return None
     cache = sched.cache
     spec = SpeculativePlan(k, free_pages=free_pages)
     max_verify = sched.config.speculative.max_batch
@@ -577,7 +587,7 @@ def _launch_following(sched: SchedulerState, ahead: LaunchedStep) -> LaunchedSte
     follow = [r for r in sched.running if len(r.output_token_ids) + 1 < r.max_tokens]
     if not _may_decode_ahead(sched, follow):
         return None
-    if sched.guard is not None and sched.guard.draft_length(max(1, len(follow))) > 0:
+    if _speculates(sched, follow):
         return None  # the next step speculates: it is planned once these tokens are known
     cache = sched.cache
     free = cache.kv.num_free - sum(cache.pages_needed(r.seq, r.num_computed + 1) for r in follow)
