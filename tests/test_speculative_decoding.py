@@ -181,9 +181,7 @@ def test_forced_acceptance_emits_the_proposals_and_the_targets_token_after_them(
         assert plain.tokens(name) == [outputs[rid][int(i)]], name
 
 
-def test_a_step_with_prompt_chunks_verifies_nothing_but_its_decoders_still_draft(model, monkeypatch):
-    """Verify rows run eager (no prefill graph holds them), so beside a prompt chunk the decoders only
-    draft: the step goes through a prefill graph on the GPU, and they verify again in the next step."""
+def _spy_plans(monkeypatch) -> list[StepPlan]:
     plans: list[StepPlan] = []
     launch = Backend.launch
 
@@ -192,6 +190,13 @@ def test_a_step_with_prompt_chunks_verifies_nothing_but_its_decoders_still_draft
         return launch(self, plan)
 
     monkeypatch.setattr(Backend, "launch", spy)
+    return plans
+
+
+def test_a_step_with_prompt_chunks_verifies_nothing_but_its_decoders_still_draft(model, monkeypatch):
+    """Verify rows run eager (no prefill graph holds them), so beside a prompt chunk the decoders only
+    draft: the step goes through a prefill graph on the GPU, and they verify again in the next step."""
+    plans = _spy_plans(monkeypatch)
     fast = serve(model, PROMPTS, greedy(12), speculative=spec(3), arrivals_after=1)
     monkeypatch.undo()
     assert_same_outputs(fast, serve(model, PROMPTS, greedy(12), arrivals_after=1), PROMPTS)
@@ -391,18 +396,6 @@ def test_kv_pressure_with_speculation_preempts_and_still_gives_the_plain_tokens(
     fast = serve(model, PROMPTS, greedy(16), speculative=spec(3), **kw)
     assert_same_outputs(fast, plain, PROMPTS)
     assert fast.sched.num_preemptions > 0 or plain.sched.num_preemptions > 0
-
-
-def _spy_plans(monkeypatch) -> list[StepPlan]:
-    plans: list[StepPlan] = []
-    launch = Backend.launch
-
-    def spy(self, plan):
-        plans.append(plan)
-        return launch(self, plan)
-
-    monkeypatch.setattr(Backend, "launch", spy)
-    return plans
 
 
 def _drafting_rows(plans: list[StepPlan]) -> int:
