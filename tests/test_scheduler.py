@@ -270,6 +270,23 @@ def test_kv_pressure_every_request_finishes_or_is_rejected_and_outputs_match(mod
 
 
 @pytest.mark.parametrize(
+    ("prompt", "problem"),
+    [
+        ([0, 5, VOCAB - 1], None),
+        ([1, -1], f"prompt token 1 must be a token id in [0, {VOCAB}), got -1"),
+        ([1, 2, VOCAB], f"prompt token 2 must be a token id in [0, {VOCAB}), got {VOCAB}"),
+        ([True, 2], f"prompt token 0 must be a token id in [0, {VOCAB}), got True"),
+        ([1, 2.0], f"prompt token 1 must be a token id in [0, {VOCAB}), got 2.0"),
+        ([1, "7"], f"prompt token 1 must be a token id in [0, {VOCAB}), got '7'"),
+    ],
+)
+def test_prompt_token_checks_name_the_first_bad_entry(prompt, problem):
+    from deltaserve.engine.scheduler.validation import _prompt_token_problem
+
+    assert _prompt_token_problem(prompt, VOCAB) == problem
+
+
+@pytest.mark.parametrize(
     ("prompt", "params", "field", "message"),
     [
         ([], SamplingParams(max_tokens=4), "prompt", "at least one token"),

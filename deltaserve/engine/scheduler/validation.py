@@ -40,10 +40,9 @@ def _submission_problem(sched: SchedulerState, req: Request) -> tuple[str, str] 
     prompt = req.prompt_token_ids
     if not prompt:
         return "prompt", "prompt must contain at least one token, got an empty prompt"
-    vocab = sched.config.vocab_size
-    for i, tok in enumerate(prompt):
-        if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab:
-            return "prompt", f"prompt token {i} must be a token id in [0, {vocab}), got {tok!r}"
+    problem = _prompt_token_problem(prompt, sched.config.vocab_size)
+    if problem is not None:
+        return "prompt", problem
     spec = req.params.structured_output
     if spec is not None:
         if sched.grammars is None:
@@ -52,4 +51,15 @@ def _submission_problem(sched: SchedulerState, req: Request) -> tuple[str, str] 
             req.grammar = sched.grammars.grammar(spec)
         except StructuredOutputError as err:
             return "structured_output", str(err)
+    return None
+
+
+def _prompt_token_problem(prompt: list, vocab: int) -> str | None:
+    """The first prompt entry that is not a token id in [0, vocab), named. The common case (all valid)
+    runs in C: a 1k-token prompt cost ~0.8 ms per request as a Python loop, on the engine's loop."""
+    if set(map(type, prompt)) == {int} and min(prompt) >= 0 and max(prompt) < vocab:
+        return None
+    for i, tok in enumerate(prompt):
+        if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab:
+            return f"prompt token {i} must be a token id in [0, {vocab}), got {tok!r}"
     return None
