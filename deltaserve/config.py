@@ -663,6 +663,11 @@ class EngineConfig:
                 f"--speculative-config is not supported with --tensor-parallel-size {self.tensor_parallel_size} "
                 "yet; serve speculative decoding on one GPU"
             )
+        if self.speculative_config is not None and self.prefill_overlap:
+            raise ConfigError(
+                "--speculative-config cannot be combined with --prefill-overlap: an async prefill runs no "
+                "MTP pass, so a request prefilled beside decoders could never draft; drop one of the two"
+            )
         if self.num_kv_pages is not None and self.num_kv_pages < 2:
             raise fail("num_kv_pages", "an integer >= 2 (one page is reserved)", self.num_kv_pages)
 

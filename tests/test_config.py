@@ -175,6 +175,17 @@ def test_bad_engine_flags_fail_before_loading(field, value, message):
     assert message in str(err.value)
 
 
+def test_speculation_with_the_async_prefill_is_refused_naming_both_flags():
+    from deltaserve.config import SpeculativeConfig
+
+    with pytest.raises(ConfigError) as err:
+        EngineConfig(
+            prefill_overlap=True, speculative_config=SpeculativeConfig(num_speculative_tokens=2)
+        ).validate()
+    assert "--speculative-config cannot be combined with --prefill-overlap" in str(err.value)
+    EngineConfig(speculative_config=SpeculativeConfig(num_speculative_tokens=2)).validate()
+
+
 def test_warm_up_measures_the_largest_step_either_budget_allows():
     assert EngineConfig().largest_step_tokens == 2048
     assert EngineConfig(max_num_batched_tokens_saturated=8192).largest_step_tokens == 8192
