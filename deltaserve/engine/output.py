@@ -69,8 +69,6 @@ class OutputState:
     prompt_token_ids: list[int]
     params: SamplingParams
     tokenizer: Tokenizer | None
-    text: str = ""  # all text decoded so far (stop strings already cut)
-    sent: int = 0  # characters of `text` already handed out as deltas
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None
@@ -81,6 +79,12 @@ class OutputState:
     num_cached_tokens: int = 0
     _detok: IncrementalDetokenizer | None = field(default=None, init=False, repr=False)
     _holdback: int = field(default=0, init=False, repr=False)  # length of the longest stop string
+    # The text decoded so far (stop strings already cut) is the pieces handed out as deltas, then the
+    # unsent rest: once an update is applied, at most the longest stop string's length - 1 characters
+    # (a stop string may still start there). Kept apart so that a long output is never copied whole
+    # per token; stop strings are only ever searched for in the unsent rest.
+    _sent: list[str] = field(default_factory=list, init=False, repr=False)
+    _unsent: str = field(default="", init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.tokenizer is not None:
@@ -92,6 +96,11 @@ class OutputState:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def text(self) -> str:
+        """All text decoded so far, stop strings already cut."""
+        return "".join(self._sent) + self._unsent
 
     def apply(self, update: RequestUpdate) -> OutputDelta:
         """Invariant: applying an update of several tokens gives what applying one update per token
@@ -109,11 +118,11 @@ class OutputState:
         if self._detok is not None and tokens:
             pieces = [[t] for t in tokens] if self._holdback else [tokens]
             for i, piece in enumerate(pieces):
-                start = max(0, len(self.text) - self._holdback + 1)
-                self.text += self._detok.push(piece)
+                start = max(0, len(self._unsent) - self._holdback + 1)
+                self._unsent += self._detok.push(piece)
                 last = i == len(pieces) - 1
                 if last and finish is not None:
-                    self.text += self._detok.flush()
+                    self._unsent += self._detok.flush()
                 matched = self._match_stop(start)
                 if matched is not None and finish not in ("rejected", "error"):
                     finish, stop_reason = "stop", matched
@@ -126,13 +135,13 @@ class OutputState:
             self.logprobs.extend(new_logprobs)
         self.finish_reason, self.stop_reason = finish, stop_reason
         self.error, self.error_field = update.error, update.error_field
-        end = (
-            len(self.text)
-            if finish is not None
-            else max(self.sent, len(self.text) - max(self._holdback - 1, 0))
-        )
+        unsent = self._unsent
+        end = len(unsent) if finish is not None else max(0, len(unsent) - max(self._holdback - 1, 0))
+        if end:
+            self._sent.append(unsent[:end])
+            self._unsent = unsent[end:]
         delta = OutputDelta(
-            text=self.text[self.sent : end],
+            text=unsent[:end],
             token_ids=list(tokens),
             logprobs=new_logprobs,
             finish_reason=finish,
@@ -145,22 +154,21 @@ class OutputState:
             num_cached_tokens=update.num_cached_tokens,
             prompt_logprobs=update.prompt_logprobs,
         )
-        self.sent = end
         return delta
 
     def _match_stop(self, start: int) -> str | None:
-        """Finds the earliest stop string starting at or after `start`; cuts the text there."""
+        """Finds the earliest stop string starting at or after `start` of the unsent text; cuts the
+        text there."""
         best: tuple[int, str] | None = None
+        unsent = self._unsent
         for stop in self.params.stop or ():
-            pos = self.text.find(stop, start)
+            pos = unsent.find(stop, start)
             if pos >= 0 and (best is None or pos < best[0]):
                 best = (pos, stop)
         if best is None:
             return None
         pos, stop = best
-        self.text = (
-            self.text[: pos + len(stop)] if self.params.include_stop_str_in_output else self.text[:pos]
-        )
+        self._unsent = unsent[: pos + len(stop)] if self.params.include_stop_str_in_output else unsent[:pos]
         return stop
 
     def to_output(self) -> RequestOutput:

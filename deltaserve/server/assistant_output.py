@@ -35,8 +35,9 @@ class CallState:
 class AssistantOutput:
     parser: OutputParser
     pending: ParsedDelta = field(default_factory=ParsedDelta)  # deltas of the forced prefix, not yet sent
-    reasoning: str = ""
-    content: str = ""
+    # The output so far as pieces (a long reasoning is never copied whole per delta).
+    reasoning_pieces: list[str] = field(default_factory=list)
+    content_pieces: list[str] = field(default_factory=list)
     calls: list[CallState] = field(default_factory=list)
     single_call: bool = False  # parallel_tool_calls false: calls after the first are dropped
 
@@ -61,9 +62,19 @@ class AssistantOutput:
         self._record(delta)
         return delta
 
+    @property
+    def reasoning(self) -> str:
+        return "".join(self.reasoning_pieces)
+
+    @property
+    def content(self) -> str:
+        return "".join(self.content_pieces)
+
     def _record(self, delta: ParsedDelta) -> None:
-        self.reasoning += delta.reasoning
-        self.content += delta.content
+        if delta.reasoning:
+            self.reasoning_pieces.append(delta.reasoning)
+        if delta.content:
+            self.content_pieces.append(delta.content)
         for call in delta.tool_calls:
             if call.id is not None:
                 self.calls.append(CallState(call.id, call.name or "", call.arguments))

@@ -177,9 +177,11 @@ def _checked_ids(state: ServerState, ids: list[int]) -> list[int]:
 
 @dataclass(slots=True)
 class _Choice:
-    """One prompt's completion as it accumulates."""
+    """One prompt's completion as it accumulates (its text as pieces: a long output is never copied
+    whole per delta)."""
 
-    text: str = ""
+    pieces: list[str] = field(default_factory=list)
+    num_chars: int = 0
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
@@ -190,11 +192,17 @@ class _Choice:
     scored_prompt: list[TokenLogprobs | None] | None = None
     seen: bool = False  # a delta arrived (the echo goes out with the first)
 
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
     def add(self, delta: OutputDelta) -> None:
         self.seen = True
         if delta.prompt_logprobs is not None:
             self.scored_prompt = delta.prompt_logprobs
-        self.text += delta.text
+        if delta.text:
+            self.pieces.append(delta.text)
+            self.num_chars += len(delta.text)
         self.token_ids += delta.token_ids
         self.logprobs += delta.logprobs or []
         self.num_prompt_tokens = delta.num_prompt_tokens
@@ -292,7 +300,7 @@ async def _stream(
                 if error is not None:
                     raise error
                 first = not choices[i].seen
-                offset = echoed[i] + len(choices[i].text)
+                offset = echoed[i] + choices[i].num_chars
                 choices[i].add(delta)
                 echo = _echo(state, body, reqs[i], choices[i].scored_prompt) if first else _Echo()
                 echoed[i] += len(echo.text)
