@@ -72,3 +72,36 @@ def test_a_stop_string_ends_the_output_at_the_token_that_completed_it(tokenizer)
     assert [lp.logprob for lp in delta.logprobs or []] == [-float(i) for i in range(completing)]
     assert (delta.finish_reason, delta.stop_reason) == ("stop", "lazy")
     assert delta.abort_engine  # the engine is still generating
+
+
+def _reference(tokenizer: Tokenizer, tokens: list[int], stops: list[str], keep: bool) -> str:
+    """The output text by prefix decodes: at the first token whose decoded prefix holds a stop string,
+    cut at the earliest of those present (after it with `keep`)."""
+    for n in range(1, len(tokens) + 1):
+        text = tokenizer.decode(tokens[:n])
+        found = [(text.find(s), s) for s in stops if s in text]
+        if found:
+            pos, stop = min(found)
+            return text[: pos + len(stop)] if keep else text[:pos]
+    return tokenizer.decode(tokens)
+
+
+@pytest.mark.parametrize(
+    "stops",
+    [["stop!"], ["g. E", "absent"], ["ïcö"], ["lazy dog", "🙂"], ["数据, the"], [" 🙂"], ["absent"]],
+)
+@pytest.mark.parametrize("keep", [False, True])
+@pytest.mark.parametrize("one_token_updates", [True, False])
+def test_streamed_text_equals_the_prefix_decode_cut_at_the_first_stop_string(
+    tokenizer, stops, keep, one_token_updates
+) -> None:
+    # Multi-byte characters and stop strings that span tokens (most of these), lie inside one token, or
+    # never occur. The text goes out in pieces (a long output is never copied whole), which must not
+    # change a byte; with one token per update every multi-token stop string spans updates.
+    text = "Ünïcödé 🙂 数据, the lazy dog. END: stop! " * 3 + "Ünïcödé"
+    tokens = tokenizer.encode(text)
+    params = SamplingParams(max_tokens=len(tokens), stop=stops, include_stop_str_in_output=keep)
+    every = list(range(1, len(tokens)))
+    cuts = every if one_token_updates else sorted(random.Random(len(stops)).sample(every, len(every) // 3))
+    streamed, *_ = _run(tokenizer, params, _updates(tokens, cuts, "length"))
+    assert streamed == _reference(tokenizer, tokens, stops, keep)
