@@ -244,18 +244,17 @@ class SpeculativeStep:
         hidden = first_hidden
         token = model.draft_tokens(hidden)
         out = [token]
-        if graphs is None and num_drafts > 1 and self.graphs is not None:
+        batch_rows = [r.batch_row() for r in rows] if num_drafts > 1 else []
+        if batch_rows and graphs is None and self.graphs is not None and self.graphs.can_draft(batch_rows):
             # After a step no verify replay ran: the draft graphs, over the drafting rows' block tables.
-            batch_rows = [r.batch_row() for r in rows]
-            if self.graphs.can_draft(batch_rows):
-                graphs = self.graphs
-                graphs.load_tables(batch_rows)
+            graphs = self.graphs
+            graphs.load_tables(batch_rows)
         for j in range(1, num_drafts):
             # Draft j (0-based) is predicted at MTP position committed + j - 1: its input is draft
             # j - 1, the token at position committed + j.
             if graphs is not None:
                 positions = [c + j - 1 for c in committed]
-                hidden, token = graphs.draft([r.batch_row() for r in rows], token, hidden, positions)
+                hidden, token = graphs.draft(batch_rows, token, hidden, positions)
                 out.append(token)
                 continue
             step_rows = [

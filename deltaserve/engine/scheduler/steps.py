@@ -255,16 +255,17 @@ def _may_speculate(req: Request) -> bool:
     return req.grammar is None and not req.mtp_gaps
 
 
-def _speculates(sched: SchedulerState, decode: list[Request]) -> bool:
-    """A step over `decode` speculates: the guard drafts at its size and a decoder or a prompt being
-    prefilled may take part (a step in which no request may draft is a plain one: no wasted MTP pass,
-    and it may be launched ahead)."""
+def _draft_count(sched: SchedulerState, decode: list[Request]) -> int:
+    """The drafts per row of a step over `decode`: the guard's count at its size, or 0 (a plain step)
+    when no decoder and no prompt being prefilled may take part (no MTP pass for nothing, and the
+    step may be launched ahead)."""
     guard = sched.guard
-    return (
-        guard is not None
-        and guard.draft_length(max(1, len(decode))) > 0
-        and any(_may_speculate(r) for r in (*decode, *sched.prefilling))
-    )
+    if guard is None:
+        return 0
+    k = guard.draft_length(max(1, len(decode)))
+    if k and not any(_may_speculate(r) for r in (*decode, *sched.prefilling)):
+        return 0
+    return k
 
 
 def _plan_speculation(
@@ -273,10 +274,9 @@ def _plan_speculation(
     """The guard's draft count for this step and which decoders verify k drafts, while the verify
     scratch lasts and their pages (this step's tokens and the lookahead of the next proposals) are
     free. None: a plain step."""
-    guard = sched.guard
-    if guard is None or not _speculates(sched, decode):
+    k = _draft_count(sched, decode)
+    if k == 0:
         return None
-    k = guard.draft_length(max(1, len(decode)))
     cache = sched.cache
     spec = SpeculativePlan(k, free_pages=free_pages)
     max_verify = sched.config.speculative.max_batch
@@ -587,7 +587,7 @@ def _launch_following(sched: SchedulerState, ahead: LaunchedStep) -> LaunchedSte
     follow = [r for r in sched.running if len(r.output_token_ids) + 1 < r.max_tokens]
     if not _may_decode_ahead(sched, follow):
         return None
-    if _speculates(sched, follow):
+    if _draft_count(sched, follow) > 0:
         return None  # the next step speculates: it is planned once these tokens are known
     cache = sched.cache
     free = cache.kv.num_free - sum(cache.pages_needed(r.seq, r.num_computed + 1) for r in follow)
