@@ -80,7 +80,7 @@ def test_allocations_that_can_stall_a_step_are_counted_and_logged(caplog, monkey
 
 def test_forward_shapes_parse_and_name_the_field_when_wrong():
     assert parse_shape("61x1@1100+1x512@0") == [RowGroup(61, 1, 1100), RowGroup(1, 512, 0)]
-    rows = shape_rows(parse_shape("2x1@20+1x5@0"), page_size=16)
+    rows = shape_rows(parse_shape("2x1@20+1x5@0"), page_size=16, vocab_size=1000)
     assert [(len(r.token_ids), r.context_len, len(r.pages)) for r in rows] == [
         (1, 20, 2),
         (1, 20, 2),
@@ -89,6 +89,16 @@ def test_forward_shapes_parse_and_name_the_field_when_wrong():
     for bad in ("61x1", "ax1@0", "0x1@0", "1x1@-1"):
         with pytest.raises(ValueError, match="--shape"):
             parse_shape(bad)
+
+
+def test_forward_shape_rows_spread_token_ids_over_the_vocabulary():
+    """One repeated id would route every row of a MoE model to the same experts (an unreal expert load)."""
+    rows = shape_rows(parse_shape("64x1@20+2x512@0"), page_size=16, vocab_size=1000)
+    ids = [t for r in rows for t in r.token_ids]
+    assert all(0 <= t < 1000 for t in ids)
+    assert len(set(ids)) > 500  # 1088 draws over 1000 ids: ~660 distinct expected
+    again = shape_rows(parse_shape("64x1@20+2x512@0"), page_size=16, vocab_size=1000)
+    assert [r.token_ids for r in again] == [r.token_ids for r in rows]  # a fixed seed: runs compare
 
 
 def test_bench_forward_runs_on_cpu(capsys):

@@ -3,7 +3,8 @@
 A shape is rows of `SEQSxTOKENS@CONTEXT` joined by `+` (decode rows first, as a step lays them out):
 `1x1@0` is a one-token prompt, `64x1@1100` 64 decode rows at context 1100, `61x1@1100+1x512@0` a
 unified step. Every row reads and writes only the reserved page and state slot, so the numbers are
-those of the kernels and the host work, not of any cached content. For each shape, medians of
+those of the kernels and the host work, not of any cached content; token ids are drawn from the
+vocabulary, so a MoE model's experts get the spread of load that text gives them. For each shape, medians of
 `--num-iters` runs after `--num-iters-warmup`:
 
 - eager: the model's forward and logits, launched from Python;
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -68,12 +70,18 @@ def parse_shape(text: str) -> list[RowGroup]:
     return groups
 
 
-def shape_rows(groups: Sequence[RowGroup], page_size: int) -> list[BatchRow]:
+def shape_rows(groups: Sequence[RowGroup], page_size: int, vocab_size: int, seed: int = 0) -> list[BatchRow]:
+    """Rows on the reserved page and slot, with token ids drawn uniformly from the vocabulary (fixed
+    seed): a MoE model routes them over its experts as it routes real text, where one repeated id would
+    send every row to the same few experts and time the experts' kernels at an unreal load."""
     from deltaserve.engine.warmup import dummy_rows
 
+    draw = random.Random(seed)
     rows: list[BatchRow] = []
     for g in groups:
-        rows += dummy_rows(g.seqs, g.tokens, page_size, context=g.context)
+        for row in dummy_rows(g.seqs, g.tokens, page_size, context=g.context):
+            row.token_ids = [draw.randrange(vocab_size) for _ in row.token_ids]
+            rows.append(row)
     return rows
 
 
@@ -108,7 +116,7 @@ def measure(engine: EngineCore, shape: str, iters: int, warmup: int, kernels: bo
     limit = engine.info.max_model_len
     if any(g.context + g.tokens > limit for g in groups):
         raise ValueError(f"--shape {shape!r}: a row's context + tokens exceeds max_model_len ({limit})")
-    rows = shape_rows(groups, caches.page_size)
+    rows = shape_rows(groups, caches.page_size, engine.tokenizer_vocab)
 
     def sync() -> None:
         if device.type == "cuda":
