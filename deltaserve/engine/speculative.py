@@ -244,8 +244,10 @@ class SpeculativeStep:
         hidden = first_hidden
         token = model.draft_tokens(hidden)
         out = [token]
-        batch_rows = [r.batch_row() for r in rows] if num_drafts > 1 else []
-        if batch_rows and graphs is None and self.graphs is not None and self.graphs.can_draft(batch_rows):
+        # The drafting rows' batch rows, once for every draft step; only the graph paths read them.
+        uses_graphs = num_drafts > 1 and (graphs is not None or self.graphs is not None)
+        batch_rows = [r.batch_row() for r in rows] if uses_graphs else []
+        if uses_graphs and graphs is None and self.graphs.can_draft(batch_rows):
             # After a step no verify replay ran: the draft graphs, over the drafting rows' block tables.
             graphs = self.graphs
             graphs.load_tables(batch_rows)
