@@ -75,7 +75,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--prefill-overlap",
         action="store_true",
-        help="launch prefill chunks asynchronously while decode continues",
+        help="launch prefill chunks asynchronously while decode continues: on the GPU on a low-priority "
+        "stream of their own, beside the decode steps on a high-priority one (off by default: see "
+        "docs/benchmarks for the A/B)",
     )
     g.add_argument(
         "--no-decode-ahead",

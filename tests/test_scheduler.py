@@ -646,3 +646,43 @@ def test_shutdown_drains_a_running_decode_step_and_publishes_zero_load(model):
     run.tick()
     assert run.terminal("x").finish_reason == "error"
     assert run.loads[-1].kv_pages_used == 0 and run.loads[-1].state_slots_free == 16
+
+
+class _StillRunning:
+    """An async prefill's completion event while the device still runs it (engine/step.py)."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+
+def test_an_async_prefills_cache_work_settles_only_once_it_has_been_waited_for(model, monkeypatch):
+    # On the GPU an async prefill runs on its own stream beside the decode steps launched after it: the
+    # snapshot it writes must not be findable, nor the sources of its copies released for reuse, before
+    # the scheduler has waited for it.
+    run = Run(model, max_num_batched_tokens=16, prefill_overlap=True, num_snapshots=8)
+    run.add("dec", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))
+    run.tick()
+    settled: list = []
+    settle = run.sched.cache.launched
+    monkeypatch.setattr(run.sched.cache, "launched", lambda work: (settled.append(work), settle(work)))
+    run.add("long", list(range(1, 61)), SamplingParams(temperature=0.0, max_tokens=4), cache_points=[8])
+    run.tick()  # long's first chunk, ending on its cache point, launched async while "dec" decodes
+    inflight = run.sched.inflight
+    assert inflight is not None and [r.request_id for r in inflight.requests] == ["long"]
+    inflight.pending.finished = _StillRunning()
+    snapshots = [snap for work in inflight.settle_at_wait for snap in work.writes]
+    assert len(snapshots) == 1
+    run.tick(3)  # "dec" decodes beside it; nothing of the async prefill's is settled
+    assert run.sched.inflight is inflight and len(run.tokens("dec")) == 5
+    assert not any(work in settled for work in inflight.settle_at_wait) and not snapshots[0].indexed
+    inflight.pending.finished.done = True  # the device is done with it
+    run.tick()
+    assert run.sched.inflight is not inflight and snapshots[0].indexed
+    run.run_until_idle()
+    assert len(run.tokens("long")) == 4 and run.sched.load.kv_pages_used == 0

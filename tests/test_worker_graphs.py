@@ -71,6 +71,15 @@ def test_a_pure_decode_step_replays_in_the_decode_graphs():
     assert decode.calls == [([1, 2], None)] and prefill.calls == []
 
 
+def test_an_overlapped_step_of_one_token_rows_never_replays_a_decode_graph():
+    # An async prefill whose chunks are one token after a context is decode-shaped; it runs beside the
+    # decode steps, which own the decode graphs' inputs and memory pool, so it takes a prefill graph.
+    decode, prefill = Runner(one_token), Runner(lambda rows: True)
+    logits, _ = worker(decode, prefill).run(DECODE, decode_graphs=False)
+    assert logits.flatten().tolist() == [1.0, 2.0]
+    assert decode.calls == [] and prefill.calls == [([1, 2], None)]
+
+
 def test_a_failed_capture_runs_nothing_and_leaves_the_step_eager():
     decode, prefill = Runner(one_token), Runner(lambda rows: True, fails=True)
     with pytest.raises(AssertionError, match="eager forward"):

@@ -11,16 +11,29 @@ behind an event, so waiting for them never waits for steps launched later. A pla
 may take their input token from an earlier, still running step's sampled tokens on the device (a
 `TokenFeed`): decode step N+1 is launched before step N's tokens reach the host.
 
-All device work runs in launch order on one stream. Even so, the scheduler releases a sequence's
-pages and slot only after every launched step over it has been waited for, so the rule holds for any
-future second stream as well.
+Streams. Without prefill overlap all device work runs in launch order on the current stream. With it
+(`overlap=True`, CUDA only) the backend owns two: every launch runs on a high-priority main stream,
+except an overlapped launch (`launch(plan, overlapped=True)`: an async prefill), which runs on a
+low-priority prefill stream that first waits for everything launched before it. Decode steps launched
+after it then run beside it, and the GPU schedules their blocks first. What keeps the two apart:
+  * an overlapped step touches only its own rows' pages and slots (its requests are in no queue until
+    it is waited for), the reserved padding page and slot, and its plan's cache copies; the scheduler
+    makes those copies' snapshots findable and releases their sources only once it has waited for it;
+  * it never replays a decode graph (their static inputs and pool belong to the main stream); the
+    prefill graphs it may replay have a memory pool of their own (engine/core.py);
+  * its `PendingStep` carries an event recorded after all of its work, and waiting for it (or finding
+    it ready) is what lets the scheduler hand its requests to the main stream.
+The scheduler releases a sequence's pages and slot only after every launched step over it has been
+waited for, whichever stream ran it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -50,6 +63,7 @@ class Backend:
         sampler: Sampler | None = None,
         worker: ModelWorker | None = None,
         spec_graphs: SpeculativeGraphs | None = None,
+        overlap: bool = False,
     ) -> None:
         self.model = model
         self.caches = caches
@@ -62,33 +76,53 @@ class Backend:
             else None
         )
         self._sync_debug = SYNC_DEBUG and self.device.type == "cuda"
+        self._streams = OverlapStreams.create(self.device) if overlap and self.device.type == "cuda" else None
         if self._sync_debug:
             logging.captureWarnings(True)
 
     def capture_ahead(self) -> bool:
         """Idle time: one graph capture ahead of need (engine/prefill_graphs.py); False: none left."""
-        return self.worker.capture_ahead()
+        with self._on_main():
+            return self.worker.capture_ahead()
 
     @torch.inference_mode()
     def logits(self, rows: list[BatchRow]) -> torch.Tensor:
         """float32 logits [R, vocab] of the rows that need them (every row by default), in row order:
         the forward alone, for tests and tools that drive the model row by row."""
-        return self.worker.run(rows)[0]
+        with self._on_main():
+            return self.worker.run(rows)[0]
 
-    def launch(self, plan: StepPlan) -> PendingStep:
+    def launch(self, plan: StepPlan, overlapped: bool = False) -> PendingStep:
         """Runs the plan's forward and the sampler and starts copying the results to the host; returns
         without waiting for the device. A speculative step (plan.num_drafts > 0) is read during its
-        launch: its rows' lengths depend on what the target accepts."""
+        launch: its rows' lengths depend on what the target accepts. `overlapped`: an async prefill,
+        run beside the decode steps launched after it (on the prefill stream, with overlap on; see the
+        module docstring); it never replays a decode graph."""
         if not self._sync_debug:
-            return self._launch(plan)
+            return self._launch_on_stream(plan, overlapped)
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            return self._launch(plan)
+            return self._launch_on_stream(plan, overlapped)
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
+    def _launch_on_stream(self, plan: StepPlan, overlapped: bool) -> PendingStep:
+        streams = self._streams
+        if not overlapped or streams is None:
+            with self._on_main():
+                return self._launch(plan, decode_graphs=not overlapped)
+        streams.prefill.wait_stream(streams.main)  # its inputs: everything launched before it
+        with torch.cuda.stream(streams.prefill):
+            pending = self._launch(plan, decode_graphs=False)
+            pending.finished = torch.cuda.Event()
+            pending.finished.record(streams.prefill)
+        return pending
+
+    def _on_main(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext() if self._streams is None else torch.cuda.stream(self._streams.main)
+
     @torch.inference_mode()
-    def _launch(self, plan: StepPlan) -> PendingStep:
+    def _launch(self, plan: StepPlan, decode_graphs: bool = True) -> PendingStep:
         if plan.num_drafts:
             if self.speculative is None:
                 raise ValueError("a speculative step needs a model with an MTP head")
@@ -97,7 +131,11 @@ class Backend:
         rows = [r.batch_row() for r in planned]
         fed = None if plan.feed is None else _fed_tokens(plan.feed, rows, self.device)
         logits, scored_hidden = self.worker.run(
-            rows, fed, copies_before=plan.copies_before, copies_after=plan.copies_after
+            rows,
+            fed,
+            copies_before=plan.copies_before,
+            copies_after=plan.copies_after,
+            decode_graphs=decode_graphs,
         )
         prompt = None if scored_hidden is None else self._score_prompts(planned, scored_hidden)
         sampling = [r.sampling for r in planned if r.sampling is not None]
@@ -134,6 +172,22 @@ class Backend:
             offset += len(scoring.targets)
             out.append(scored)
         return out
+
+
+@dataclass(frozen=True, slots=True)
+class OverlapStreams:
+    """The two streams of prefill overlap: `main` runs every launch but the overlapped ones, at the
+    device's highest priority; `prefill` runs those, at its lowest."""
+
+    main: torch.cuda.Stream
+    prefill: torch.cuda.Stream
+
+    @classmethod
+    def create(cls, device: torch.device) -> OverlapStreams:
+        # Priorities past the device's range are clamped to it: these are its highest and lowest.
+        main = torch.cuda.Stream(device, priority=-100)
+        main.wait_stream(torch.cuda.current_stream(device))  # start-up's work (weights, graphs) first
+        return cls(main, torch.cuda.Stream(device, priority=100))
 
 
 def _fed_tokens(feed: TokenFeed, rows: Sequence[BatchRow], device: torch.device) -> torch.Tensor:

@@ -179,7 +179,8 @@ class EngineCore:
                 config.max_num_seqs,
                 config.prefill_graph_tokens,
                 max_model_len,
-                pool=graphs.pool,
+                # An overlapped prefill replays beside the decode graphs: it must not share their pool.
+                pool=None if config.prefill_overlap else graphs.pool,
                 every_token=spec is not None,
             )
             seconds = prefill_graphs.warm()
@@ -196,6 +197,7 @@ class EngineCore:
                 caches,
                 worker=ModelWorker(self.model, caches, graphs, prefill_graphs),
                 spec_graphs=spec_graphs,
+                overlap=config.prefill_overlap,
             )
             if self.workers is None
             else Backend(self.model, caches, worker=TensorParallelWorker(self.model, caches, self.workers))

@@ -24,7 +24,8 @@ Padding, all of it on the reserved KV page and state slot (nothing live is read 
 The kernels read nothing from the host but shapes (attention, conv1d, fla given its chunk list, MoE
 grouping), so a replay with new inputs computes what an eager forward of the same rows computes.
 
-Graphs share the decode graphs' memory pool; a capture that fails (out of memory) leaves that bucket
+Graphs share the decode graphs' memory pool (a pool of their own with prefill overlap, where they
+replay beside decode graphs: engine/backend.py); a capture that fails (out of memory) leaves that bucket
 eager, with a warning, and serving goes on.
 
 Ahead of need: while the engine is idle it captures the buckets serving is likely to need

@@ -94,6 +94,9 @@ class PendingStep:
         self._rows = rows
         self._prompt_logprobs = prompt_logprobs or []
         self._result: StepResult | None = None
+        # An overlapped step's (engine/backend.py): recorded after all of its device work, the pages and
+        # state it writes included; it is not ready, nor read, before that.
+        self.finished: torch.cuda.Event | None = None
 
     @classmethod
     def done(cls, result: StepResult) -> PendingStep:
@@ -103,9 +106,13 @@ class PendingStep:
         return step
 
     def ready(self) -> bool:
+        if self.finished is not None:
+            return self.finished.query()
         return self._staged is None or self._staged.done is None or self._staged.done.query()
 
     def wait(self) -> StepResult:
+        if self.finished is not None:
+            self.finished.synchronize()
         if self._result is None:
             self._result = StepResult([], []) if self._staged is None else self._staged.read(self._rows)
             self._result.prompt_logprobs = self._prompt_logprobs

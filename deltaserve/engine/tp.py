@@ -206,6 +206,7 @@ class TensorParallelWorker(ModelWorker):
         logits: bool = True,
         copies_before: Sequence[CacheCopy] = (),
         copies_after: Sequence[CacheCopy] = (),
+        decode_graphs: bool = True,  # ModelWorker.run's; tensor parallelism runs no graphs
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         group = self.workers.group
         step_id = group.dispatch(rows, copies_before, copies_after, 0 if fed is None else fed.shape[0])

@@ -41,14 +41,16 @@ class ModelWorker:
         logits: bool = True,
         copies_before: Sequence[CacheCopy] = (),
         copies_after: Sequence[CacheCopy] = (),
+        decode_graphs: bool = True,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The cache copies before, the forward over `rows` (a decode graph when one fits, else a
         prefill graph when one fits; none when there are no rows), the copies after. With `logits`:
         float32 logits of the rows that need them and the hidden states of the scored tokens (None when
-        no row scores); without (a rank that does not sample), (None, None). `fed`: input tokens of the first fed.shape[0] rows, on the
-        device."""
+        no row scores); without (a rank that does not sample), (None, None). `fed`: input tokens of
+        the first fed.shape[0] rows, on the device. Without `decode_graphs` (an overlapped step beside
+        the decode steps that own them) a step of one-token rows runs as a prefill graph or eager."""
         self.caches.copy(copies_before)
-        out = self._forward(rows, fed, logits) if rows else (None, None)
+        out = self._forward(rows, fed, logits, decode_graphs) if rows else (None, None)
         self.caches.copy(copies_after)
         return out
 
@@ -66,9 +68,9 @@ class ModelWorker:
         return prefill.run(rows, fed) if prefill.can_run(rows) else None
 
     def _forward(
-        self, rows: list[BatchRow], fed: torch.Tensor | None, logits: bool
+        self, rows: list[BatchRow], fed: torch.Tensor | None, logits: bool, decode_graphs: bool = True
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        graphs = self.graphs
+        graphs = self.graphs if decode_graphs else None
         scoring = any(r.scored for r in rows)
         if logits and graphs is not None and not scoring and _all_need_logits(rows) and graphs.can_run(rows):
             return graphs.run(rows, fed), None

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from deltaserve.cache.manager import CacheManager, SequenceCache
+from deltaserve.cache.manager import CacheManager, CacheWork, SequenceCache
 from deltaserve.engine.protocol import TokenLogprobs
 from deltaserve.engine.step import PendingStep, StepResult
 from deltaserve.engine.structured import RequestGrammar
@@ -118,6 +118,10 @@ class LaunchedStep:
     # Launched ahead: its chunks' requests were requeued or promoted at launch (a promoted request runs
     # with its first token in flight); applying the result only delivers tokens.
     ahead: bool = False
+    # An overlapped step's (an async prefill on its own stream) cache work, settled once it has been
+    # waited for: its snapshots are not findable, nor the sources of its copies released, while the
+    # device may still write or read them beside later steps.
+    settle_at_wait: list[CacheWork] = field(default_factory=list)
 
     @property
     def requests(self) -> list[Request]:
@@ -134,6 +138,9 @@ class LaunchedStep:
     def wait(self, cache: CacheManager) -> StepResult:
         result = self.pending.wait()
         self.waited = True
+        for work in self.settle_at_wait:
+            cache.launched(work)
+        self.settle_at_wait.clear()
         for seq in self.deferred:
             cache.release(seq)
         self.deferred.clear()

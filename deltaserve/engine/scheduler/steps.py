@@ -332,12 +332,14 @@ def _launch(
     chunks: list[ScheduledChunk],
     feed: TokenFeed | None = None,
     spec: SpeculativePlan | None = None,
+    overlapped: bool = False,
 ) -> LaunchedStep | None:
     """Builds the step's plan (reserving each row's pages through the cache manager), launches it and
     advances every row's cursor: after this, KV, conv/SSM state and position have moved together by the
     row's tokens. The plan also carries the prefix cache's pending copies (before the forward) and the
-    snapshots of chunks ending on a cache point (after it). Returns None when the launch ran out of
-    memory (its requests have failed)."""
+    snapshots of chunks ending on a cache point (after it), settled at launch, or once the step has
+    been waited for when it is `overlapped` (an async prefill, which runs beside later steps).
+    Returns None when the launch ran out of memory (its requests have failed)."""
     cache = sched.cache
     pending = 0 if feed is None else 1  # a fed row's input token is in flight, not yet on the host
     if sched.guard is not None and spec is None:
@@ -365,7 +367,7 @@ def _launch(
         plan.copies_before, plan.copies_after = before.copies, after.copies
         if telemetry.ITL_DEBUG:
             telemetry.mark("plan")
-        launched = sched.backend.launch(plan)
+        launched = sched.backend.launch(plan, overlapped=True) if overlapped else sched.backend.launch(plan)
         if telemetry.ITL_DEBUG:
             telemetry.mark("launch")
     except (torch.OutOfMemoryError, MemoryError) as exc:
@@ -375,11 +377,14 @@ def _launch(
             sched, decode + [c.request for c in chunks], f"step failed: out of memory ({exc})"
         )
         return None
-    cache.launched(before)
-    cache.launched(after)
+    step = LaunchedStep(decode, chunks, launched)
+    if overlapped:
+        step.settle_at_wait += [before, after]
+    else:
+        cache.launched(before)
+        cache.launched(after)
     if sched.guard is not None and decode:
         sched.guard.record_step(drafted=spec is not None)
-    step = LaunchedStep(decode, chunks, launched)
     for req, row in zip(step.requests, plan.rows, strict=True):
         cache.advance(req.seq, len(row.token_ids))
         req.launched = step
@@ -631,7 +636,7 @@ def launch_overlap_step(sched: SchedulerState, chunks: list[ScheduledChunk]) -> 
     assert sched.inflight is None, "one async prefill at a time"
     for c in chunks:
         c.request.phase = Phase.INFLIGHT
-    sched.inflight = _launch(sched, [], chunks)
+    sched.inflight = _launch(sched, [], chunks, overlapped=True)
 
 
 def finish_async_prefill(sched: SchedulerState) -> None:
