@@ -21,6 +21,7 @@ in two (axis 1 is the kv head in both):
     which over-covers each sequence by at most one tile; a program finds its sequence by binary search
     over query_start_loc, so no host-built tile map is needed (the vLLM unified-attention scheme).
     KV blocks below the tile's first query position run without masks; the rest run causally masked.
+    Programs take the tiles in reverse order (the last prefill program the first tile).
 Kernel variants are selected by constexpr flags (has decode rows / has prefill rows / split), so a
 pure-decode batch compiles no prefill code (lower register use, higher occupancy). Per-step integers
 are never specialised on (`do_not_specialize`): a new batch size never triggers a JIT compile.
@@ -574,8 +575,10 @@ def _paged_attention_kernel(
             )  # fmt: skip
     if HAS_PREFILL:  # noqa: SIM102
         if pid >= decode_programs:
+            # Prefill tiles in reverse: a sequence's last tiles (the most keys) start first, so the last
+            # wave holds the shortest tiles instead of the longest (-10% at one 8,192-token prompt).
             _prefill_program(
-                pid - decode_programs, kvh, q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+                tl.num_programs(0) - 1 - pid, kvh, q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
                 qsl_ptr, seq_lens_ptr, bt_ptr, stride_qt, stride_qh, stride_kp, stride_ks, stride_kh,
                 stride_vp, stride_vs, stride_vh, stride_ot, stride_oh, stride_bt, num_decodes, num_seqs,
                 qk_scale, GROUP, HEAD_DIM, PAGE_SIZE, PREFILL_M, PREFILL_N, DOT_PRECISION,
