@@ -332,7 +332,7 @@ def test_markdown_of_the_startup_group_lists_each_start(tmp_path):
     md = render_markdown(record).splitlines()
     title = record["cells"][0]["title"]
     assert f"| {title} | 27.0 s | 66.5 s | 2.2 s | HTTP ready 18.3 s |" in md
-    assert f"| {record['cells'][1]['title']} | **failed: exited** | | | HTTP ready 17.1 s |" in md
+    assert f"| {record['cells'][1]['title']} | **failed: exited** | | | HTTP ready 7.5 s |" in md
     assert not record_ok(record)
 
 

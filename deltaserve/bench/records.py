@@ -68,10 +68,13 @@ REFERENCES: dict[str, CellReference] = {
     "4b-shape:32768-1-c1": CellReference(previous=(Figure("TTFT", 0.76, "s"),)),
     "4b-shape:131072-1-c1": CellReference(previous=(Figure("TTFT", 6.0, "s"),)),
     "4b-shape:first-start": CellReference(previous=(Figure("HTTP ready", 18.3, "s"),)),
-    "4b-shape:restart": CellReference(previous=(Figure("HTTP ready", 17.1, "s"),)),
+    "4b-shape:restart": CellReference(
+        previous=(Figure("HTTP ready", 7.5, "s"),),
+        note="the 2026-12-03 record (startup-4b-pyc: byte-compiled modules, warm kernel cache)",
+    ),
     "4b-shape:mixed": CellReference(
-        previous=(Figure("decoder ITL p99", 6.64, "ms"), Figure("decoder ITL max", 38.9, "ms")),
-        note="the 2026-12-02 record (mixed-4b-chunks)",
+        previous=(Figure("decoder ITL p99", 5.94, "ms"), Figure("decoder ITL max", 38.2, "ms")),
+        note="the 2026-12-03 record (mixed-4b-ab-sync)",
     ),
     "4b-shape:multi-turn-c32": CellReference(
         note="published elsewhere: SGLang, 4B on one H200, 128 multi-turn clients, prefix hit rate 0.83"
