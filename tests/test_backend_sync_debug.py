@@ -42,6 +42,9 @@ class _Stream:
     def wait_stream(self, other: _Stream) -> None:
         self.log.append(f"{self.name} waits for {other.name}")
 
+    def synchronize(self) -> None:
+        self.log.append(f"{self.name} synchronized")
+
 
 class _Event:
     def __init__(self, log: list) -> None:
@@ -64,6 +67,8 @@ def test_with_overlap_an_async_prefill_runs_on_the_prefill_stream_after_what_was
 
     def launch(plan, decode_graphs=True):
         log.append(f"launch, decode graphs {decode_graphs}")
+        if plan.force_accept:
+            raise torch.OutOfMemoryError("a launch that fails part-way")
         return PendingStep(None, None, [])
 
     backend._launch = launch
@@ -76,6 +81,16 @@ def test_with_overlap_an_async_prefill_runs_on_the_prefill_stream_after_what_was
         "on prefill",
         "launch, decode graphs False",
         "finished recorded on prefill",
+    ]
+    log.clear()
+    # A failed overlapped launch drains what it queued before the scheduler releases its rows' caches.
+    with pytest.raises(torch.OutOfMemoryError):
+        backend.launch(StepPlan(force_accept=True), overlapped=True)
+    assert log == [
+        "prefill waits for main",
+        "on prefill",
+        "launch, decode graphs False",
+        "prefill synchronized",
     ]
     log.clear()
     backend._streams = None  # overlap off (or CPU): one stream, in launch order

@@ -113,7 +113,13 @@ class Backend:
                 return self._launch(plan, decode_graphs=not overlapped)
         streams.prefill.wait_stream(streams.main)  # its inputs: everything launched before it
         with torch.cuda.stream(streams.prefill):
-            pending = self._launch(plan, decode_graphs=False)
+            try:
+                pending = self._launch(plan, decode_graphs=False)
+            except BaseException:
+                # A launch that failed part-way (out of memory) may have queued work on its rows' pages
+                # and slots, which the scheduler releases at once: none of it may run past that.
+                streams.prefill.synchronize()
+                raise
             pending.finished = torch.cuda.Event()
             pending.finished.record(streams.prefill)
         return pending
