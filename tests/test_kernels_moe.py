@@ -156,6 +156,57 @@ def test_grouping_lists_every_slot_once_in_single_expert_blocks(top_k: int, bloc
         assert row.numel() > 0 and (flat_ids[row] == block_expert[b]).all() and (row.diff() > 0).all()
 
 
+def reference_grouping(
+    ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The grouping in torch ops: a stable argsort by expert, each run padded to whole blocks."""
+    flat = ids.reshape(-1).long().cpu()
+    num_slots = flat.numel()
+    counts = torch.bincount(flat, minlength=num_experts)
+    blocks = (counts + block_m - 1) // block_m
+    block_end = torch.cumsum(blocks, 0)
+    pad_start = (block_end - blocks) * block_m
+    order = torch.argsort(flat, stable=True)
+    rank = torch.arange(num_slots) - (torch.cumsum(counts, 0) - counts)[flat[order]]
+    sorted_slots = torch.full((tri._max_blocks(num_slots, num_experts, block_m) * block_m,), num_slots)
+    sorted_slots[pad_start[flat[order]] + rank] = order
+    block_expert = torch.searchsorted(block_end, torch.arange(sorted_slots.numel() // block_m), right=True)
+    return sorted_slots.int(), block_expert.int()
+
+
+@pytest.mark.parametrize(
+    ("tokens", "top_k", "num_experts", "block_m", "routing"),
+    [
+        (1, 1, 8, 16, "random"),  # one slot
+        (2, 8, 512, 16, "random"),  # more experts than slots
+        (300, 2, 8, 16, "one expert"),  # 600 slots in 5 chunks, all one expert: many blocks per program
+        (64, 4, 6, 16, "random"),  # E not a power of two
+        (1000, 8, 256, 16, "random"),  # decode-sized, 63 chunks (one partial)
+        (513, 8, 256, 64, "random"),
+        (700, 8, 256, 128, "skewed"),
+    ],
+)
+def test_grouping_kernels_equal_the_torch_grouping(tokens, top_k, num_experts, block_m, routing, monkeypatch):
+    """Every position of the kernels' int32 outputs is written (they start poisoned) and equals the torch
+    grouping: the same stable order, blocks and sentinels."""
+
+    def poisoned_empty(*args, **kwargs) -> torch.Tensor:
+        t = _torch_empty(*args, **kwargs)
+        return t.fill_(-7) if t.dtype == torch.int32 else t
+
+    monkeypatch.setattr(torch, "empty", poisoned_empty)
+    gen = torch.Generator().manual_seed(tokens)
+    ids = torch.randint(0, num_experts, (tokens, top_k), generator=gen)
+    if routing == "one expert":
+        ids[:] = 3
+    elif routing == "skewed":  # half the slots on expert 5, the rest spread
+        ids[: tokens // 2, 0] = 5
+    grouping = tri._group_slots(ids.to(DEVICE), num_experts, block_m)
+    want_slots, want_experts = reference_grouping(ids, num_experts, block_m)
+    assert torch.equal(grouping.sorted_slots.cpu(), want_slots)
+    assert torch.equal(grouping.block_expert.cpu(), want_experts)
+
+
 def test_tiles_follow_shapes_only() -> None:
     # 16-bit, by the rows an expert averages (T*k / E) at 256 experts, 8 per token: up to 16, to 127, 128+
     assert tri.default_tiles(1, 8, 256, torch.bfloat16) == (16, 64, 64, 4, 3)  # decode

@@ -4,12 +4,15 @@
 weights[t, j] * w2[e] @ (silu(gate) * up), with e = ids[t, j] and gate | up = w13[e] @ x[t].
 A slot is one (token, j) pair, numbered s = t * k + j (ids and weights flattened). Three steps:
 
-1. Grouping (`_group_slots`, torch ops on the device). The slots are sorted by expert (stable argsort,
-   so tokens stay ascending within an expert) and laid out in `sorted_slots`, each expert's run padded
-   up to a multiple of BLOCK_M with the sentinel T*k: every BLOCK_M block belongs to one expert,
-   `block_expert[b]`, which is E for the blocks past the last used one. The layout has the shape-only
-   length T*k + min(E, T*k) * (BLOCK_M - 1): at most min(E, T*k) experts are used and each pads by
-   fewer than BLOCK_M rows.
+1. Grouping (`_group_slots`, three kernels). The slots are ordered by expert (stably: ascending slots
+   within an expert) and laid out in `sorted_slots`, each expert's run padded up to a multiple of
+   BLOCK_M with the sentinel T*k: every BLOCK_M block belongs to one expert, `block_expert[b]`, which is
+   E for the blocks past the last used one (their rows all hold the sentinel). The layout has the
+   shape-only length T*k + min(E, T*k) * (BLOCK_M - 1): at most min(E, T*k) experts are used and each
+   pads by fewer than BLOCK_M rows. `_chunk_histogram_kernel` counts each chunk's slots per expert;
+   `_layout_kernel` (one program) turns the counts into each chunk's offset within every expert's run
+   and each expert's padded start and block end; `_scatter_kernel` places each chunk's slots (offset +
+   rank among the chunk's earlier slots of that expert) and writes `block_expert` and the sentinels.
 2. `_gate_up_kernel`, grid (blocks, cdiv(I, BLOCK_N)): a block's x rows (gathered as slot // k) times
    w13[e]^T, the gate and up columns of the tile in two accumulators; the epilogue writes
    silu(gate) * up to `inter` at the rows' padded positions.
@@ -106,6 +109,12 @@ def check_tiles(tiles: MoeTiles) -> None:
         raise ValueError(f"tiles.num_stages must be >= 1, got {tiles.num_stages}")
 
 
+# The grouping's kernels (step 1): their grids depend on T*k only.
+_GROUP_CHUNK = 128  # slots per program of the histogram and scatter kernels
+_SCAN_ROWS = 32  # chunk rows per step of the single-program scan
+_BLOCKS_PER_STEP = 32  # blocks per step of a scatter program's block layout
+
+
 class _Grouping(NamedTuple):
     """The slots grouped by expert in BLOCK_M blocks; both lengths depend on shapes only."""
 
@@ -118,25 +127,127 @@ def _max_blocks(num_slots: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(num_slots + min(num_experts, num_slots) * (block_m - 1), block_m)
 
 
+@triton.jit(do_not_specialize=["num_slots"])
+def _chunk_histogram_kernel(ids_ptr, hist_ptr, num_slots, CHUNK: tl.constexpr, BINS: tl.constexpr):
+    """hist[c, e] = the slots of chunk c routed to expert e."""
+    chunk = tl.program_id(0)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    valid = offs < num_slots
+    experts = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int32)
+    bins = tl.arange(0, BINS)
+    past_the_end = CHUNK - tl.sum(valid.to(tl.int32), axis=0)  # counted in bin 0 above
+    counts = tl.histogram(experts, BINS) - tl.where(bins == 0, past_the_end, 0)
+    tl.store(hist_ptr + chunk * BINS + bins, counts)
+
+
+@triton.jit(do_not_specialize=["num_chunks"])
+def _layout_kernel(
+    hist_ptr,
+    layout_ptr,
+    num_chunks,
+    num_experts,
+    BLOCK_M: tl.constexpr,
+    BINS: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """One program. hist[c, e] becomes the slots of expert e in the chunks before c (in place);
+    layout = [counts | pad_start | block_end] per expert: its slots, its first padded position, one past
+    its last block (non-decreasing)."""
+    bins = tl.arange(0, BINS)
+    running = tl.zeros([BINS], dtype=tl.int32)
+    for row0 in range(0, num_chunks, ROWS):
+        rows = row0 + tl.arange(0, ROWS)
+        ptrs = hist_ptr + rows[:, None] * BINS + bins[None, :]
+        in_range = (rows < num_chunks)[:, None]
+        counts = tl.load(ptrs, mask=in_range, other=0)
+        tl.store(ptrs, tl.cumsum(counts, axis=0) - counts + running[None, :], mask=in_range)
+        running += tl.sum(counts, axis=0)
+    counts = tl.where(bins < num_experts, running, 0)
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    block_end = tl.cumsum(blocks, axis=0)
+    tl.store(layout_ptr + bins, counts)
+    tl.store(layout_ptr + BINS + bins, (block_end - blocks) * BLOCK_M)
+    tl.store(layout_ptr + 2 * BINS + bins, block_end)
+
+
+@triton.jit(do_not_specialize=["num_slots", "num_blocks", "blocks_per_program"])
+def _scatter_kernel(
+    ids_ptr,
+    hist_ptr,
+    layout_ptr,
+    sorted_slots_ptr,
+    block_expert_ptr,
+    num_slots,
+    num_experts,
+    num_blocks,
+    blocks_per_program,
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BINS: tl.constexpr,
+    BLOCKS_PER_STEP: tl.constexpr,
+):
+    """Chunk c's slots to their padded positions (ascending within an expert: its earlier chunks' slots,
+    then the chunk's earlier slots of that expert come first); then block_expert and the padding sentinel
+    of this program's share of the blocks. The two write disjoint positions."""
+    chunk = tl.program_id(0)
+    lane = tl.arange(0, CHUNK)
+    offs = chunk * CHUNK + lane
+    valid = offs < num_slots
+    experts = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int32)
+    same_before = (experts[None, :] == experts[:, None]) & (lane[None, :] < lane[:, None])
+    rank = tl.sum(same_before.to(tl.int32), axis=1)
+    start = tl.load(layout_ptr + BINS + experts, mask=valid, other=0)
+    earlier = tl.load(hist_ptr + chunk * BINS + experts, mask=valid, other=0)
+    tl.store(sorted_slots_ptr + start + earlier + rank, offs, mask=valid)
+
+    bins = tl.arange(0, BINS)
+    block_end = tl.load(layout_ptr + 2 * BINS + bins)
+    is_expert = bins < num_experts
+    first = chunk * blocks_per_program
+    last = tl.minimum(first + blocks_per_program, num_blocks)
+    for block0 in range(first, last, BLOCKS_PER_STEP):
+        blocks = block0 + tl.arange(0, BLOCKS_PER_STEP)
+        mine = blocks < last
+        ended = (block_end[None, :] <= blocks[:, None]) & is_expert[None, :]
+        expert = tl.sum(ended.to(tl.int32), axis=1)  # E past the last used block
+        tl.store(block_expert_ptr + blocks, expert, mask=mine)
+        used = mine & (expert < num_experts)
+        count = tl.load(layout_ptr + expert, mask=used, other=0)
+        pad_start = tl.load(layout_ptr + BINS + expert, mask=used, other=0)
+        positions = blocks[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+        padding = positions - pad_start[:, None] >= count[:, None]  # every row of an unused block
+        tl.store(sorted_slots_ptr + positions, num_slots, mask=mine[:, None] & padding)
+
+
 def _group_slots(ids: torch.Tensor, num_experts: int, block_m: int) -> _Grouping:
-    """ids: [T, k] expert ids in [0, E). Device-side torch ops only: no value reaches the host."""
-    flat = ids.reshape(-1).long()
+    """ids: [T, k] expert ids in [0, E). Three kernels; no value reaches the host."""
+    flat = ids.reshape(-1)
     num_slots = flat.numel()
     device = flat.device
     num_blocks = _max_blocks(num_slots, num_experts, block_m)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    blocks = (counts + block_m - 1) // block_m
-    block_end = torch.cumsum(blocks, 0)  # one past each expert's last block (non-decreasing)
-    run_start = torch.cumsum(counts, 0) - counts  # each expert's first index in the sorted slots
-    pad_start = (block_end - blocks) * block_m  # each expert's first padded position
-    order = torch.argsort(flat, stable=True)  # slots by expert, ascending slots within an expert
-    expert = flat[order]
-    rank = torch.arange(num_slots, device=device) - run_start[expert]  # index within the expert's run
-    sorted_slots = torch.full((num_blocks * block_m,), num_slots, dtype=torch.int32, device=device)
-    sorted_slots.scatter_(0, pad_start[expert] + rank, order.to(torch.int32))
-    block_ids = torch.arange(num_blocks, device=device)
-    block_expert = torch.searchsorted(block_end, block_ids, right=True).to(torch.int32)
+    num_chunks = triton.cdiv(num_slots, _GROUP_CHUNK)
+    bins = triton.next_power_of_2(num_experts)
+    hist = torch.empty(num_chunks, bins, dtype=torch.int32, device=device)
+    layout = torch.empty(3, bins, dtype=torch.int32, device=device)
+    sorted_slots = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
+    _chunk_histogram_kernel[(num_chunks,)](flat, hist, num_slots, CHUNK=_GROUP_CHUNK, BINS=bins)
+    _layout_kernel[(1,)](hist, layout, num_chunks, num_experts, BLOCK_M=block_m, BINS=bins, ROWS=_SCAN_ROWS)
+    _scatter_kernel[(num_chunks,)](
+        flat,
+        hist,
+        layout,
+        sorted_slots,
+        block_expert,
+        num_slots,
+        num_experts,
+        num_blocks,
+        triton.cdiv(num_blocks, num_chunks),
+        BLOCK_M=block_m,
+        CHUNK=_GROUP_CHUNK,
+        BINS=bins,
+        BLOCKS_PER_STEP=_BLOCKS_PER_STEP,
+    )
     return _Grouping(sorted_slots, block_expert)
 
 
