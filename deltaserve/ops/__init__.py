@@ -60,6 +60,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k softmax routing: (weights [T, k] in the logits' dtype, expert ids [T, k] int64)."""
+    if use_kernels(router_logits):
+        from deltaserve.ops.triton.routing import route as kernel
+
+        return kernel(router_logits, top_k, renormalize)
+    return _moe_ref.route(router_logits, top_k, renormalize)
+
+
 def fused_experts(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
 ) -> torch.Tensor:

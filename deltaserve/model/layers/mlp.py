@@ -8,8 +8,7 @@ from torch import nn
 from deltaserve.config import ModelConfig
 from deltaserve.model.layers.parallel import SINGLE, TensorParallel
 from deltaserve.model.layers.params import CheckpointTensor, WeightRequirement, new_param, single, stacked
-from deltaserve.ops import fused_experts, linear, silu_and_mul
-from deltaserve.ops.moe import route
+from deltaserve.ops import fused_experts, linear, route, silu_and_mul
 
 
 class MLP(nn.Module):
