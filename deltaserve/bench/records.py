@@ -86,11 +86,12 @@ REFERENCES: dict[str, CellReference] = {
     ),
     "35b-a3b-shape:1024-128-c512": CellReference(
         previous=(
-            Figure("total", 25.9e3, "tok/s", text="25.9k tok/s"),
-            Figure("TPOT", 75, "ms"),
-            Figure("ITL p99", 222, "ms"),
+            Figure("total", 31.7e3, "tok/s", text="31.7k tok/s"),
+            Figure("TPOT", 60.5, "ms"),
+            Figure("ITL p99", 65.4, "ms"),
         ),
-        note="previous record at concurrency 256, not 512",
+        note="the 2026-12-03 record (saturated-35b-group-kernel); 25.9k on 2026-12-01 with 512 prompts at "
+        "concurrency 256",
     ),
     "27b-shape:1024-256-c1": CellReference(
         floor=(Figure("TPOT", 11.9, "ms", metric="tpot_ms.median", approx=True),),
