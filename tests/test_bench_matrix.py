@@ -12,6 +12,7 @@ import pytest
 
 from deltaserve.bench.matrix import (
     Plan,
+    _failure_text,
     _plan,
     add_bench_matrix_arguments,
     command_text,
@@ -23,6 +24,7 @@ from deltaserve.bench.matrix import (
 from deltaserve.bench.matrix_env import gpu_slug
 from deltaserve.bench.matrix_plan import GROUPS, Stream, select_cells
 from deltaserve.bench.matrix_report import StreamSummary, render_markdown, summary_json
+from deltaserve.bench.matrix_server import ServerProcess
 from deltaserve.bench.records import REFERENCES
 from deltaserve.cli import main
 
@@ -412,3 +414,32 @@ def test_a_server_that_cannot_start_fails_the_run_with_its_log_in_the_record(tmp
     assert "--no-such-flag" in record["error"]  # the tail of the server's log names the bad flag
     assert all(s["summary"] is None for c in record["cells"] for s in c["streams"])
     assert "**The run did not finish:**" in path.with_suffix(".md").read_text()
+
+
+def test_a_failed_run_is_explained_by_its_first_request_error_and_the_servers_errors(tmp_path):
+    log = tmp_path / "cell.log"
+    log.write_text(
+        "Failed requests during benchmark run detected (capping to 10):\n"
+        "Error 0: HTTP 500: engine step failed: CUDA out of memory\n"
+        "Error 1: HTTP 500: engine step failed: CUDA out of memory\n"
+        "============ Serving Benchmark Result ============\nSuccessful requests: 0\nP99 E2EL (ms): 0.0\n"
+    )
+    assert _failure_text(log) == "Error 0: HTTP 500: engine step failed: CUDA out of memory"
+    log.write_text("one\ntwo\nthree\nfour\nfive\nsix\n")  # no request errors: the last five lines
+    assert _failure_text(log) == "two | three | four | five | six"
+    assert _failure_text(tmp_path / "missing.log") == "(no log)"
+
+    server_log = tmp_path / "server.log"
+    server_log.write_text("2026-12-03 08:00:00,000 engine ERROR before the cell\n")
+    server = ServerProcess(proc=None, url="", log_path=server_log, started_at=0.0)
+    offset = server.log_size()
+    with open(server_log, "a") as f:
+        f.write("2026-12-03 08:00:01,000 engine INFO step\n")
+        f.write("2026-12-03 08:00:02,000 engine ERROR step failed: CUDA out of memory\n")
+        f.write("2026-12-03 08:00:03,000 deltaserve.server CRITICAL engine died\n")
+        f.write("ERRORS in a message are not a level\n")
+    assert server.errors_since(offset) == [
+        "2026-12-03 08:00:02,000 engine ERROR step failed: CUDA out of memory",
+        "2026-12-03 08:00:03,000 deltaserve.server CRITICAL engine died",
+    ]
+    assert server.errors_since(0, limit=1) == ["2026-12-03 08:00:00,000 engine ERROR before the cell"]

@@ -275,14 +275,16 @@ class GroupRun:
         for stream, stream_record in zip(cell.streams, cell_record["streams"], strict=True):
             log = raw / _file(cell, stream, ".warmup.log")
             argv = self.plan.bench_argv(cell, stream, url, warmup=True)
+            server_log_offset = self.server.log_size()
             (rc,) = _run_parallel([argv], [log], cell.timeout_s)
             if rc != 0:
-                stream_record["error"] = f"warm-up {_exit_text(rc)}; see {log.name}: {_tail(log)}"
+                stream_record["error"] = self._failure("warm-up", rc, log, server_log_offset)
         if any(s["error"] for s in cell_record["streams"]):
             return
         argvs = [self.plan.bench_argv(cell, s, url, warmup=False) for s in cell.streams]
         logs = [raw / _file(cell, s, ".log") for s in cell.streams]
         cpu_before, started = tree_cpu_seconds(self.server.proc.pid), time.perf_counter()
+        server_log_offset = self.server.log_size()
         codes = _run_parallel(argvs, logs, cell.timeout_s)
         cell_record["host_cpu"] = host_cpu(cpu_before, tree_cpu_seconds(self.server.proc.pid), started)
         for stream, stream_record, rc, log in zip(
@@ -290,10 +292,17 @@ class GroupRun:
         ):
             result = raw / _file(cell, stream)
             if rc != 0 or not result.exists():
-                stream_record["error"] = f"bench serve {_exit_text(rc)}; see {log.name}: {_tail(log)}"
+                stream_record["error"] = self._failure("bench serve", rc, log, server_log_offset)
                 continue
             summary = StreamSummary.from_bench_json(json.loads(result.read_text()))
             stream_record["summary"] = summary_json(summary)
+
+    def _failure(self, what: str, rc: int | None, log: Path, server_log_offset: int) -> str:
+        """A failed bench run in one line: how it ended, its first request error (else its last lines) and
+        what the server logged at ERROR meanwhile, so that the record alone says why."""
+        text = f"{what} {_exit_text(rc)}; see {log.name}: {_failure_text(log)}"
+        server_errors = self.server.errors_since(server_log_offset)
+        return text + (f"; the server logged: {' | '.join(server_errors)}" if server_errors else "")
 
     def _run_starts(self) -> None:
         """The start-up group: each cell is one server start, HTTP ready, one completion, SIGTERM."""
@@ -474,6 +483,17 @@ def _run_parallel(argvs: list[list[str]], logs: list[Path], timeout_s: float) ->
 
 def _exit_text(rc: int | None) -> str:
     return "ran past its time limit and was killed" if rc is None else f"exited with {rc}"
+
+
+def _failure_text(log: Path) -> str:
+    """What a failed bench serve said: its first failed request's error (printed before its report),
+    else its last lines."""
+    try:
+        lines = log.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return "(no log)"
+    first_error = next((line for line in lines if line.startswith("Error 0: ")), None)
+    return first_error or " | ".join(lines[-5:])
 
 
 def _tail(log: Path, lines: int = 5) -> str:

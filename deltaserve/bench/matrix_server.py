@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 STOP_TIMEOUT_S = 60.0
+# A line the server logged at ERROR or above (its format: "<date> <time> <logger> <LEVEL> <message>").
+_LOG_ERROR = re.compile(r" (ERROR|CRITICAL) ")
 
 
 class ServerError(RuntimeError):
@@ -45,6 +48,23 @@ class ServerProcess:
         except OSError:
             return "(no log)"
         return "\n".join(text.splitlines()[-lines:])
+
+    def log_size(self) -> int:
+        """Bytes written to the log so far: an offset for `errors_since`."""
+        try:
+            return self.log_path.stat().st_size
+        except OSError:
+            return 0
+
+    def errors_since(self, offset: int, limit: int = 3) -> list[str]:
+        """The first `limit` lines logged at ERROR or CRITICAL after byte `offset` of the log."""
+        try:
+            with open(self.log_path, "rb") as log:
+                log.seek(offset)
+                text = log.read().decode(errors="replace")
+        except OSError:
+            return []
+        return [line for line in text.splitlines() if _LOG_ERROR.search(line)][:limit]
 
 
 def start_server(argv: list[str], url: str, log_path: Path) -> ServerProcess:
