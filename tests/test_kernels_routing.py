@@ -66,6 +66,19 @@ def test_extreme_logits_stay_finite() -> None:
     torch.testing.assert_close(weights, want_weights)
 
 
+@pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning")  # the interpreter's numpy max
+def test_a_row_of_nan_logits_gets_valid_expert_ids_and_leaves_the_other_rows_alone() -> None:
+    """The expert kernels index weights by id unchecked: a NaN row must not send an id out of range."""
+    logits = logits_of(3, 8, torch.bfloat16, seed=4)
+    logits[1, 5] = float("nan")
+    weights, ids = tri.route(logits, 2, renormalize=True)
+    assert ((ids >= 0) & (ids < 8)).all()
+    assert torch.isnan(weights[1]).all()
+    want_weights, want_ids = moe.route(logits, 2, renormalize=True)
+    for row in (0, 2):
+        assert torch.equal(ids[row], want_ids[row]) and torch.equal(weights[row], want_weights[row])
+
+
 @pytest.mark.parametrize(
     ("change", "match"),
     [

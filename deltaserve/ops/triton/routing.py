@@ -12,6 +12,9 @@ experts in descending probability, as torch.topk orders them. One program takes 
   expert id (torch.topk leaves tie order unspecified); the chosen set is the reference's otherwise;
 * renormalised (fp32 sum of the k, round-to-nearest division) and rounded once to the logits' dtype.
 
+A row with a NaN logit gets NaN weights, as in the reference, and ids that are valid expert ids (the
+expert kernels read weights by id and do not check them): such a row never faults the step.
+
 Grids depend on shapes only and nothing is read back to the host: CUDA-graph capturable.
 """
 
@@ -75,8 +78,10 @@ def _route_kernel(
     top_ids = tl.zeros((ROWS, K_PAD), dtype=tl.int64)
     for j in tl.static_range(TOP_K):
         best = tl.max(probs, axis=1)
-        # the lowest expert id holding the maximum
+        # the lowest expert id holding the maximum; a row with NaN logits matches none: expert E - 1, so that
+        # every id stays in range for the expert kernels (the row's output is NaN, as the reference's)
         best_id = tl.min(tl.where(probs == best[:, None], experts[None, :], BINS), axis=1)
+        best_id = tl.minimum(best_id, num_experts - 1)
         top = tl.where(slots[None, :] == j, best[:, None], top)
         top_ids = tl.where(slots[None, :] == j, best_id.to(tl.int64)[:, None], top_ids)
         probs = tl.where(experts[None, :] == best_id[:, None], -1.0, probs)
