@@ -14,6 +14,7 @@ from tokenizers import AddedToken
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import WordLevel
 
+import deltaserve.tokenizer as tokenizer_module
 import deltaserve.tokenizer_build as tokenizer_build
 from deltaserve.errors import ConfigError
 from deltaserve.tokenizer import Tokenizer
@@ -22,6 +23,7 @@ from deltaserve.tokenizer_build import (
     cached_tokenizer_dir,
     chat_template,
 )
+from deltaserve.tokenizer_split import split_at_spaces, splits_at_spaces
 
 README_TEXT = "Hello! 毕老师！1 + 1 = 2 ĠÑĤÐ²ÑĬÑĢ"
 README_IDS = [9419, 0, 220, 97169, 97621, 6115, 16, 478, 220, 16, 283, 220, 17, 9551, 254]
@@ -173,6 +175,57 @@ def test_random_multiscript_strings_encode_like_tiktoken_and_round_trip(tokenize
         ids = tokenizer.encode(text)
         assert ids == oracle.encode(text), text
         assert tokenizer.decode(ids, skip_special_tokens=False) == unicodedata.normalize("NFC", text), text
+
+
+@pytest.mark.parametrize("piece_chars", [1, 5, 64])
+def test_long_texts_encoded_in_pieces_give_the_ids_of_the_whole_text(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch, piece_chars: int
+) -> None:
+    """Every cut that split_at_spaces makes is a pre-token boundary: the pieces' ids, joined, are the whole
+    text's, on texts of every script, whitespace run, combining mark and special token."""
+    monkeypatch.setattr(tokenizer_module, "PARALLEL_ENCODE_FROM_CHARS", 1)
+    monkeypatch.setattr(tokenizer_module, "ENCODE_PIECE_CHARS", piece_chars)
+    short = _random_texts(400, seed=1)
+    texts = ["".join(short[i : i + 20]) for i in range(0, len(short), 20)]
+    cuts = 0
+    for text in texts:
+        whole = tokenizer._tokenizer.encode(text, add_special_tokens=False).ids
+        assert tokenizer.encode(text) == whole, text
+        assert tokenizer.count(text) == len(whole)
+        cuts += len(split_at_spaces(text, piece_chars)) - 1
+    assert cuts >= len(texts), "the texts were hardly cut: the test would prove nothing"
+
+
+def test_pieces_join_back_into_the_text_and_cut_only_before_a_space_after_a_non_space() -> None:
+    text = "ab  cd\t ef\n gh ij"
+    pieces = split_at_spaces(text, 1)
+    assert "".join(pieces) == text
+    assert pieces == ["ab", "  cd\t ef\n gh", " ij"]  # not before a space after a space, tab or newline
+    assert split_at_spaces("no-space-at-all", 1) == ["no-space-at-all"]
+    assert split_at_spaces("short text", 100) == ["short text"]
+
+
+def test_only_the_qwen_pipeline_is_cut_into_pieces(tokenizer_dir: Path) -> None:
+    def loaded() -> HFTokenizer:
+        return HFTokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+
+    assert splits_at_spaces(loaded())
+    spaced = loaded()
+    spaced.add_tokens(["two words"])  # an added token a cut could fall inside
+    assert not splits_at_spaces(spaced)
+    stripping = loaded()
+    stripping.add_tokens([AddedToken("<tag>", rstrip=True)])  # it would take the space after it
+    assert not splits_at_spaces(stripping)
+    from tokenizers import normalizers, pre_tokenizers
+
+    other_normalizer = loaded()
+    other_normalizer.normalizer = normalizers.NFKC()
+    assert not splits_at_spaces(other_normalizer)
+    other_split = loaded()
+    other_split.pre_tokenizer = pre_tokenizers.Whitespace()
+    assert not splits_at_spaces(other_split)
+    word_level = HFTokenizer(WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    assert not splits_at_spaces(word_level)
 
 
 def test_unmergeable_vocab_words_encode_as_one_token(tokenizer: Tokenizer, oracle) -> None:
