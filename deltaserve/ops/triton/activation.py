@@ -30,13 +30,18 @@ _NUM_WARPS = 4
 
 
 @triton.jit
+def exp_f32(x):
+    """x: fp32. expf as torch's CUDA kernels compute it (libdevice's; tl.exp is ex2-based)."""
+    if _INTERPRETER:
+        return tl.exp(x)
+    else:
+        return libdevice.exp(x)
+
+
+@triton.jit
 def silu_f32(x):
     """x: fp32. Returns x / (1 + exp(-x)) in fp32, as torch's SiLU computes it."""
-    if _INTERPRETER:
-        e = tl.exp(-x)
-    else:
-        e = libdevice.exp(-x)
-    return tl.div_rn(x, 1.0 + e)
+    return tl.div_rn(x, 1.0 + exp_f32(-x))
 
 
 @triton.jit

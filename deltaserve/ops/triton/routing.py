@@ -20,30 +20,16 @@ Grids depend on shapes only and nothing is read back to the host: CUDA-graph cap
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from deltaserve.ops.triton.activation import round_to
-
-_INTERPRETER: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
-if not _INTERPRETER:
-    from triton.language.extra import libdevice
+from deltaserve.ops.triton.activation import exp_f32, round_to
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Tokens per program: the [ROWS, E] tile stays at 4,096 values or fewer (16 per thread over 8 warps).
 _TILE_VALUES = 4096
 _NUM_WARPS = 8
-
-
-@triton.jit
-def _exp_f32(x):
-    if _INTERPRETER:
-        return tl.exp(x)
-    else:
-        return libdevice.exp(x)
 
 
 @triton.jit(do_not_specialize=["tokens"])  # no compile per batch size
@@ -70,7 +56,7 @@ def _route_kernel(
         other=-float("inf"),
     ).to(tl.float32)
     x = tl.where(row_ok[:, None], x, 0.0)  # rows past the end: finite, never stored
-    e = _exp_f32(x - tl.max(x, axis=1)[:, None])
+    e = exp_f32(x - tl.max(x, axis=1)[:, None])
     probs = tl.div_rn(e, tl.sum(e, axis=1)[:, None])  # padding experts: exactly 0
     probs = tl.where(valid, probs, -1.0)  # below every probability: never chosen
     slots = tl.arange(0, K_PAD)
