@@ -3,13 +3,11 @@ token feed (0.8B shape, dummy weights, seeded identically for both engines)."""
 
 from __future__ import annotations
 
-import gc
 import random
 
 import pytest
-import torch
+from llm_runs import generate_token_ids
 
-from deltaserve.engine.llm import LLM
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.tiny import make_tiny
 
@@ -24,19 +22,16 @@ def _generate(model_dir: str, decode_ahead: bool) -> list[list[int]]:
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (1, 5, 24, 40, 2, 33)]
     params[3] = SamplingParams(temperature=0.8, top_p=0.9, seed=-3, max_tokens=40, ignore_eos=True)
     params[5] = SamplingParams(temperature=0.0, max_tokens=33, logprobs=2, ignore_eos=True)
-    with LLM(
+    return generate_token_ids(
         model_dir,
+        prompts,
+        params,
         load_format="dummy",
         max_num_seqs=8,
         max_model_len=2048,
         max_num_batched_tokens=256,
         decode_ahead=decode_ahead,
-    ) as llm:
-        outs = llm.generate(prompts, params)
-    gc.collect()
-    torch.cuda.empty_cache()
-    assert all(o.error is None for o in outs)
-    return [o.outputs[0].token_ids for o in outs]
+    )
 
 
 def test_decode_ahead_gives_the_same_tokens_on_the_gpu(tmp_path: pytest.TempPathFactory) -> None:

@@ -4,13 +4,11 @@ a pool of their own, the prefix cache on: shared prefixes restore snapshots an a
 
 from __future__ import annotations
 
-import gc
 import random
 
 import pytest
-import torch
+from llm_runs import generate_token_ids
 
-from deltaserve.engine.llm import LLM
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.tiny import default_model_dir
 
@@ -30,19 +28,16 @@ def _generate(overlap: bool) -> list[list[int]]:
         SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
         for n in (60, 5, 40, 80, 3, 30, 12, 70, 9, 25)
     ]
-    with LLM(
+    return generate_token_ids(
         str(default_model_dir()),
+        _prompts(),
+        params,
         dtype="float32",
         max_num_seqs=8,
         max_model_len=4096,
         max_num_batched_tokens=128,
         prefill_overlap=overlap,
-    ) as llm:
-        outs = llm.generate(_prompts(), params)
-    gc.collect()
-    torch.cuda.empty_cache()
-    assert all(o.error is None for o in outs)
-    return [o.outputs[0].token_ids for o in outs]
+    )
 
 
 @pytest.mark.parametrize("repeat", range(2))

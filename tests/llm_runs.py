@@ -1,0 +1,25 @@
+"""One offline LLM run for tests that compare two engine configurations token for token."""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import torch
+
+from deltaserve.engine.llm import LLM
+from deltaserve.sampling_params import SamplingParams
+
+
+def generate_token_ids(
+    model: str, prompts: list[dict[str, Any]], params: list[SamplingParams], **engine_args: Any
+) -> list[list[int]]:
+    """Each request's token ids from an LLM with `engine_args`; the engine's GPU memory is returned
+    before the next run, and no request may fail."""
+    with LLM(model, **engine_args) as llm:
+        outs = llm.generate(prompts, params)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    assert all(o.error is None for o in outs)
+    return [o.outputs[0].token_ids for o in outs]
