@@ -331,6 +331,20 @@ def test_other_launch_parameters_give_the_same_experts(tiles) -> None:
     assert_matches(tri.fused_experts(*inputs, out=out, tiles=tiles), moe.fused_experts(*inputs))
 
 
+def test_the_down_kernel_takes_its_own_launch_parameters() -> None:
+    # The split sweep (--split) gives gate_up and down different tiles over one grouping.
+    inputs = make_inputs(80, 2, torch.bfloat16, seed=13)
+    tiles = tri.MoeTiles(block_m=32, block_n=64, block_k=32, num_warps=4, num_stages=3)
+    down = tri.MoeTiles(block_m=32, block_n=16, block_k=64, num_warps=2, num_stages=2)
+    assert_matches(tri.fused_experts(*inputs, tiles=tiles, down_tiles=down), moe.fused_experts(*inputs))
+    with pytest.raises(
+        ValueError, match=r"down_tiles.block_m must equal tiles.block_m \(32: one grouping\), got 64"
+    ):
+        tri.fused_experts(*inputs, tiles=tiles, down_tiles=down._replace(block_m=64))
+    with pytest.raises(ValueError, match="tiles.num_warps must be 1, 2, 4, 8 or 16, got 3"):
+        tri.fused_experts(*inputs, tiles=tiles, down_tiles=down._replace(num_warps=3))
+
+
 def test_launch_parameters_are_checked_before_any_launch() -> None:
     inputs = make_inputs(3, 2, torch.bfloat16, seed=12)
     default = tri.default_tiles(3, 2, E, torch.bfloat16)
@@ -351,6 +365,8 @@ def test_the_block_size_sweep_offers_valid_tiles_and_names_a_bad_argument() -> N
 
     for tiles in bench.SWEEP + bench.QUICK:
         tri.check_tiles(tiles)
+    for n, k, warps, stages in bench.SPLIT:
+        tri.check_tiles(tri.MoeTiles(16, n, k, warps, stages))
     assert bench.SWEEP[:3] == [
         tri.default_tiles(1, 8, 256, torch.bfloat16),
         tri.default_tiles(513, 8, 256, torch.bfloat16),

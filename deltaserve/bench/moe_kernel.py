@@ -5,7 +5,11 @@ For each token count: the default launch parameters (`default_tiles`) against th
 checked against the default's output; a candidate the GPU cannot launch (shared memory) prints n/a.
 The TFLOP/s count the routed experts' GEMMs only: 2 * T * k * 3 * H * I.
 
-python3 -m deltaserve.bench.moe_kernel [--shape E,K,H,I] [--tokens 16,256,2048,8192] [--quick]
+With --split, each kernel's tiles are swept on their own instead: the down kernel's (n, k, warps, stages)
+with gate_up at the default, then gate_up's with down at the default (block_m is the default's: one
+grouping serves both).
+
+python3 -m deltaserve.bench.moe_kernel [--shape E,K,H,I] [--tokens 16,256,2048,8192] [--quick | --split]
 (needs CUDA; the default shape is the 35B-A3B's: 256 experts, 8 per token, hidden 2048, expert 512)
 """
 
@@ -43,6 +47,10 @@ SWEEP = [
     MoeTiles(128, 128, 128, 8, 2),
 ]
 QUICK = SWEEP[:5]
+# --split: (block_n, block_k, num_warps, num_stages) of one kernel, block_m the default's.
+SPLIT = [
+    (n, k, warps, stages) for n in (64, 128, 256) for k in (64, 128) for warps in (4, 8) for stages in (3, 4)
+]
 WARM_UP_SECONDS = 3.0
 
 
@@ -96,11 +104,39 @@ def tflops(tokens: int, shape: tuple[int, int, int, int], ms: float) -> float:
     return 2 * tokens * top_k * 3 * hidden * inter / ms / 1e9
 
 
+def time_ms(inputs: tuple[torch.Tensor, ...], tiles: MoeTiles, down: MoeTiles) -> float:
+    return triton.testing.do_bench(lambda: fused_experts(*inputs, tiles=tiles, down_tiles=down))
+
+
+def sweep_split(tokens: int, inputs: tuple[torch.Tensor, ...], want: torch.Tensor, default: MoeTiles) -> None:
+    """Each kernel's tiles with the other kernel's at the default; prints the best of each."""
+    base = time_ms(inputs, default, default)
+    print(f"\nT={tokens}: default {tuple(default)} {base:.4f} ms")
+    for kernel in ("down", "gate_up"):
+        results = []
+        for n, k, warps, stages in SPLIT:
+            tiles = MoeTiles(default.block_m, n, k, warps, stages)
+            pair = (default, tiles) if kernel == "down" else (tiles, default)
+            try:
+                got = fused_experts(*inputs, tiles=pair[0], down_tiles=pair[1])
+                ms = time_ms(inputs, *pair)
+            except Exception as exc:  # out of shared memory, or a launch the GPU refuses
+                print(f"  {kernel} {tuple(tiles)}: {type(exc).__name__}")
+                continue
+            same = (got.float() - want.float()).abs().max().item() <= 2e-2 * want.float().abs().max().item()
+            results.append((ms, tiles, same))
+        results.sort(key=lambda r: r[0])
+        for ms, tiles, same in results[:4]:
+            mark = "" if same else " ! differs"
+            print(f"  {kernel:8s} {str(tuple(tiles)):<26} {ms:.4f} ms  {base / ms:.3f}x the default{mark}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python3 -m deltaserve.bench.moe_kernel")
     parser.add_argument("--shape", type=parse_shape, default=SHAPE_35B_A3B, help="E,K,H,I")
     parser.add_argument("--tokens", type=parse_tokens, default=[16, 256, 2048, 8192])
     parser.add_argument("--quick", action="store_true", help=f"only {len(QUICK)} candidates")
+    parser.add_argument("--split", action="store_true", help="sweep each kernel's tiles on its own")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs CUDA")
@@ -116,6 +152,10 @@ def main() -> None:
         print(f"T={tokens}: default {tuple(default)}, max |default - reference| = {error:.3g}")
         cases.append((tokens, inputs, want, default))
     warm_up_clocks(cases[-1][1])
+    if args.split:
+        for tokens, inputs, want, default in cases:
+            sweep_split(tokens, inputs, want, default)
+        return
     print(
         f"\n{'tiles (m, n, k, warps, stages)':<32}"
         + "".join(f"{f'T={t} ms':>13}{'TF/s':>6}" for t in args.tokens)

@@ -398,6 +398,17 @@ def _check_inputs(
             raise ValueError(f"{name} is on {t.device}, expected x's device {x.device}")
 
 
+def _launch(tiles: MoeTiles, precision: str) -> dict[str, int | str]:
+    return dict(
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k,
+        DOT_PRECISION=precision,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
+
+
 def fused_experts(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -407,15 +418,18 @@ def fused_experts(
     *,
     out: torch.Tensor | None = None,
     tiles: MoeTiles | None = None,
+    down_tiles: MoeTiles | None = None,
 ) -> torch.Tensor:
     """x: [T, H]; w13: [E, 2I, H] (gate rows then up rows); w2: [E, H, I]; weights: [T, k] in x's dtype;
     ids: [T, k] int64 (or int32) expert ids in [0, E). Sum over each token's experts of
     weight * down(silu(gate x) * up x): [T, H] in x's dtype, written into `out` when given (contiguous).
-    `tiles`: launch parameters other than `default_tiles` (benchmarks). Never synchronises with the
-    host: CUDA-graph capturable (module docstring)."""
+    `tiles`: launch parameters other than `default_tiles` (benchmarks); `down_tiles`: the down kernel's
+    own, with the same block_m (default: `tiles`). Never synchronises with the host: CUDA-graph
+    capturable (module docstring)."""
     _check_inputs(x, w13, w2, weights, ids)
-    if tiles is not None:
-        check_tiles(tiles)
+    for given in (tiles, down_tiles):
+        if given is not None:
+            check_tiles(given)
     tokens, hidden = x.shape
     num_experts, inter_size = w13.shape[0], w13.shape[1] // 2
     top_k = ids.shape[1]
@@ -429,6 +443,12 @@ def fused_experts(
     if tokens == 0 or hidden == 0:
         return out
     tiles = tiles or default_tiles(tokens, top_k, num_experts, x.dtype)
+    down_tiles = down_tiles or tiles
+    if down_tiles.block_m != tiles.block_m:
+        raise ValueError(
+            f"down_tiles.block_m must equal tiles.block_m ({tiles.block_m}: one grouping), "
+            f"got {down_tiles.block_m}"
+        )
     grouping = _group_slots(ids, num_experts, tiles.block_m)
     num_blocks = grouping.block_expert.shape[0]
     num_slots = tokens * top_k
@@ -436,14 +456,6 @@ def fused_experts(
     inter = torch.empty(num_blocks * tiles.block_m, inter_size, dtype=x.dtype, device=x.device)
     per_slot = torch.empty(num_slots, hidden, dtype=x.dtype, device=x.device)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32: unused by 16-bit dots
-    launch = dict(
-        BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k,
-        DOT_PRECISION=precision,
-        num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
-    )
     _gate_up_kernel[(num_blocks, triton.cdiv(inter_size, tiles.block_n))](
         x,
         w13,
@@ -460,9 +472,9 @@ def fused_experts(
         w13.stride(0),
         w13.stride(1),
         w13.stride(2),
-        **launch,
+        **_launch(tiles, precision),
     )
-    _down_kernel[(num_blocks, triton.cdiv(hidden, tiles.block_n))](
+    _down_kernel[(num_blocks, triton.cdiv(hidden, down_tiles.block_n))](
         inter,
         w2,
         flat_weights,
@@ -476,7 +488,7 @@ def fused_experts(
         w2.stride(0),
         w2.stride(1),
         w2.stride(2),
-        **launch,
+        **_launch(down_tiles, precision),
     )
     _combine_kernel[(tokens, triton.cdiv(hidden, _BLOCK_H))](
         per_slot, out, top_k, hidden, out.stride(0), BLOCK_H=_BLOCK_H, num_warps=_COMBINE_WARPS
