@@ -136,7 +136,7 @@ def test_grouping_lists_every_slot_once_in_single_expert_blocks(top_k: int, bloc
     tokens = 37
     _, ids = moe.route(torch.randn(tokens, E, generator=torch.Generator().manual_seed(top_k)), top_k, True)
     ids = ids.to(DEVICE)
-    grouping = tri._group_slots(ids, E, block_m)
+    grouping = tri.group_slots(ids, E, block_m)
     num_slots = tokens * top_k
     blocks = tri._max_blocks(num_slots, E, block_m)
     assert grouping.sorted_slots.shape == (blocks * block_m,) and grouping.block_expert.shape == (blocks,)
@@ -201,7 +201,7 @@ def test_grouping_kernels_equal_the_torch_grouping(tokens, top_k, num_experts, b
         ids[:] = 3
     elif routing == "skewed":  # half the slots on expert 5, the rest spread
         ids[: tokens // 2, 0] = 5
-    grouping = tri._group_slots(ids.to(DEVICE), num_experts, block_m)
+    grouping = tri.group_slots(ids.to(DEVICE), num_experts, block_m)
     want_slots, want_experts = reference_grouping(ids, num_experts, block_m)
     assert torch.equal(grouping.sorted_slots.cpu(), want_slots)
     assert torch.equal(grouping.block_expert.cpu(), want_experts)
@@ -233,7 +233,7 @@ def test_same_shapes_different_routing_use_the_same_launches() -> None:
     grids = []
     for logits in (spread, concentrated):
         inputs = make_inputs(tokens, top_k, torch.float32, seed=3, logits=logits)
-        grouping = tri._group_slots(inputs[4], E, tri.default_tiles(tokens, top_k, E, torch.float32).block_m)
+        grouping = tri.group_slots(inputs[4], E, tri.default_tiles(tokens, top_k, E, torch.float32).block_m)
         grids.append((grouping.sorted_slots.shape, grouping.block_expert.shape))
         assert_matches(run_kernels(*inputs), moe.fused_experts(*inputs))
     assert grids[0] == grids[1]

@@ -4,7 +4,7 @@
 weights[t, j] * w2[e] @ (silu(gate) * up), with e = ids[t, j] and gate | up = w13[e] @ x[t].
 A slot is one (token, j) pair, numbered s = t * k + j (ids and weights flattened). Three steps:
 
-1. Grouping (`_group_slots`, three kernels). The slots are ordered by expert (stably: ascending slots
+1. Grouping (`group_slots`, three kernels). The slots are ordered by expert (stably: ascending slots
    within an expert) and laid out in `sorted_slots`, each expert's run padded up to a multiple of
    BLOCK_M with the sentinel T*k: every BLOCK_M block belongs to one expert, `block_expert[b]`, which is
    E for the blocks past the last used one (their rows all hold the sentinel). The layout has the
@@ -115,7 +115,7 @@ _SCAN_ROWS = 32  # chunk rows per step of the single-program scan
 _BLOCKS_PER_STEP = 32  # blocks per step of a scatter program's block layout
 
 
-class _Grouping(NamedTuple):
+class Grouping(NamedTuple):
     """The slots grouped by expert in BLOCK_M blocks; both lengths depend on shapes only."""
 
     sorted_slots: torch.Tensor  # [blocks * BLOCK_M] int32: the slot at each padded position; T*k = padding
@@ -219,7 +219,7 @@ def _scatter_kernel(
         tl.store(sorted_slots_ptr + positions, num_slots, mask=mine[:, None] & padding)
 
 
-def _group_slots(ids: torch.Tensor, num_experts: int, block_m: int) -> _Grouping:
+def group_slots(ids: torch.Tensor, num_experts: int, block_m: int) -> Grouping:
     """ids: [T, k] expert ids in [0, E). Three kernels; no value reaches the host."""
     flat = ids.reshape(-1)
     num_slots = flat.numel()
@@ -248,7 +248,7 @@ def _group_slots(ids: torch.Tensor, num_experts: int, block_m: int) -> _Grouping
         BINS=bins,
         BLOCKS_PER_STEP=_BLOCKS_PER_STEP,
     )
-    return _Grouping(sorted_slots, block_expert)
+    return Grouping(sorted_slots, block_expert)
 
 
 @triton.jit(do_not_specialize=["num_slots"])  # T*k: no compile per batch size
@@ -369,7 +369,7 @@ def _combine_kernel(per_slot_ptr, out_ptr, top_k, hidden, stride_ot, BLOCK_H: tl
     tl.store(out_ptr + token * stride_ot + cols, round_to(acc, out_ptr.dtype.element_ty), mask=mask)
 
 
-def _check_inputs(
+def check_inputs(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
 ) -> None:
     if x.dim() != 2:
@@ -426,7 +426,7 @@ def fused_experts(
     `tiles`: launch parameters other than `default_tiles` (benchmarks); `down_tiles`: the down kernel's
     own, with the same block_m (default: `tiles`). Never synchronises with the host: CUDA-graph
     capturable (module docstring)."""
-    _check_inputs(x, w13, w2, weights, ids)
+    check_inputs(x, w13, w2, weights, ids)
     for given in (tiles, down_tiles):
         if given is not None:
             check_tiles(given)
@@ -449,7 +449,7 @@ def fused_experts(
             f"down_tiles.block_m must equal tiles.block_m ({tiles.block_m}: one grouping), "
             f"got {down_tiles.block_m}"
         )
-    grouping = _group_slots(ids, num_experts, tiles.block_m)
+    grouping = group_slots(ids, num_experts, tiles.block_m)
     num_blocks = grouping.block_expert.shape[0]
     num_slots = tokens * top_k
     flat_weights = weights.reshape(-1)  # slot s = t * k + j, as the flattened ids
