@@ -382,3 +382,110 @@ def test_the_block_size_sweep_offers_valid_tiles_and_names_a_bad_argument() -> N
     ):
         with pytest.raises(argparse.ArgumentTypeError, match=message):
             parse(bad)
+
+
+# The grouped-GEMM path (deltaserve/ops/triton/moe_grouped.py): bf16 only; on the CPU torch's reference
+# loop stands in for the CUTLASS kernel.
+grouped = pytest.importorskip("deltaserve.ops.triton.moe_grouped")
+needs_grouped_gemm = pytest.mark.skipif(
+    not grouped.grouped_gemm_supported(torch.empty(0, dtype=torch.bfloat16, device=DEVICE)),
+    reason="torch's grouped GEMM needs compute capability 9.0+",
+)
+
+
+def run_grouped(x, w13, w2, weights, ids) -> torch.Tensor:
+    out = poisoned(*x.shape, dtype=x.dtype)
+    got = grouped.grouped_experts(x, w13, w2, weights, ids, out=out)
+    assert got is out
+    return got
+
+
+@needs_grouped_gemm
+@pytest.mark.parametrize(("tokens", "top_k"), [(1, 1), (3, 2), (37, 2), (80, 2), (520, 2)])
+def test_grouped_gemm_path_matches_reference_and_the_kernels(tokens: int, top_k: int) -> None:
+    inputs = make_inputs(tokens, top_k, torch.bfloat16, seed=100 * tokens + top_k + 1)
+    got = run_grouped(*inputs)
+    assert_matches(got, moe.fused_experts(*inputs))
+    assert_matches(got, tri.fused_experts(*inputs), identical_share=0.99)
+
+
+@needs_grouped_gemm
+def test_grouped_gemm_path_sums_more_than_two_experts_in_fp32() -> None:
+    inputs = make_inputs(37, 4, torch.bfloat16, seed=41)
+    assert_matches(run_grouped(*inputs), reference_summed_in_fp32(*inputs))
+
+
+@needs_grouped_gemm
+def test_grouped_gemm_path_with_one_expert_taking_every_token() -> None:
+    logits = torch.randn(37, E, generator=torch.Generator().manual_seed(42))
+    logits[:, 3] += 20.0  # expert 3 first for every token; the second choice spreads over the rest
+    inputs = make_inputs(37, 2, torch.bfloat16, seed=42, logits=logits)
+    assert (inputs[4][:, 0] == 3).all()
+    assert_matches(run_grouped(*inputs), moe.fused_experts(*inputs))
+
+
+@needs_grouped_gemm
+def test_grouped_gemm_path_reads_no_value_on_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    inputs = make_inputs(37, 2, torch.bfloat16, seed=43)
+
+    def host_read(*args, **kwargs):
+        raise AssertionError("grouped_experts read a tensor value on the host")
+
+    with monkeypatch.context() as m:
+        for name in ("item", "tolist", "__bool__", "__int__", "__index__", "__float__"):
+            m.setattr(torch.Tensor, name, host_read)
+        for name in ("nonzero", "unique", "bincount", "masked_select", "where"):
+            m.setattr(torch, name, host_read)
+        got = run_grouped(*inputs)
+    assert_matches(got, moe.fused_experts(*inputs))
+
+
+def test_grouped_gemm_path_refuses_other_dtypes_and_checks_inputs() -> None:
+    x, w13, w2, weights, ids = make_inputs(3, 2, torch.float32, seed=44)
+    with pytest.raises(ValueError, match=r"x is torch.float32 on .*: the grouped GEMM needs torch.bfloat16"):
+        grouped.grouped_experts(x, w13, w2, weights, ids)
+    with pytest.raises(ValueError, match=r"w2 has shape \(8, 48, 39\), expected \(8, 48, 40\)"):
+        grouped.grouped_experts(x, w13, w2[:, :, :-1], weights, ids)
+    assert not grouped.grouped_gemm_supported(x)
+
+
+@needs_grouped_gemm
+def test_grouped_gemm_path_zero_tokens_and_a_strided_out_refused() -> None:
+    x, w13, w2, weights, ids = make_inputs(0, 2, torch.bfloat16, seed=45)
+    assert grouped.grouped_experts(x, w13, w2, weights, ids).shape == (0, H)
+    x, w13, w2, weights, ids = make_inputs(3, 2, torch.bfloat16, seed=45)
+    wide = poisoned(3, 2 * H, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"out must be a contiguous .* \(strided\)"):
+        grouped.grouped_experts(x, w13, w2, weights, ids, out=wide[:, :H])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@needs_grouped_gemm
+def test_grouped_gemm_path_replays_in_a_cuda_graph_with_new_routing() -> None:
+    tokens, top_k = 37, 2
+    x, w13, w2, weights, ids = make_inputs(tokens, top_k, torch.bfloat16, seed=46)
+    out = poisoned(tokens, H, dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        grouped.grouped_experts(x, w13, w2, weights, ids, out=out)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.graph(graph):
+            grouped.grouped_experts(x, w13, w2, weights, ids, out=out)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for seed, boost in ((47, None), (48, 4)):
+        logits = torch.randn(tokens, E, generator=torch.Generator().manual_seed(seed))
+        if boost is not None:
+            logits[:, boost] += 20.0
+        new_weights, new_ids = moe.route(logits.to(torch.bfloat16).to(DEVICE), top_k, renormalize=True)
+        weights.copy_(new_weights)
+        ids.copy_(new_ids)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_matches(out, moe.fused_experts(x, w13, w2, weights, ids))

@@ -5,11 +5,14 @@ For each token count: the default launch parameters (`default_tiles`) against th
 checked against the default's output; a candidate the GPU cannot launch (shared memory) prints n/a.
 The TFLOP/s count the routed experts' GEMMs only: 2 * T * k * 3 * H * I.
 
+With --grouped, the Triton kernels at their defaults against the grouped-GEMM path
+(deltaserve/ops/triton/moe_grouped.py), eager and replayed from a CUDA graph.
+
 With --split, each kernel's tiles are swept on their own instead: the down kernel's (n, k, warps, stages)
 with gate_up at the default, then gate_up's with down at the default (block_m is the default's: one
 grouping serves both).
 
-python3 -m deltaserve.bench.moe_kernel [--shape E,K,H,I] [--tokens 16,256,2048,8192] [--quick | --split]
+python3 -m deltaserve.bench.moe_kernel [--shape E,K,H,I] [--tokens 16,256,2048,8192] [--quick | --split | --grouped]
 (needs CUDA; the default shape is the 35B-A3B's: 256 experts, 8 per token, hidden 2048, expert 512)
 """
 
@@ -24,6 +27,7 @@ import triton.testing
 
 from deltaserve.ops import moe as reference
 from deltaserve.ops.triton.moe import MoeTiles, default_tiles, fused_experts
+from deltaserve.ops.triton.moe_grouped import grouped_experts
 
 DTYPE = torch.bfloat16
 SHAPE_35B_A3B = (256, 8, 2048, 512)
@@ -131,12 +135,35 @@ def sweep_split(tokens: int, inputs: tuple[torch.Tensor, ...], want: torch.Tenso
             print(f"  {kernel:8s} {str(tuple(tiles)):<26} {ms:.4f} ms  {base / ms:.3f}x the default{mark}")
 
 
+def compare_grouped(cases: list, shape: tuple[int, int, int, int]) -> None:
+    """Per token count: the Triton kernels and the grouped-GEMM path, eager and in a CUDA graph."""
+    print(f"\n{'T':>6}{'triton ms':>11}{'grouped ms':>12}{'ratio':>7}{'graph: triton':>15}{'grouped':>9}")
+    print(f"{'':>6}{'':>11}{'':>12}{'':>7}{'ms':>15}{'ms':>9}{'ratio':>7}{'TF/s':>6}{'max |diff|':>12}")
+    for tokens, inputs, want, _ in cases:
+        got = grouped_experts(*inputs)
+        diff = (got.float() - want.float()).abs().max().item()
+        eager = [
+            triton.testing.do_bench(lambda f=f, inputs=inputs: f(*inputs))
+            for f in (fused_experts, grouped_experts)
+        ]
+        graph = [
+            triton.testing.do_bench_cudagraph(lambda f=f, inputs=inputs: f(*inputs))
+            for f in (fused_experts, grouped_experts)
+        ]
+        print(
+            f"{tokens:>6}{eager[0]:>11.4f}{eager[1]:>12.4f}{eager[0] / eager[1]:>6.2f}x"
+            f"{graph[0]:>15.4f}{graph[1]:>9.4f}{graph[0] / graph[1]:>6.2f}x"
+            f"{tflops(tokens, shape, graph[1]):>6.0f}{diff:>12.3g}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python3 -m deltaserve.bench.moe_kernel")
     parser.add_argument("--shape", type=parse_shape, default=SHAPE_35B_A3B, help="E,K,H,I")
     parser.add_argument("--tokens", type=parse_tokens, default=[16, 256, 2048, 8192])
     parser.add_argument("--quick", action="store_true", help=f"only {len(QUICK)} candidates")
     parser.add_argument("--split", action="store_true", help="sweep each kernel's tiles on its own")
+    parser.add_argument("--grouped", action="store_true", help="the Triton kernels against the grouped GEMM")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs CUDA")
@@ -152,6 +179,9 @@ def main() -> None:
         print(f"T={tokens}: default {tuple(default)}, max |default - reference| = {error:.3g}")
         cases.append((tokens, inputs, want, default))
     warm_up_clocks(cases[-1][1])
+    if args.grouped:
+        compare_grouped(cases, shape)
+        return
     if args.split:
         for tokens, inputs, want, default in cases:
             sweep_split(tokens, inputs, want, default)

@@ -30,6 +30,14 @@ SKINNY_GEMM = os.environ.get("DELTASERVE_SKINNY_GEMM", "0") == "1"
 GEMV_ROWS = int(os.environ.get("DELTASERVE_GEMV_ROWS", "1"))
 if not 1 <= GEMV_ROWS <= 4:
     raise ValueError(f"DELTASERVE_GEMV_ROWS must be 1..4, got {GEMV_ROWS}")
+# DELTASERVE_MOE_GROUPED_FROM=N: routed-expert calls averaging N or more rows per expert (T * k / E) take
+# torch's grouped GEMM (ops/triton/moe_grouped.py) where it is supported, the Triton kernels otherwise;
+# 0 (the default) keeps the Triton kernels everywhere: on an H200 at the 35B-A3B's expert shape the
+# grouped GEMM measured 0.70x to 0.87x of them from 64 to 4,096 tokens and 0.93x at 8,192 (in CUDA graphs;
+# docs/benchmarks/2026-12-03-h200-moe-kernel-order.md).
+MOE_GROUPED_FROM = int(os.environ.get("DELTASERVE_MOE_GROUPED_FROM", "0"))
+if MOE_GROUPED_FROM < 0:
+    raise ValueError(f"DELTASERVE_MOE_GROUPED_FROM must be >= 0, got {MOE_GROUPED_FROM}")
 
 
 def use_kernels(t: torch.Tensor) -> bool:
@@ -72,8 +80,14 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
 def fused_experts(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
 ) -> torch.Tensor:
-    """Routed experts of an MoE block: sum over each token's experts of weight * down(silu(gate x) * up x)."""
+    """Routed experts of an MoE block: sum over each token's experts of weight * down(silu(gate x) * up x).
+    On the GPU: the Triton kernels, or the grouped GEMM from MOE_GROUPED_FROM rows per expert."""
     if use_kernels(x):
+        if MOE_GROUPED_FROM and ids.numel() >= MOE_GROUPED_FROM * w13.shape[0]:
+            from deltaserve.ops.triton.moe_grouped import grouped_experts, grouped_gemm_supported
+
+            if grouped_gemm_supported(x):
+                return grouped_experts(x, w13, w2, weights, ids)
         from deltaserve.ops.triton.moe import fused_experts as kernel
 
         return kernel(x, w13, w2, weights, ids)

@@ -120,6 +120,7 @@ class Grouping(NamedTuple):
 
     sorted_slots: torch.Tensor  # [blocks * BLOCK_M] int32: the slot at each padded position; T*k = padding
     block_expert: torch.Tensor  # [blocks] int32: each block's expert; E for blocks past the last used one
+    block_end: torch.Tensor  # [E] int32: one past each expert's last block (with BLOCK_M = 1: its last row)
 
 
 def _max_blocks(num_slots: int, num_experts: int, block_m: int) -> int:
@@ -248,7 +249,7 @@ def group_slots(ids: torch.Tensor, num_experts: int, block_m: int) -> Grouping:
         BINS=bins,
         BLOCKS_PER_STEP=_BLOCKS_PER_STEP,
     )
-    return Grouping(sorted_slots, block_expert)
+    return Grouping(sorted_slots, block_expert, layout[2, :num_experts])
 
 
 @triton.jit(do_not_specialize=["num_slots"])  # T*k: no compile per batch size
