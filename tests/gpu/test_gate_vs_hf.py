@@ -1,5 +1,6 @@
 """The GPU correctness gate: the engine (GPU kernels, CUDA graphs) against HF transformers on the GPU, same
-random weights (norm weights randomised), at the 0.8B and 4B shapes.
+random weights (norm weights randomised), at the 0.8B and 4B shapes and on the tiny MoE preset (8 experts,
+2 per token: the routing and fused-expert kernels, from one row per expert to thousands).
 
 Log-probabilities are compared after the prompt, at sampled prompt positions (every token of a prefill
 chunk is the model's output for that position) and after each teacher-forced decode token. Criteria (the
@@ -132,15 +133,18 @@ class Pair:
     """HF bf16 and fp32 models and the engine in both precisions, all with the same weights."""
 
     def __init__(self, preset: str, seed: int = 0) -> None:
-        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+        import transformers
 
         text = official_config(preset)["text_config"]
-        hf_cfg = Qwen3_5TextConfig(**{k: v for k, v in text.items() if k not in ("model_type", "dtype")})
+        family = "Qwen3_5Moe" if text["model_type"] == "qwen3_5_moe_text" else "Qwen3_5"
+        model_class = getattr(transformers, f"{family}ForCausalLM")
+        config_class = getattr(transformers, f"{family}TextConfig")
+        hf_cfg = config_class(**{k: v for k, v in text.items() if k not in ("model_type", "dtype")})
         with torch.device(DEVICE):
-            self.hf = Qwen3_5ForCausalLM(hf_cfg).to(torch.bfloat16).eval()
+            self.hf = model_class(hf_cfg).to(torch.bfloat16).eval()
         randomise_(self.hf, seed)
         with torch.device(DEVICE):
-            self.hf32 = Qwen3_5ForCausalLM(hf_cfg).eval()
+            self.hf32 = model_class(hf_cfg).eval()
         self.hf32.load_state_dict({k: v.float() for k, v in self.hf.state_dict().items()})
         config = ModelConfig.from_dict(official_config(preset))
         self.engines = {
@@ -308,7 +312,7 @@ def decode_teacher_forced(
             gate.check(logits[i], *ref.at(precision, len(ref.positions) + step), f"prompt {i} decode {step}")
 
 
-@pytest.fixture(scope="module", params=["0.8b-shape", "4b-shape"])
+@pytest.fixture(scope="module", params=["0.8b-shape", "4b-shape", "tiny-moe"])
 def pair(request) -> Pair:
     p = Pair(request.param)
     yield p
