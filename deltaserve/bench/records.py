@@ -86,11 +86,11 @@ REFERENCES: dict[str, CellReference] = {
     ),
     "35b-a3b-shape:1024-128-c512": CellReference(
         previous=(
-            Figure("total", 31.7e3, "tok/s", text="31.7k tok/s"),
-            Figure("TPOT", 60.5, "ms"),
-            Figure("ITL p99", 65.4, "ms"),
+            Figure("total", 33.2e3, "tok/s", text="33.2k tok/s"),
+            Figure("TPOT", 57.6, "ms"),
+            Figure("ITL p99", 63.6, "ms"),
         ),
-        note="the 2026-12-03 record (saturated-35b-group-kernel); 25.9k on 2026-12-01 with 512 prompts at "
+        note="the 2026-12-03 record (saturated-35b-tile-order); 25.9k on 2026-12-01 with 512 prompts at "
         "concurrency 256",
     ),
     "27b-shape:1024-256-c1": CellReference(
