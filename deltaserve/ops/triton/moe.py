@@ -405,6 +405,18 @@ def check_inputs(
             raise ValueError(f"{name} is on {t.device}, expected x's device {x.device}")
 
 
+def output_for(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """`out` checked to be a contiguous tensor of x's shape and dtype, or a new one."""
+    if out is None:
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(
+            f"out must be a contiguous {x.dtype} tensor of shape {tuple(x.shape)}, "
+            f"got {out.dtype} {tuple(out.shape)}{'' if out.is_contiguous() else ' (strided)'}"
+        )
+    return out
+
+
 def _launch(tiles: MoeTiles, precision: str) -> dict[str, int | str]:
     return dict(
         BLOCK_M=tiles.block_m,
@@ -440,13 +452,7 @@ def fused_experts(
     tokens, hidden = x.shape
     num_experts, inter_size = w13.shape[0], w13.shape[1] // 2
     top_k = ids.shape[1]
-    if out is None:
-        out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
-    elif out.shape != (tokens, hidden) or out.dtype != x.dtype or not out.is_contiguous():
-        raise ValueError(
-            f"out must be a contiguous {x.dtype} tensor of shape {(tokens, hidden)}, "
-            f"got {out.dtype} {tuple(out.shape)}{'' if out.is_contiguous() else ' (strided)'}"
-        )
+    out = output_for(x, out)
     if tokens == 0 or hidden == 0:
         return out
     tiles = tiles or default_tiles(tokens, top_k, num_experts, x.dtype)

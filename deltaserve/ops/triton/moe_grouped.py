@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from deltaserve.ops.triton.activation import round_to, silu_and_mul
-from deltaserve.ops.triton.moe import check_inputs, group_slots
+from deltaserve.ops.triton.moe import check_inputs, group_slots, output_for
 
 # torch >= 2.9 has the public name; older releases only the private op.
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -86,13 +86,7 @@ def grouped_experts(
     tokens, hidden = x.shape
     num_experts = w13.shape[0]
     top_k = ids.shape[1]
-    if out is None:
-        out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
-    elif out.shape != (tokens, hidden) or out.dtype != x.dtype or not out.is_contiguous():
-        raise ValueError(
-            f"out must be a contiguous {x.dtype} tensor of shape {(tokens, hidden)}, "
-            f"got {out.dtype} {tuple(out.shape)}{'' if out.is_contiguous() else ' (strided)'}"
-        )
+    out = output_for(x, out)
     if tokens == 0 or hidden == 0:
         return out
     grouping = group_slots(ids, num_experts, block_m=1)
