@@ -239,44 +239,48 @@ def test_same_shapes_different_routing_use_the_same_launches() -> None:
     assert grids[0] == grids[1]
 
 
-def test_no_tensor_value_is_read_on_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+def run_without_host_reads(monkeypatch: pytest.MonkeyPatch, run, inputs) -> torch.Tensor:
     """The CPU stand-in for CUDA's sync debug mode: every way of reading a tensor's value into Python, and
-    the torch ops whose output shape depends on values, raise while the kernels run."""
-    inputs = make_inputs(37, 2, torch.bfloat16, seed=6)
+    the torch ops whose output shape depends on values, raise while `run(*inputs)` runs."""
 
     def host_read(*args, **kwargs):
-        raise AssertionError("fused_experts read a tensor value on the host")
+        raise AssertionError(f"{run.__name__} read a tensor value on the host")
 
     with monkeypatch.context() as m:
         for name in ("item", "tolist", "__bool__", "__int__", "__index__", "__float__"):
             m.setattr(torch.Tensor, name, host_read)
         for name in ("nonzero", "unique", "bincount", "masked_select", "where"):
             m.setattr(torch, name, host_read)
-        got = run_kernels(*inputs)
+        return run(*inputs)
+
+
+def test_no_tensor_value_is_read_on_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    inputs = make_inputs(37, 2, torch.bfloat16, seed=6)
+    got = run_without_host_reads(monkeypatch, run_kernels, inputs)
     assert_matches(got, moe.fused_experts(*inputs))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_cuda_graph_replay_with_new_routing(dtype: torch.dtype) -> None:
+def replay_with_new_routing(experts, dtype: torch.dtype, seed: int) -> None:
+    """Captures `experts(..., out=out)` in a CUDA graph (no host synchronisation allowed), then replays it
+    with new routing written into the captured ids and weights: spread, then every token to expert 4."""
     tokens, top_k = 37, 2
-    x, w13, w2, weights, ids = make_inputs(tokens, top_k, dtype, seed=11)
+    x, w13, w2, weights, ids = make_inputs(tokens, top_k, dtype, seed=seed)
     out = poisoned(tokens, H, dtype=dtype)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # compile and warm up outside the capture
-        tri.fused_experts(x, w13, w2, weights, ids, out=out)
+        experts(x, w13, w2, weights, ids, out=out)
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     torch.cuda.set_sync_debug_mode("error")  # any host synchronisation raises
     try:
         with torch.cuda.graph(graph):
-            tri.fused_experts(x, w13, w2, weights, ids, out=out)
+            experts(x, w13, w2, weights, ids, out=out)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    for seed, boost in ((12, None), (13, 4)):
-        logits = torch.randn(tokens, E, generator=torch.Generator().manual_seed(seed))
+    for new_seed, boost in ((seed + 1, None), (seed + 2, 4)):
+        logits = torch.randn(tokens, E, generator=torch.Generator().manual_seed(new_seed))
         if boost is not None:
             logits[:, boost] += 20.0  # every token to expert 4
         new_weights, new_ids = moe.route(logits.to(dtype).to(DEVICE), top_k, renormalize=True)
@@ -286,6 +290,12 @@ def test_cuda_graph_replay_with_new_routing(dtype: torch.dtype) -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert_matches(out, moe.fused_experts(x, w13, w2, weights, ids))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_graph_replay_with_new_routing(dtype: torch.dtype) -> None:
+    replay_with_new_routing(tri.fused_experts, dtype, seed=11)
 
 
 @pytest.mark.parametrize(
@@ -427,16 +437,7 @@ def test_grouped_gemm_path_with_one_expert_taking_every_token() -> None:
 @needs_grouped_gemm
 def test_grouped_gemm_path_reads_no_value_on_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
     inputs = make_inputs(37, 2, torch.bfloat16, seed=43)
-
-    def host_read(*args, **kwargs):
-        raise AssertionError("grouped_experts read a tensor value on the host")
-
-    with monkeypatch.context() as m:
-        for name in ("item", "tolist", "__bool__", "__int__", "__index__", "__float__"):
-            m.setattr(torch.Tensor, name, host_read)
-        for name in ("nonzero", "unique", "bincount", "masked_select", "where"):
-            m.setattr(torch, name, host_read)
-        got = run_grouped(*inputs)
+    got = run_without_host_reads(monkeypatch, run_grouped, inputs)
     assert_matches(got, moe.fused_experts(*inputs))
 
 
@@ -462,30 +463,4 @@ def test_grouped_gemm_path_zero_tokens_and_a_strided_out_refused() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @needs_grouped_gemm
 def test_grouped_gemm_path_replays_in_a_cuda_graph_with_new_routing() -> None:
-    tokens, top_k = 37, 2
-    x, w13, w2, weights, ids = make_inputs(tokens, top_k, torch.bfloat16, seed=46)
-    out = poisoned(tokens, H, dtype=torch.bfloat16)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        grouped.grouped_experts(x, w13, w2, weights, ids, out=out)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with torch.cuda.graph(graph):
-            grouped.grouped_experts(x, w13, w2, weights, ids, out=out)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    for seed, boost in ((47, None), (48, 4)):
-        logits = torch.randn(tokens, E, generator=torch.Generator().manual_seed(seed))
-        if boost is not None:
-            logits[:, boost] += 20.0
-        new_weights, new_ids = moe.route(logits.to(torch.bfloat16).to(DEVICE), top_k, renormalize=True)
-        weights.copy_(new_weights)
-        ids.copy_(new_ids)
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert_matches(out, moe.fused_experts(x, w13, w2, weights, ids))
+    replay_with_new_routing(grouped.grouped_experts, torch.bfloat16, seed=46)
