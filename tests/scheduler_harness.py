@@ -19,6 +19,11 @@ from deltaserve.sampling_params import SamplingParams
 
 VOCAB = 512
 
+# fp32 logprobs of one token computed in batches of another size or chunking differ in the order of
+# their reductions; over ~40 steps of recurrent GDN state that reaches ~1.1e-4 on some CPUs (seen on
+# a CI machine), so comparisons across batch shapes allow 5e-4. Tokens and ranks still match exactly.
+LOGPROB_TOL = 5e-4
+
 
 def load_model(model_dir: Path, mtp: bool = False) -> Qwen35ForCausalLM:
     model = Qwen35ForCausalLM(

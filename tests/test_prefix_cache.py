@@ -1,7 +1,7 @@
 """The prefix cache for hybrid state: shared KV pages plus GDN state snapshots, at token granularity.
 
 Pure structures are tested with hand-computed expectations; the scheduler on a small random model
-(fp32, CPU) must give exactly the tokens (and logprobs within 1e-4) of a run with the cache off, for
+(fp32, CPU) must give exactly the tokens (and logprobs within fp32 reduction-order noise) of a run with the cache off, for
 hits at page-aligned, unaligned and message-boundary positions and from a finished request's end."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import hf_oracle
 import pytest
-from scheduler_harness import VOCAB, Run, load_model
+from scheduler_harness import LOGPROB_TOL, VOCAB, Run, load_model
 
 from deltaserve.cache.kv_pages import PageAllocator
 from deltaserve.cache.snapshots import Snapshot, SnapshotTable
@@ -149,7 +149,7 @@ def _assert_same(run: Run, rid: str, expected: tuple[list[int], list]) -> None:
     tokens, logprobs = expected
     assert run.tokens(rid) == tokens, rid
     for ours, ref in zip(run.logprobs(rid), logprobs, strict=True):
-        assert abs(ours.logprob - ref.logprob) < 1e-4, rid
+        assert abs(ours.logprob - ref.logprob) < LOGPROB_TOL, rid
 
 
 @pytest.mark.parametrize("max_num_seqs", [1, 3, 16])
@@ -307,4 +307,4 @@ def test_a_request_that_scores_its_prompt_is_never_resumed_from_the_cache(model)
     ref = [u.prompt_logprobs for u in expected.updates["s"] if u.prompt_logprobs][0]
     assert len(ours) == len(prompt) and ours[0] is None
     for a, b in zip(ours[1:], ref[1:], strict=True):
-        assert abs(a.logprob - b.logprob) < 1e-4 and a.rank == b.rank
+        assert abs(a.logprob - b.logprob) < LOGPROB_TOL and a.rank == b.rank

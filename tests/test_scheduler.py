@@ -7,7 +7,7 @@ from pathlib import Path
 
 import hf_oracle
 import pytest
-from scheduler_harness import VOCAB, Run, load_model
+from scheduler_harness import LOGPROB_TOL, VOCAB, Run, load_model
 
 from deltaserve.engine.scheduler import Phase, telemetry
 from deltaserve.sampling_params import SamplingParams
@@ -415,8 +415,8 @@ def test_invalid_policy_combinations_are_refused_before_the_model_loads(tmp_path
 
 
 def assert_same_updates(a: Run, b: Run) -> None:
-    """Tokens, finish, counts and logprob ranks/ids exactly; logprob values to 1e-4 (a batch of another
-    size may round the last fp32 bits of a logit differently)."""
+    """Tokens, finish, counts and logprob ranks/ids exactly; logprob values to LOGPROB_TOL (a batch of
+    another size may round the last fp32 bits of a logit differently)."""
     assert a.updates.keys() == b.updates.keys()
     for rid in a.updates:
         ups_a, ups_b = a.updates[rid], b.updates[rid]
@@ -431,8 +431,8 @@ def assert_same_updates(a: Run, b: Run) -> None:
             assert (u.new_logprobs is None) == (v.new_logprobs is None), rid
             for x, y in zip(u.new_logprobs or [], v.new_logprobs or [], strict=True):
                 assert x.rank == y.rank and [t for t, _ in x.top] == [t for t, _ in y.top], rid
-                assert x.logprob == pytest.approx(y.logprob, abs=1e-4), rid
-                assert [p for _, p in x.top] == pytest.approx([p for _, p in y.top], abs=1e-4), rid
+                assert x.logprob == pytest.approx(y.logprob, abs=LOGPROB_TOL), rid
+                assert [p for _, p in x.top] == pytest.approx([p for _, p in y.top], abs=LOGPROB_TOL), rid
 
 
 def _mixed_decode_workload(run: Run) -> None:

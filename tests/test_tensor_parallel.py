@@ -12,6 +12,7 @@ import httpx
 import pytest
 import torch
 from safetensors.torch import save_file
+from scheduler_harness import LOGPROB_TOL
 from server_fixture import MODEL, running_server
 
 from deltaserve.config import EngineConfig, ModelConfig
@@ -283,11 +284,11 @@ def test_two_ranks_generate_what_one_rank_generates(checkpoints, preset, monkeyp
     # Decode-ahead ran: steps fed the previous step's tokens, which rank 1 got from rank 0's broadcast.
     assert any(n > 0 for n in fed_rows), fed_rows
     scored = list(zip(one[3].prompt_logprobs[1:], two[3].prompt_logprobs[1:], strict=True))
-    assert len(scored) == 89 and all(abs(x.logprob - y.logprob) < 1e-4 for x, y in scored)
+    assert len(scored) == 89 and all(abs(x.logprob - y.logprob) < LOGPROB_TOL for x, y in scored)
     for a, b in zip([o.outputs[0] for o in one], [o.outputs[0] for o in two], strict=True):
         assert a.token_ids == b.token_ids
         for x, y in zip(a.logprobs, b.logprobs, strict=True):
-            assert abs(x.logprob - y.logprob) < 1e-4  # partial sums added in another order
+            assert abs(x.logprob - y.logprob) < LOGPROB_TOL  # partial sums added in another order
 
 
 def test_dummy_weights_of_a_rank_are_its_shard_of_the_single_rank_dummy_model(tmp_path) -> None:
