@@ -197,10 +197,11 @@ def test_padded_batch_through_the_reference_model_equals_the_rows_unpadded():
     k_e, v_e, conv_e, ssm_e = after_eager
     k_p, v_p, conv_p, ssm_p = after_padded
     live_pages, live_slots = [3, 4, 5, 6, 7, 8, 9, 10], [1, 2, 3, 4]
-    # Pools are [layers, pages or slots, ...].
-    torch.testing.assert_close(k_p[:, live_pages], k_e[:, live_pages], atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(v_p[:, live_pages], v_e[:, live_pages], atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(conv_p[:, live_slots], conv_e[:, live_slots], atol=1e-6, rtol=1e-6)
+    # Pools are [layers, pages or slots, ...]. The padded forward's GEMMs have more rows, so they may
+    # add in another order (4e-6 seen with AVX2 kernels): fp32 noise, far below any indexing error.
+    torch.testing.assert_close(k_p[:, live_pages], k_e[:, live_pages], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(v_p[:, live_pages], v_e[:, live_pages], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(conv_p[:, live_slots], conv_e[:, live_slots], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ssm_p[:, live_slots], ssm_e[:, live_slots], atol=1e-5, rtol=1e-5)
     # Everything else the padded forward touched is the reserved page and slot.
     others = [p for p in range(16) if p not in live_pages and p != DUMMY_PAGE]
