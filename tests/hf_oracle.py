@@ -147,7 +147,8 @@ def save_official_layout(model: torch.nn.Module, out: Path, *, fused_experts: bo
 
 def fuse_experts(tensors: dict[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor]:
     """Per-expert `experts.{e}.{gate,up,down}_proj.weight` -> official `experts.gate_up_proj` [E, 2I, H]
-    and `experts.down_proj` [E, H, I]."""
+    and `experts.down_proj` [E, H, I]; an FP8 checkpoint's `.weight_scale_inv` likewise, to
+    `experts.gate_up_proj_scale_inv` and `experts.down_proj_scale_inv` (gate's scale rows, then up's)."""
     out: dict[str, torch.Tensor] = {}
     prefixes = sorted({k.split(".experts.")[0] for k in tensors if ".experts.0.gate_proj.weight" in k})
     for name, t in tensors.items():
@@ -155,15 +156,18 @@ def fuse_experts(tensors: dict[str, torch.Tensor], num_experts: int) -> dict[str
             out[name] = t
     for p in prefixes:
         e = f"{p}.experts"
-        out[f"{e}.gate_up_proj"] = torch.stack(
-            [
-                torch.cat([tensors[f"{e}.{i}.gate_proj.weight"], tensors[f"{e}.{i}.up_proj.weight"]])
-                for i in range(num_experts)
-            ]
-        )
-        out[f"{e}.down_proj"] = torch.stack(
-            [tensors[f"{e}.{i}.down_proj.weight"] for i in range(num_experts)]
-        )
+        for suffix, fused in (("weight", ""), ("weight_scale_inv", "_scale_inv")):
+            if f"{e}.0.gate_proj.{suffix}" not in tensors:
+                continue
+            out[f"{e}.gate_up_proj{fused}"] = torch.stack(
+                [
+                    torch.cat([tensors[f"{e}.{i}.gate_proj.{suffix}"], tensors[f"{e}.{i}.up_proj.{suffix}"]])
+                    for i in range(num_experts)
+                ]
+            )
+            out[f"{e}.down_proj{fused}"] = torch.stack(
+                [tensors[f"{e}.{i}.down_proj.{suffix}"] for i in range(num_experts)]
+            )
     return out
 
 
@@ -187,3 +191,50 @@ def hf_incremental_logprobs(
 
 def read_config(path: Path) -> dict:
     return json.loads((path / "config.json").read_text())
+
+
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+def quantize_fp8(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-wise FP8 of a matrix as Qwen's -FP8 checkpoints store it: (float8_e4m3fn weight, fp32
+    inverse scale per block, [ceil(N / bn), ceil(K / bk)]), each block's amax mapped to FP8_MAX."""
+    (n, k), (bn, bk) = w.shape, block
+    rows, cols = -(-n // bn), -(-k // bk)
+    padded = torch.zeros(rows * bn, cols * bk)
+    padded[:n, :k] = w.float()
+    blocks = padded.view(rows, bn, cols, bk)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
+    q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).reshape(rows * bn, cols * bk)
+    return q[:n, :k].contiguous(), scale
+
+
+def quantize_checkpoint_fp8(model_dir: Path, block: tuple[int, int], quantized) -> list[str]:
+    """Rewrites a saved checkpoint as an FP8 one: every 2-D tensor whose name `quantized(name)` accepts
+    becomes FP8 + `<name>_scale_inv`, and config.json gets the quantization_config. Returns the names."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    done: list[str] = []
+    for path in files:
+        tensors = load_file(str(path))
+        for name in [n for n, t in tensors.items() if t.dim() == 2 and quantized(n)]:
+            tensors[name], tensors[name + "_scale_inv"] = quantize_fp8(tensors[name], block)
+            done.append(name)
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    config = read_config(model_dir)
+    config["quantization_config"] = {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": list(block),
+    }
+    (model_dir / "config.json").write_text(json.dumps(config, indent=2))
+    return done
+
+
+def is_linear_weight(name: str) -> bool:
+    """The projections an FP8 checkpoint quantizes (not the embedding, LM head, norms or conv)."""
+    return (
+        name.endswith("proj.weight")
+        or ".in_proj_" in name
+        or name.endswith(("mlp.gate.weight", "_gate.weight"))
+    )

@@ -16,7 +16,11 @@ from deltaserve.config import EngineConfig
 # (flags, what the one error line says)
 REFUSED = [
     (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype must be 'auto'"),
-    (["--quantization", "fp8"], "--quantization is not supported"),
+    (
+        ["--quantization", "fp8"],
+        "--quantization must be left out, or be 'fp8' with an FP8 checkpoint (its weights load dequantized); "
+        "got 'fp8' for an unquantized checkpoint (online quantization is not supported)",
+    ),
     (
         ["--speculative-config", '{"method": "eagle"}'],
         "--speculative-config: 'method' must be one of ['mtp']",

@@ -7,24 +7,33 @@ Checkpoint names are canonicalised to the HF text layout before matching:
   mtp.X, model.mtp.X -> mtp.X     (the MTP head; skipped unless the model has one)
 The vision tower (model.visual.*) and rotary buffers are skipped. Every tensor is copied straight into
 its parameter view (one checkpoint tensor in host memory at a time); a missing, unexpected or
-misshaped tensor fails with its name and both shapes.
+misshaped tensor fails with its name and both shapes. FP8 checkpoints (`quantization_config`
+quant_method "fp8") load dequantized into the model's dtype: each FP8 weight with its
+`<name>_scale_inv` (deltaserve.model.fp8), and their unused activation/KV scales are skipped.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import zlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from deltaserve.config import WeightQuantization
 from deltaserve.errors import ConfigError
+from deltaserve.model import fp8
 from deltaserve.model.layers.params import CheckpointTensor
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
+
+logger = logging.getLogger(__name__)
 
 SKIPPED_PREFIXES = ("model.visual.", "visual.")
 MTP_PREFIXES = ("mtp.", "model.mtp.")
@@ -65,12 +74,25 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iter_checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, str, Callable[[], torch.Tensor]]]:
-    """(name, file name, read) for every tensor of a checkpoint; read() loads that one tensor."""
-    for path in checkpoint_files(model_dir):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+@dataclass(frozen=True, slots=True)
+class StoredTensor:
+    """One tensor of a checkpoint: where it is stored (for messages) and how to read it."""
+
+    where: str
+    read: Callable[[], torch.Tensor]
+
+
+@contextlib.contextmanager
+def open_checkpoint(model_dir: Path) -> Iterator[dict[str, StoredTensor]]:
+    """Every tensor of a checkpoint by name, in file order, with every file open until the block
+    exits: a tensor can be read while another (in any file) is handled, and only then."""
+    with contextlib.ExitStack() as files:
+        tensors: dict[str, StoredTensor] = {}
+        for path in checkpoint_files(model_dir):
+            f = files.enter_context(safe_open(str(path), framework="pt", device="cpu"))
             for name in f.keys():  # noqa: SIM118 - safe_open handles are not mappings
-                yield name, path.name, partial(f.get_tensor, name)
+                tensors[name] = StoredTensor(path.name, partial(f.get_tensor, name))
+        yield tensors
 
 
 def checkpoint_has_mtp(model_dir: str | Path) -> bool:
@@ -90,7 +112,8 @@ def checkpoint_has_mtp(model_dir: str | Path) -> bool:
 @torch.inference_mode()
 def load_weights(model: Qwen35ForCausalLM, model_dir: str | Path) -> None:
     model_dir = Path(model_dir)
-    load_tensors(model, iter_checkpoint_tensors(model_dir), str(model_dir))
+    with open_checkpoint(model_dir) as tensors:
+        load_tensors(model, tensors, str(model_dir))
 
 
 @torch.inference_mode()
@@ -98,12 +121,14 @@ def load_state_dict(
     model: Qwen35ForCausalLM, state: dict[str, torch.Tensor], source: str = "state dict"
 ) -> None:
     """Loads an in-memory HF state dict (e.g. a transformers model's), same rules as a checkpoint."""
-    load_tensors(model, ((name, source, partial(state.__getitem__, name)) for name in state), source)
+    load_tensors(
+        model, {name: StoredTensor(source, partial(state.__getitem__, name)) for name in state}, source
+    )
 
 
-def load_tensors(
-    model: Qwen35ForCausalLM, tensors: Iterable[tuple[str, str, Callable[[], torch.Tensor]]], source: str
-) -> None:
+def load_tensors(model: Qwen35ForCausalLM, tensors: Mapping[str, StoredTensor], source: str) -> None:
+    """Copies every tensor the model uses into its parameter views, one at a time; FP8 weights are
+    dequantized with their inverse scales on the way (deltaserve.model.fp8)."""
     requirements = model.weight_requirements()
     by_name: dict[str, CheckpointTensor] = {}
     for req in requirements:
@@ -114,21 +139,27 @@ def load_tensors(
     unexpected: list[str] = []
     tied = model.config.tie_word_embeddings
     mtp = model.mtp is not None
-    for name, where, read in tensors:
+    quant = model.config.weight_quantization
+    dequantized = 0
+    for name, stored in tensors.items():
         canonical = canonical_name(name, mtp=mtp)
         if canonical is None or (tied and canonical == "lm_head.weight"):
+            continue
+        if quant is not None and _is_sidecar(name, tensors):
             continue
         spec = by_name.get(canonical)
         if spec is None:
             unexpected.append(name)
             continue
-        tensor = read()
+        tensor = _read_weight(name, stored, tensors, quant, spec.target.dtype, source)
         if tuple(tensor.shape) != spec.full_shape:
             raise ConfigError(
-                f"{where}: tensor {name} has shape {list(tensor.shape)}, the config implies {list(spec.full_shape)}"
+                f"{stored.where}: tensor {name} has shape {list(tensor.shape)}, the config implies "
+                f"{list(spec.full_shape)}"
             )
         spec.copy_from(tensor)
         loaded.add(canonical)
+        dequantized += quant is not None and name + fp8.SCALE_SUFFIX in tensors
     if unexpected:
         shown = ", ".join(unexpected[:5]) + (
             f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""
@@ -141,6 +172,13 @@ def load_tensors(
         # Report the alternative the checkpoint got furthest with (the official one when none started).
         best = max(req.alternatives, key=lambda alt: sum(t.name in loaded for t in alt))
         missing += [t.name for t in best if t.name not in loaded]
+    if dequantized:
+        blocks = (
+            "one scale per matrix" if quant.block is None else f"{quant.block[0]}x{quant.block[1]} blocks"
+        )
+        logger.info(
+            "%s: %d FP8 weights (%s) dequantized to %s at load", source, dequantized, blocks, model.dtype
+        )
     if not missing:
         return
     shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
@@ -150,6 +188,47 @@ def load_tensors(
             f"them (missing: {shown})"
         )
     raise ConfigError(f"{source}: checkpoint is missing tensors: {shown}")
+
+
+def _is_sidecar(name: str, tensors: Mapping[str, StoredTensor]) -> bool:
+    """An FP8 checkpoint's inverse scale (read with its weight) or an unused activation/KV scale."""
+    if name.endswith(fp8.SCALE_SUFFIX):
+        return name.removesuffix(fp8.SCALE_SUFFIX) in tensors  # a scale without its weight is unexpected
+    return name.endswith(fp8.UNUSED_SUFFIXES)
+
+
+def _read_weight(
+    name: str,
+    stored: StoredTensor,
+    tensors: Mapping[str, StoredTensor],
+    quant: WeightQuantization | None,
+    dtype: torch.dtype,
+    source: str,
+) -> torch.Tensor:
+    """The tensor `name` as the model uses it: dequantized to `dtype` when the checkpoint stores it in
+    FP8 with an inverse scale."""
+    tensor = stored.read()
+    scale = tensors.get(name + fp8.SCALE_SUFFIX) if quant is not None else None
+    if not fp8.is_fp8(tensor):
+        if scale is not None:
+            raise ConfigError(
+                f"{stored.where}: tensor {name} has an inverse scale ({name}{fp8.SCALE_SUFFIX}) but dtype "
+                f"{tensor.dtype}; a quantized weight is {fp8.FP8_WEIGHT_DTYPE}"
+            )
+        return tensor
+    if quant is None:
+        raise ConfigError(
+            f"{stored.where}: tensor {name} has dtype {tensor.dtype}, but config.json has no "
+            "quantization_config (an FP8 checkpoint declares quant_method 'fp8')"
+        )
+    if scale is None:
+        raise ConfigError(
+            f"{stored.where}: FP8 tensor {name} has no inverse scale {name}{fp8.SCALE_SUFFIX} in {source}"
+        )
+    try:
+        return fp8.dequantize(tensor, scale.read(), quant, dtype)
+    except ValueError as e:
+        raise ConfigError(f"{stored.where}: FP8 tensor {name} {e}") from e
 
 
 @torch.inference_mode()

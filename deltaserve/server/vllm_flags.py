@@ -4,7 +4,8 @@ with one sentence.
 Accepted: flags that ask for what deltaserve always does (auto tool choice, the Qwen XML tool-call and
 `<think>` reasoning parsers, chunked prefill, a text-only model) or that have nothing to act on
 (`--trust-remote-code`: no checkpoint code is ever run). Refused, naming what is supported: features
-the engine does not have (an fp8 KV cache, quantized checkpoints, images).
+the engine does not have (an fp8 KV cache, online or non-FP8 quantization, images). `--quantization fp8`
+is accepted with an FP8 checkpoint, which loads dequantized whatever the flag says.
 """
 
 from __future__ import annotations
@@ -59,11 +60,17 @@ def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
         help='text only: accepted when it allows no media, e.g. \'{"image": 0, "video": 0}\'',
     )
     g.add_argument("--kv-cache-dtype", default="auto", help="auto only: the KV cache is in the model dtype")
-    g.add_argument("--quantization", "-q", default=None, help="not supported")
+    g.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        help="fp8 with an FP8 checkpoint only (its weights load dequantized); nothing else is supported",
+    )
 
 
-def check_vllm_arguments(args: argparse.Namespace) -> None:
-    """Raises ConfigError (one sentence naming the flag, the supported and the found value)."""
+def check_vllm_arguments(args: argparse.Namespace, checkpoint_quantization: str | None = None) -> None:
+    """Raises ConfigError (one sentence naming the flag, the supported and the found value).
+    `checkpoint_quantization`: the model's quantization_config.quant_method (None: unquantized)."""
     if args.tool_call_parser is not None and args.tool_call_parser not in TOOL_CALL_PARSERS:
         raise ConfigError(
             f"--tool-call-parser must be one of {list(TOOL_CALL_PARSERS)} (the Qwen XML call format "
@@ -85,10 +92,15 @@ def check_vllm_arguments(args: argparse.Namespace) -> None:
             "--kv-cache-dtype must be 'auto' (the KV cache is kept in the model dtype; quantized KV caches "
             f"are not supported), got {args.kv_cache_dtype!r}"
         )
-    if args.quantization is not None:
+    if args.quantization is not None and args.quantization != checkpoint_quantization:
+        served = (
+            "an unquantized checkpoint (online quantization is not supported)"
+            if checkpoint_quantization is None
+            else f"a {checkpoint_quantization!r} checkpoint"
+        )
         raise ConfigError(
-            "--quantization is not supported: deltaserve serves bfloat16 / float16 / float32 checkpoints, "
-            f"got {args.quantization!r}"
+            f"--quantization must be left out, or be 'fp8' with an FP8 checkpoint (its weights load "
+            f"dequantized); got {args.quantization!r} for {served}"
         )
     if args.trust_remote_code:
         logger.info("--trust-remote-code: nothing to trust, deltaserve runs no code from the checkpoint")

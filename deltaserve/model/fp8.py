@@ -1,0 +1,69 @@
+"""FP8 checkpoint weights (Qwen's -FP8 releases: `quantization_config.quant_method` "fp8"), dequantized
+at load into the model's dtype.
+
+A quantized tensor W ([..., N, K], float8_e4m3fn) ships beside its inverse scale S, named
+`<name>_scale_inv`: one value per (block_n x block_k) block, shape [..., ceil(N / block_n),
+ceil(K / block_k)] (the last blocks of a row or column may be partial), or one value per matrix
+without `weight_block_size`. Element (i, j) of a matrix is W[i, j] * S[i // block_n, j // block_k],
+computed in fp32 (an e4m3 value is exact in fp32, so the product is rounded once) and then rounded to
+the model's dtype: what HF transformers computes when it loads such a checkpoint with
+`dequantize=True`. Scales may be stored in any float dtype (fp32, bf16, or ue8m0 as float8_e8m0fnu).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from deltaserve.config import WeightQuantization
+
+FP8_WEIGHT_DTYPE = torch.float8_e4m3fn
+SCALE_SUFFIX = "_scale_inv"
+# Quantization sidecars the engine never uses (activations are not quantized, the KV cache is kept in
+# the model dtype): accepted, and skipped, in an FP8 checkpoint.
+UNUSED_SUFFIXES = (".input_scale", ".activation_scale", ".k_scale", ".v_scale", ".kv_scale")
+
+
+def is_fp8(tensor: torch.Tensor) -> bool:
+    return tensor.dtype.is_floating_point and tensor.dtype.itemsize == 1
+
+
+def scale_shape(weight_shape: tuple[int, ...], block: tuple[int, int] | None) -> tuple[int, ...]:
+    """The inverse-scale shape a weight of `weight_shape` ([..., N, K]) needs."""
+    *lead, n, k = weight_shape
+    if block is None:
+        return (*lead, 1, 1)
+    return (*lead, math.ceil(n / block[0]), math.ceil(k / block[1]))
+
+
+def dequantize(
+    weight: torch.Tensor, scale: torch.Tensor, quant: WeightQuantization, dtype: torch.dtype
+) -> torch.Tensor:
+    """W * S per block (module docstring), in `dtype`. Raises ValueError naming the expected and the
+    found dtype or shape. The fp32 temporaries are one block row of one matrix at a time."""
+    if weight.dtype != FP8_WEIGHT_DTYPE:
+        raise ValueError(f"has dtype {weight.dtype}, an FP8 (e4m3) checkpoint stores {FP8_WEIGHT_DTYPE}")
+    if weight.dim() < 2:
+        raise ValueError(f"has shape {list(weight.shape)}, FP8 weights are matrices ([..., N, K])")
+    expected = scale_shape(tuple(weight.shape), quant.block)
+    if quant.block is None and scale.numel() == math.prod(expected):
+        scale = scale.reshape(expected)  # one value per matrix, stored as [] / [1] / [E] / [E, 1, 1]
+    if tuple(scale.shape) != expected:
+        blocks = "one per matrix" if quant.block is None else f"{quant.block[0]}x{quant.block[1]} blocks"
+        raise ValueError(
+            f"has an inverse scale of shape {list(scale.shape)}, expected {list(expected)} "
+            f"(weight {list(weight.shape)}, {blocks})"
+        )
+    n, k = weight.shape[-2:]
+    block_n, block_k = quant.block or (n, k)
+    out = torch.empty(weight.shape, dtype=dtype, device=weight.device)
+    matrices = zip(
+        weight.reshape(-1, n, k), scale.reshape(-1, *expected[-2:]), out.view(-1, n, k), strict=True
+    )
+    for w, s, o in matrices:
+        for i, row_scales in enumerate(s.float()):
+            rows = slice(i * block_n, (i + 1) * block_n)
+            per_column = row_scales.repeat_interleave(block_k)[:k]
+            o[rows] = w[rows].float() * per_column
+    return out
