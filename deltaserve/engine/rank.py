@@ -2,7 +2,7 @@
 
 `build_rank` runs in the same order on every rank (EngineCore for rank 0, engine/tp.py's rank processes
 for the others): under tensor parallelism the warm-up's forwards and the page-count agreement are
-collectives. Memory plan: weights -> warm-up at the real chunk shapes (activation peak measured) ->
+collectives. Memory plan: weights (refused up front when they cannot fit) -> warm-up at the real chunk shapes (activation peak measured) ->
 state slots for max_num_seqs -> KV pages from what is left under --gpu-memory-utilization.
 
 With --speculative-config the model carries the checkpoint's MTP head: its attention layer is the last
@@ -68,15 +68,29 @@ def build_rank(
             "needs them (serve without --speculative-config, or a checkpoint that ships its MTP head)"
         )
     started = time.monotonic()
-    model = Qwen35ForCausalLM(
-        model_config,
-        dtype=dtype,
-        device=device,
-        logits_vocab_size=tokenizer_vocab,
-        tp=tp,
-        mtp=mtp,
-        draft_vocab_size=config.speculative_config.draft_vocab_size if mtp else None,
-    )
+
+    def build(on: torch.device) -> Qwen35ForCausalLM:
+        return Qwen35ForCausalLM(
+            model_config,
+            dtype=dtype,
+            device=on,
+            logits_vocab_size=tokenizer_vocab,
+            tp=tp,
+            mtp=mtp,
+            draft_vocab_size=config.speculative_config.draft_vocab_size if mtp else None,
+        )
+
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        check_weights_fit(
+            weight_bytes(build(torch.device("meta"))),
+            free,
+            total,
+            config.gpu_memory_utilization,
+            model_config,
+            tp,
+        )
+    model = build(device)
     if config.load_format == "dummy":
         init_dummy_weights(model, seed=config.seed)
     else:
@@ -221,6 +235,38 @@ def _plan_kv_pages(
     if pages < 2:
         raise ConfigError(f"no memory left for the KV cache ({where}); {flag}")
     return pages
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every parameter and buffer (a model built on the meta device allocates none)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def check_weights_fit(
+    needed: int, free: int, total: int, utilization: float, model_config: ModelConfig, tp: TensorParallel
+) -> None:
+    """Refuses, before anything is allocated, weights that cannot fit in this rank's share of the GPU
+    (--gpu-memory-utilization of its memory, less what is already in use): a one-line error instead of
+    an out-of-memory traceback part-way through loading."""
+    budget = utilization * total - (total - free)
+    if needed <= budget:
+        return
+    what = (
+        f"this rank's shard of the weights (1 of {tp.size}) needs"
+        if tp.size > 1
+        else "the model's weights need"
+    )
+    dequantized = (
+        " (FP8 weights are served dequantized: twice their size on disk)"
+        if model_config.weight_quantization is not None
+        else ""
+    )
+    raise ConfigError(
+        f"{what} {needed / 2**30:.1f} GiB{dequantized}, but {max(budget, 0) / 2**30:.1f} GiB of the GPU "
+        f"are available ({total / 2**30:.1f} GiB x {utilization} utilization, {(total - free) / 2**30:.1f} "
+        "GiB in use); raise --tensor-parallel-size or --gpu-memory-utilization, or use a larger GPU"
+    )
 
 
 def agree_on_minimum(value: int, device: torch.device) -> int:
