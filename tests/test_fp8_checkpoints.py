@@ -51,6 +51,18 @@ def test_each_element_takes_its_blocks_scale_with_partial_edge_blocks(dtype):
     assert out.dtype == dtype and out.float().tolist() == expected
 
 
+@pytest.mark.parametrize("chunk_elements", [1, 4 * 23 * 2, 1 << 24])
+def test_any_chunking_of_the_rows_gives_each_element_its_blocks_scale(monkeypatch, chunk_elements):
+    """Stacked 37 x 23 matrices in 4 x 8 blocks, dequantized one block row, two, or all at a time."""
+    gen = torch.Generator().manual_seed(0)
+    weight = (torch.randn(3, 37, 23, generator=gen) * 50).to(FP8)
+    scale = torch.rand(3, 10, 3, generator=gen) + 0.01
+    monkeypatch.setattr(fp8, "CHUNK_ELEMENTS", chunk_elements)
+    out = fp8.dequantize(weight, scale, WeightQuantization("fp8", (4, 8), "dynamic"), torch.float32)
+    i, j = torch.arange(37)[:, None], torch.arange(23)[None, :]
+    assert torch.equal(out, weight.float() * scale[:, i // 4, j // 8])
+
+
 def test_one_scale_per_matrix_of_a_stack_without_a_block_size():
     weight = torch.stack([_fp8([[1, 2], [3, 4]]), _fp8([[0.5, 1], [1.5, 2]])])
     quant = WeightQuantization("fp8", None, "dynamic")

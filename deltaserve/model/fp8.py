@@ -23,6 +23,7 @@ SCALE_SUFFIX = "_scale_inv"
 # Quantization sidecars the engine never uses (activations are not quantized, the KV cache is kept in
 # the model dtype): accepted, and skipped, in an FP8 checkpoint.
 UNUSED_SUFFIXES = (".input_scale", ".activation_scale", ".k_scale", ".v_scale", ".kv_scale")
+CHUNK_ELEMENTS = 1 << 24  # fp32 temporaries of the dequantization: 64 MiB each
 
 
 def is_fp8(tensor: torch.Tensor) -> bool:
@@ -40,8 +41,9 @@ def scale_shape(weight_shape: tuple[int, ...], block: tuple[int, int] | None) ->
 def dequantize(
     weight: torch.Tensor, scale: torch.Tensor, quant: WeightQuantization, dtype: torch.dtype
 ) -> torch.Tensor:
-    """W * S per block (module docstring), in `dtype`. Raises ValueError naming the expected and the
-    found dtype or shape. The fp32 temporaries are one block row of one matrix at a time."""
+    """W * S per block (module docstring), in `dtype`, on W's device (the loader moves W and S to the
+    parameter's device first: half the bytes of a 16-bit copy, and the arithmetic on the GPU). Raises
+    ValueError naming the expected and the found dtype or shape."""
     if weight.dtype != FP8_WEIGHT_DTYPE:
         raise ValueError(f"has dtype {weight.dtype}, an FP8 (e4m3) checkpoint stores {FP8_WEIGHT_DTYPE}")
     if weight.dim() < 2:
@@ -58,12 +60,23 @@ def dequantize(
     n, k = weight.shape[-2:]
     block_n, block_k = quant.block or (n, k)
     out = torch.empty(weight.shape, dtype=dtype, device=weight.device)
+    # Whole block rows at a time, at most ~CHUNK_ELEMENTS fp32 values of weight and of scale each.
+    chunk = max(1, CHUNK_ELEMENTS // (block_n * k)) * block_n
     matrices = zip(
         weight.reshape(-1, n, k), scale.reshape(-1, *expected[-2:]), out.view(-1, n, k), strict=True
     )
+    whole = k // block_k * block_k  # columns in whole blocks; the rest share the last block's scale
     for w, s, o in matrices:
-        for i, row_scales in enumerate(s.float()):
-            rows = slice(i * block_n, (i + 1) * block_n)
-            per_column = row_scales.repeat_interleave(block_k)[:k]
-            o[rows] = w[rows].float() * per_column
+        for start in range(0, n, chunk):
+            rows = slice(start, min(start + chunk, n))
+            count = rows.stop - start
+            per_row = (
+                s[start // block_n : -(-rows.stop // block_n)].float().repeat_interleave(block_n, 0)[:count]
+            )
+            x = w[rows].float()
+            if whole:
+                blocks = x[:, :whole].view(count, -1, block_k) * per_row[:, : whole // block_k, None]
+                o[rows, :whole] = blocks.view(count, whole)
+            if whole < k:
+                o[rows, whole:] = x[:, whole:] * per_row[:, -1:]
     return out

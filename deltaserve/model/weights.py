@@ -151,7 +151,7 @@ def load_tensors(model: Qwen35ForCausalLM, tensors: Mapping[str, StoredTensor], 
         if spec is None:
             unexpected.append(name)
             continue
-        tensor = _read_weight(name, stored, tensors, quant, spec.target.dtype, source)
+        tensor = _read_weight(name, stored, tensors, quant, spec.target, source)
         if tuple(tensor.shape) != spec.full_shape:
             raise ConfigError(
                 f"{stored.where}: tensor {name} has shape {list(tensor.shape)}, the config implies "
@@ -202,11 +202,12 @@ def _read_weight(
     stored: StoredTensor,
     tensors: Mapping[str, StoredTensor],
     quant: WeightQuantization | None,
-    dtype: torch.dtype,
+    target: torch.Tensor,
     source: str,
 ) -> torch.Tensor:
-    """The tensor `name` as the model uses it: dequantized to `dtype` when the checkpoint stores it in
-    FP8 with an inverse scale."""
+    """The tensor `name` as the model uses it: dequantized to `target`'s dtype, on its device, when the
+    checkpoint stores it in FP8 with an inverse scale."""
+    dtype, device = target.dtype, target.device
     tensor = stored.read()
     scale = tensors.get(name + fp8.SCALE_SUFFIX) if quant is not None else None
     if not fp8.is_fp8(tensor):
@@ -226,7 +227,7 @@ def _read_weight(
             f"{stored.where}: FP8 tensor {name} has no inverse scale {name}{fp8.SCALE_SUFFIX} in {source}"
         )
     try:
-        return fp8.dequantize(tensor, scale.read(), quant, dtype)
+        return fp8.dequantize(tensor.to(device), scale.read().to(device), quant, dtype)
     except ValueError as e:
         raise ConfigError(f"{stored.where}: FP8 tensor {name} {e}") from e
 
