@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from deltaserve.errors import ConfigError
+from deltaserve.quant_config import WeightQuantization, parse_quantization
 
 if TYPE_CHECKING:  # torch is imported where a dtype or device is resolved: the server's CLI starts fast
     import torch
@@ -51,23 +52,6 @@ def parse_dtype(name: str, *, what: str) -> torch.dtype:
     if name not in DTYPES:
         raise ConfigError(f"{what} must be one of {sorted(DTYPES)}, got {name!r}")
     return torch_dtype(name)
-
-
-# quantization_config.quant_method values the loader reads: Qwen's -FP8 checkpoints (block-wise FP8
-# weights with inverse scales), dequantized at load (deltaserve/model/fp8.py).
-QUANT_METHODS = ("fp8",)
-
-
-@dataclass(frozen=True, slots=True)
-class WeightQuantization:
-    """A checkpoint's `quantization_config`: FP8 (e4m3) weights, each with an inverse scale tensor
-    `<name>_scale_inv` per `block` = (rows, columns) block, or one per matrix when `block` is None.
-    The engine computes in its own dtype: weights are dequantized at load, activations never quantized
-    (a static scheme's activation scales go unused)."""
-
-    method: str  # one of QUANT_METHODS
-    block: tuple[int, int] | None
-    activation_scheme: str  # "dynamic" or "static"
 
 
 SHARDED_DENSE = (
@@ -363,50 +347,13 @@ def _parse(raw: dict[str, Any], eos_override: tuple[int, ...] | None, source: st
         mtp_num_hidden_layers=k.int("mtp_num_hidden_layers", 0, minimum=0),
         ssm_state_dtype=ssm_dtype,
         checkpoint_dtype=ckpt_dtype,
-        weight_quantization=_weight_quantization(raw, text, source),
+        weight_quantization=parse_quantization(raw, text, source),
         eos_token_ids=tuple(int(e) for e in eos),
         architectures=tuple(raw.get("architectures") or ()),
         **moe,
     )
     _check_consistency(cfg, k)
     return cfg
-
-
-def _weight_quantization(raw: dict[str, Any], text: dict[str, Any], source: str) -> WeightQuantization | None:
-    """`quantization_config` at the top level (where HF writes it, also for multimodal checkpoints) or
-    in text_config."""
-    value, where = raw.get("quantization_config"), f"{source} quantization_config"
-    if value is None and text is not raw:
-        value, where = text.get("quantization_config"), f"{source} text_config.quantization_config"
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        raise ConfigError(f"{source}: quantization_config must be an object, got {value!r}")
-    q = _Keys(value, where)
-    method = value.get("quant_method")
-    if method not in QUANT_METHODS:
-        raise q.fail(
-            "quant_method",
-            "'fp8' (block-wise FP8 weights, as Qwen's -FP8 checkpoints ship; other quantized formats are "
-            "not supported: serve the bfloat16 checkpoint)",
-            method,
-        )
-    fmt = q.str("fmt", "e4m3")
-    if fmt != "e4m3":
-        raise q.fail("fmt", "'e4m3' (float8_e4m3fn weights)", fmt)
-    scheme = q.str("activation_scheme", "dynamic")
-    if scheme not in ("dynamic", "static"):
-        raise q.fail("activation_scheme", "'dynamic' or 'static'", scheme)
-    block = value.get("weight_block_size")
-    if block is not None:
-        if not (
-            isinstance(block, list)
-            and len(block) == 2
-            and all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in block)
-        ):
-            raise q.fail("weight_block_size", "two integers >= 1 ([rows, columns] of a scale block)", block)
-        block = (block[0], block[1])
-    return WeightQuantization(method=method, block=block, activation_scheme=scheme)
 
 
 def _layer_types(k: _Keys, num_layers: int) -> tuple[str, ...]:

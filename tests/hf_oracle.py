@@ -196,10 +196,10 @@ def read_config(path: Path) -> dict:
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 
 
-def quantize_fp8(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-wise FP8 of a matrix as Qwen's -FP8 checkpoints store it: (float8_e4m3fn weight, fp32
-    inverse scale per block, [ceil(N / bn), ceil(K / bk)]), each block's amax mapped to FP8_MAX."""
-    (n, k), (bn, bk) = w.shape, block
+def quantize_fp8(w: torch.Tensor, block: tuple[int | None, int | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-wise FP8 of a matrix: (float8_e4m3fn weight, fp32 scale per block, [ceil(N / bn),
+    ceil(K / bk)]), each block's amax mapped to FP8_MAX; a None block dimension spans the matrix."""
+    (n, k), (bn, bk) = w.shape, (block[0] or w.shape[0], block[1] or w.shape[1])
     rows, cols = -(-n // bn), -(-k // bk)
     padded = torch.zeros(rows * bn, cols * bk)
     padded[:n, :k] = w.float()
@@ -209,25 +209,65 @@ def quantize_fp8(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor,
     return q[:n, :k].contiguous(), scale
 
 
-def quantize_checkpoint_fp8(model_dir: Path, block: tuple[int, int], quantized) -> list[str]:
-    """Rewrites a saved checkpoint as an FP8 one: every 2-D tensor whose name `quantized(name)` accepts
-    becomes FP8 + `<name>_scale_inv`, and config.json gets the quantization_config. Returns the names."""
-    files = sorted(model_dir.glob("*.safetensors"))
-    done: list[str] = []
-    for path in files:
-        tensors = load_file(str(path))
-        for name in [n for n, t in tensors.items() if t.dim() == 2 and quantized(n)]:
-            tensors[name], tensors[name + "_scale_inv"] = quantize_fp8(tensors[name], block)
-            done.append(name)
-        save_file(tensors, str(path), metadata={"format": "pt"})
-    config = read_config(model_dir)
-    config["quantization_config"] = {
+def fp8_config(block: tuple[int, int]) -> dict:
+    """Qwen's -FP8 quantization_config: `<name>_scale_inv` per block."""
+    return {
         "activation_scheme": "dynamic",
         "fmt": "e4m3",
         "quant_method": "fp8",
         "weight_block_size": list(block),
     }
-    (model_dir / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def compressed_tensors_config(weights: dict) -> dict:
+    """llm-compressor's FP8 quantization_config (compressed-tensors, `<name>_scale`); `weights` gives the
+    strategy (and group_size or block_structure)."""
+    return {
+        "config_groups": {
+            "group_0": {
+                "input_activations": {
+                    "dynamic": True,
+                    "num_bits": 8,
+                    "strategy": "token",
+                    "symmetric": True,
+                    "type": "float",
+                },
+                "output_activations": None,
+                "targets": ["Linear"],
+                "weights": {
+                    "dynamic": False,
+                    "num_bits": 8,
+                    "observer": "minmax",
+                    "symmetric": True,
+                    "type": "float",
+                    **weights,
+                },
+            }
+        },
+        "format": "float-quantized",
+        "ignore": ["lm_head"],
+        "quant_method": "compressed-tensors",
+        "quantization_status": "compressed",
+    }
+
+
+def quantize_checkpoint(
+    model_dir: Path, block: tuple[int | None, int | None], quantized, config: dict, suffix: str = "_scale_inv"
+) -> list[str]:
+    """Rewrites a saved checkpoint as a quantized one: every 2-D tensor whose name `quantized(name)`
+    accepts becomes FP8 + `<name><suffix>`, and config.json gets `config` as its quantization_config.
+    Returns the names."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    done: list[str] = []
+    for path in files:
+        tensors = load_file(str(path))
+        for name in [n for n, t in tensors.items() if t.dim() == 2 and quantized(n)]:
+            tensors[name], tensors[name + suffix] = quantize_fp8(tensors[name], block)
+            done.append(name)
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    model_config = read_config(model_dir)
+    model_config["quantization_config"] = config
+    (model_dir / "config.json").write_text(json.dumps(model_config, indent=2))
     return done
 
 

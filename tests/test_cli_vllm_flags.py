@@ -18,8 +18,9 @@ REFUSED = [
     (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype must be 'auto'"),
     (
         ["--quantization", "fp8"],
-        "--quantization must be left out, or be 'fp8' with an FP8 checkpoint (its weights load dequantized); "
-        "got 'fp8' for an unquantized checkpoint (online quantization is not supported)",
+        "--quantization must be left out, or name the checkpoint's own FP8 format ('fp8' or "
+        "'compressed-tensors'; its weights load dequantized), got 'fp8' for an unquantized checkpoint "
+        "(online quantization is not supported)",
     ),
     (
         ["--speculative-config", '{"method": "eagle"}'],

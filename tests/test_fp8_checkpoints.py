@@ -18,12 +18,13 @@ import torch
 from engine_harness import Harness
 from safetensors.torch import load_file, save_file
 
-from deltaserve.config import ModelConfig, WeightQuantization
+from deltaserve.config import ModelConfig
 from deltaserve.errors import ConfigError
 from deltaserve.model import fp8
 from deltaserve.model.layers.parallel import TensorParallel
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
 from deltaserve.model.weights import load_weights
+from deltaserve.quant_config import WeightQuantization
 from deltaserve.tiny import official_config
 
 BLOCK = (16, 16)
@@ -45,7 +46,7 @@ def test_each_element_takes_its_blocks_scale_with_partial_edge_blocks(dtype):
     """3 x 5 in 2 x 2 blocks: rows {0, 1} | {2}, columns {0, 1} | {2, 3} | {4}."""
     weight = _fp8([[1, 2, -0.5, 0.25, 3], [-1, 0.5, 4, -2, 1.5], [0.125, -3, 6, 8, -0.75]])
     scale = torch.tensor([[1.0, 2.0, 4.0], [0.5, 8.0, 16.0]])
-    quant = WeightQuantization("fp8", (2, 2), "dynamic")
+    quant = WeightQuantization("fp8", "_scale_inv", ((2, 2),), "dynamic")
     out = fp8.dequantize(weight, scale, quant, dtype)
     expected = [[1, 2, -1, 0.5, 12], [-1, 0.5, 8, -4, 6], [0.0625, -1.5, 48, 64, -12]]
     assert out.dtype == dtype and out.float().tolist() == expected
@@ -58,14 +59,16 @@ def test_any_chunking_of_the_rows_gives_each_element_its_blocks_scale(monkeypatc
     weight = (torch.randn(3, 37, 23, generator=gen) * 50).to(FP8)
     scale = torch.rand(3, 10, 3, generator=gen) + 0.01
     monkeypatch.setattr(fp8, "CHUNK_ELEMENTS", chunk_elements)
-    out = fp8.dequantize(weight, scale, WeightQuantization("fp8", (4, 8), "dynamic"), torch.float32)
+    out = fp8.dequantize(
+        weight, scale, WeightQuantization("fp8", "_scale_inv", ((4, 8),), "dynamic"), torch.float32
+    )
     i, j = torch.arange(37)[:, None], torch.arange(23)[None, :]
     assert torch.equal(out, weight.float() * scale[:, i // 4, j // 8])
 
 
 def test_one_scale_per_matrix_of_a_stack_without_a_block_size():
     weight = torch.stack([_fp8([[1, 2], [3, 4]]), _fp8([[0.5, 1], [1.5, 2]])])
-    quant = WeightQuantization("fp8", None, "dynamic")
+    quant = WeightQuantization("fp8", "_scale_inv", ((None, None),), "dynamic")
     for scale in (torch.tensor([2.0, 0.25]), torch.tensor([[[2.0]], [[0.25]]])):
         out = fp8.dequantize(weight, scale, quant, torch.float32)
         assert out.tolist() == [[[2, 4], [6, 8]], [[0.125, 0.25], [0.375, 0.5]]]
@@ -73,16 +76,17 @@ def test_one_scale_per_matrix_of_a_stack_without_a_block_size():
 
 def test_scales_stored_in_bf16_give_the_same_values():
     weight = _fp8([[1, -2], [3, 4]])
-    quant = WeightQuantization("fp8", (1, 2), "dynamic")
+    quant = WeightQuantization("fp8", "_scale_inv", ((1, 2),), "dynamic")
     out = fp8.dequantize(weight, torch.tensor([[0.5], [4.0]], dtype=torch.bfloat16), quant, torch.float32)
     assert out.tolist() == [[0.5, -1], [12, 16]]
 
 
 def test_a_scale_of_the_wrong_shape_and_a_weight_not_in_fp8_are_refused():
     weight = _fp8([[1, 2, 3, 4, 6]] * 3)
-    quant = WeightQuantization("fp8", (2, 2), "dynamic")
+    quant = WeightQuantization("fp8", "_scale_inv", ((2, 2),), "dynamic")
     with pytest.raises(
-        ValueError, match=r"inverse scale of shape \[1, 3\], expected \[2, 3\] \(weight \[3, 5\], 2x2"
+        ValueError,
+        match=r"has a scale of shape \[1, 3\], expected \[2, 3\] \(2x2 blocks\) \(weight \[3, 5\]\)",
     ):
         fp8.dequantize(weight, torch.ones(1, 3), quant, torch.float32)
     with pytest.raises(ValueError, match="has dtype torch.bfloat16, an FP8 .* stores torch.float8_e4m3fn"):
@@ -107,9 +111,11 @@ def test_quantization_config_is_read_at_the_top_level_or_in_text_config():
     }
     for in_text in (False, True):
         cfg = ModelConfig.from_dict(_config(qc, in_text=in_text))
-        assert cfg.weight_quantization == WeightQuantization("fp8", (128, 128), "dynamic")
+        assert cfg.weight_quantization == WeightQuantization("fp8", "_scale_inv", ((128, 128),), "dynamic")
     per_tensor = ModelConfig.from_dict(_config({"quant_method": "fp8", "activation_scheme": "static"}))
-    assert per_tensor.weight_quantization == WeightQuantization("fp8", None, "static")
+    assert per_tensor.weight_quantization == WeightQuantization(
+        "fp8", "_scale_inv", ((None, None),), "static"
+    )
     assert ModelConfig.from_dict(official_config("tiny")).weight_quantization is None
 
 
@@ -165,7 +171,11 @@ def _replay_matches(model_dir: Path, hf: torch.nn.Module, prompt: list[int], chu
 def _fp8_text_checkpoint(root: Path, name: str, **kw) -> tuple[torch.nn.Module, Path, list[str]]:
     hf = hf_oracle.build_hf_causal_lm(seed=7, **kw)
     out = hf_oracle.save_text_layout(hf, root / name)
-    return hf, out, hf_oracle.quantize_checkpoint_fp8(out, BLOCK, hf_oracle.is_linear_weight)
+    return (
+        hf,
+        out,
+        hf_oracle.quantize_checkpoint(out, BLOCK, hf_oracle.is_linear_weight, hf_oracle.fp8_config(BLOCK)),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +206,7 @@ def test_moe_fp8_in_the_official_layout_with_fused_experts_matches_hf(root):
     )
     hf = _hf_reading(text_dir)
     official = hf_oracle.save_official_layout(hf_model, root / "moe_official", fused_experts=False)
-    hf_oracle.quantize_checkpoint_fp8(official, BLOCK, hf_oracle.is_linear_weight)
+    hf_oracle.quantize_checkpoint(official, BLOCK, hf_oracle.is_linear_weight, hf_oracle.fp8_config(BLOCK))
     (path,) = official.glob("*.safetensors")
     tensors = hf_oracle.fuse_experts(load_file(str(path)), hf_model.config.num_experts)
     assert tensors["model.language_model.layers.0.mlp.experts.gate_up_proj"].dtype == FP8
@@ -242,7 +252,7 @@ def test_an_fp8_weight_without_its_scale_or_with_a_misshaped_one_is_refused(root
     _, model_dir, quantized = dense
     name = next(n for n in quantized if "down_proj" in n)  # 64 x 128: 4 x 8 blocks
     missing = _edited_copy(model_dir, root / "no_scale", lambda t: t.pop(name + "_scale_inv"))
-    with pytest.raises(ConfigError, match=f"FP8 tensor {name} has no inverse scale {name}_scale_inv"):
+    with pytest.raises(ConfigError, match=f"FP8 tensor {name} has no scale {name}_scale_inv"):
         Harness(missing)
 
     def misshape(t: dict[str, torch.Tensor]) -> None:
@@ -254,7 +264,7 @@ def test_an_fp8_weight_without_its_scale_or_with_a_misshaped_one_is_refused(root
     bad = _edited_copy(model_dir, root / "bad_scale", misshape)
     with pytest.raises(
         ConfigError,
-        match=rf"FP8 tensor {name} has an inverse scale of shape \[1, 8\], expected {re.escape(str(shape))}",
+        match=rf"FP8 tensor {name} has a scale of shape \[1, 8\], expected {re.escape(str(shape))}",
     ):
         Harness(bad)
 
@@ -300,3 +310,101 @@ def test_the_quantization_flag_is_accepted_as_fp8_with_an_fp8_checkpoint_only(ca
     assert main(["serve", str(model_dir), "--device", "cpu", "--quantization", "awq"]) == 2
     (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]
     assert line.endswith("got 'awq' for a 'fp8' checkpoint")
+
+
+# ---- compressed-tensors (llm-compressor's FP8 checkpoints) ------------------------------------------
+
+
+def test_compressed_tensors_strategies_give_their_scale_layouts():
+    cases = [
+        ({"strategy": "tensor"}, (None, None)),
+        ({"strategy": "channel"}, (1, None)),
+        ({"strategy": "group", "group_size": 32}, (1, 32)),
+        ({"strategy": "block", "block_structure": [128, 128]}, (128, 128)),
+    ]
+    for weights, block in cases:
+        quant = ModelConfig.from_dict(
+            _config(hf_oracle.compressed_tensors_config(weights))
+        ).weight_quantization
+        assert quant == WeightQuantization("compressed-tensors", "_scale", (block,), "dynamic"), weights
+    two = hf_oracle.compressed_tensors_config({"strategy": "channel"})
+    two["config_groups"]["group_1"] = {
+        **two["config_groups"]["group_0"],
+        "weights": {
+            **two["config_groups"]["group_0"]["weights"],
+            "strategy": "block",
+            "block_structure": [64, 64],
+        },
+        "input_activations": {"dynamic": False, "num_bits": 8, "strategy": "tensor", "type": "float"},
+    }
+    quant = ModelConfig.from_dict(_config(two)).weight_quantization
+    assert quant == WeightQuantization("compressed-tensors", "_scale", ((1, None), (64, 64)), "static")
+
+
+def _ct_refused(change) -> dict:
+    config = hf_oracle.compressed_tensors_config({"strategy": "channel"})
+    change(config, config["config_groups"]["group_0"]["weights"])
+    return config
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            lambda c, w: w.update(num_bits=4, type="int"),
+            r"num_bits and type must be 8 and 'float' .*got \(4, 'int'\)",
+        ),
+        (lambda c, w: w.update(symmetric=False), r"weights: symmetric must be true .*got False"),
+        (lambda c, w: w.update(strategy="token"), r"strategy must be one of .*got 'token'"),
+        (lambda c, w: w.update(strategy="group"), r"group_size must be an integer >= 1 .*got None"),
+        (
+            lambda c, w: c.update(format="pack-quantized"),
+            r"group_0: format must be one of .*got 'pack-quantized'",
+        ),
+        (
+            lambda c, w: c.update(sparsity_config={"format": "sparse-24-bitmask"}),
+            r"sparsity_config must be empty",
+        ),
+        (
+            lambda c, w: c.update(quantization_status="frozen"),
+            r"quantization_status must be 'compressed', got 'frozen'",
+        ),
+        (lambda c, w: c.update(config_groups={}), r"config_groups must be an object of one or more"),
+    ],
+)
+def test_unsupported_compressed_tensors_configs_are_refused_naming_the_key(change, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_dict(_config(_ct_refused(change)))
+
+
+def _hf_reading_compressed(model_dir: Path) -> torch.nn.Module:
+    """HF transformers' reading of a compressed-tensors checkpoint (the compressed-tensors library),
+    decompressed in fp32."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, quantization_config=CompressedTensorsConfig(dequantize=True), dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.mark.parametrize(
+    ("weights", "block", "moe"),
+    [
+        ({"strategy": "channel"}, (1, None), True),  # HF reads merged MoE experts with per-row scales only
+        ({"strategy": "block", "block_structure": [16, 16]}, (16, 16), False),
+    ],
+)
+def test_compressed_tensors_fp8_checkpoints_match_hf_reading_them(root, weights, block, moe):
+    hf_model = hf_oracle.build_hf_causal_lm(seed=11, moe=moe, tied=False, layers=4)
+    model_dir = hf_oracle.save_text_layout(hf_model, root / f"ct_{weights['strategy']}")
+    config = hf_oracle.compressed_tensors_config(weights)
+    names = hf_oracle.quantize_checkpoint(
+        model_dir, block, hf_oracle.is_linear_weight, config, suffix="_scale"
+    )
+    assert len(names) > 10
+    hf = _hf_reading_compressed(model_dir)
+    name = next(n for n in names if "o_proj" in n)
+    assert not torch.equal(hf.state_dict()[name], hf_model.state_dict()[name])  # HF read the FP8 values
+    _replay_matches(model_dir, hf, _prompt(27, 3), chunk=6)

@@ -7,11 +7,12 @@ import dataclasses
 import pytest
 import torch
 
-from deltaserve.config import ModelConfig, WeightQuantization
+from deltaserve.config import ModelConfig
 from deltaserve.engine.rank import check_weights_fit, weight_bytes
 from deltaserve.errors import ConfigError
 from deltaserve.model.layers.parallel import TensorParallel
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
+from deltaserve.quant_config import WeightQuantization
 from deltaserve.tiny import official_config
 
 GIB = 2**30
@@ -45,7 +46,9 @@ def test_weights_within_the_share_pass_and_beyond_it_are_refused_with_the_number
 
 
 def test_the_refusal_names_a_ranks_shard_and_dequantized_fp8_weights():
-    fp8 = dataclasses.replace(CONFIG, weight_quantization=WeightQuantization("fp8", (128, 128), "dynamic"))
+    fp8 = dataclasses.replace(
+        CONFIG, weight_quantization=WeightQuantization("fp8", "_scale_inv", ((128, 128),), "dynamic")
+    )
     with pytest.raises(
         ConfigError,
         match=r"^this rank's shard of the weights \(1 of 2\) needs 40.0 GiB \(FP8 weights are served dequantized: twice their size on disk\), but 0.0 GiB",

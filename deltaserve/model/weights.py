@@ -9,7 +9,7 @@ The vision tower (model.visual.*) and rotary buffers are skipped. Every tensor i
 its parameter view (one checkpoint tensor in host memory at a time); a missing, unexpected or
 misshaped tensor fails with its name and both shapes. FP8 checkpoints (`quantization_config`
 quant_method "fp8") load dequantized into the model's dtype: each FP8 weight with its
-`<name>_scale_inv` (deltaserve.model.fp8), and their unused activation/KV scales are skipped.
+scale (deltaserve.quant_config, deltaserve.model.fp8), and unused activation/KV scales are skipped.
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from deltaserve.config import WeightQuantization
 from deltaserve.errors import ConfigError
 from deltaserve.model import fp8
 from deltaserve.model.layers.params import CheckpointTensor
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
+from deltaserve.quant_config import WeightQuantization
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ def load_state_dict(
 
 def load_tensors(model: Qwen35ForCausalLM, tensors: Mapping[str, StoredTensor], source: str) -> None:
     """Copies every tensor the model uses into its parameter views, one at a time; FP8 weights are
-    dequantized with their inverse scales on the way (deltaserve.model.fp8)."""
+    dequantized with their scales on the way (deltaserve.model.fp8)."""
     requirements = model.weight_requirements()
     by_name: dict[str, CheckpointTensor] = {}
     for req in requirements:
@@ -145,7 +145,7 @@ def load_tensors(model: Qwen35ForCausalLM, tensors: Mapping[str, StoredTensor], 
         canonical = canonical_name(name, mtp=mtp)
         if canonical is None or (tied and canonical == "lm_head.weight"):
             continue
-        if quant is not None and _is_sidecar(name, tensors):
+        if quant is not None and _is_sidecar(name, tensors, quant):
             continue
         spec = by_name.get(canonical)
         if spec is None:
@@ -159,7 +159,7 @@ def load_tensors(model: Qwen35ForCausalLM, tensors: Mapping[str, StoredTensor], 
             )
         spec.copy_from(tensor)
         loaded.add(canonical)
-        dequantized += quant is not None and name + fp8.SCALE_SUFFIX in tensors
+        dequantized += quant is not None and name + quant.scale_suffix in tensors
     if unexpected:
         shown = ", ".join(unexpected[:5]) + (
             f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""
@@ -173,11 +173,13 @@ def load_tensors(model: Qwen35ForCausalLM, tensors: Mapping[str, StoredTensor], 
         best = max(req.alternatives, key=lambda alt: sum(t.name in loaded for t in alt))
         missing += [t.name for t in best if t.name not in loaded]
     if dequantized:
-        blocks = (
-            "one scale per matrix" if quant.block is None else f"{quant.block[0]}x{quant.block[1]} blocks"
-        )
         logger.info(
-            "%s: %d FP8 weights (%s) dequantized to %s at load", source, dequantized, blocks, model.dtype
+            "%s: %d FP8 weights (%s, scales per %s block) dequantized to %s at load",
+            source,
+            dequantized,
+            quant.method,
+            " or ".join(fp8.describe(b) for b in quant.scale_blocks),
+            model.dtype,
         )
     if not missing:
         return
@@ -190,10 +192,10 @@ def load_tensors(model: Qwen35ForCausalLM, tensors: Mapping[str, StoredTensor], 
     raise ConfigError(f"{source}: checkpoint is missing tensors: {shown}")
 
 
-def _is_sidecar(name: str, tensors: Mapping[str, StoredTensor]) -> bool:
-    """An FP8 checkpoint's inverse scale (read with its weight) or an unused activation/KV scale."""
-    if name.endswith(fp8.SCALE_SUFFIX):
-        return name.removesuffix(fp8.SCALE_SUFFIX) in tensors  # a scale without its weight is unexpected
+def _is_sidecar(name: str, tensors: Mapping[str, StoredTensor], quant: WeightQuantization) -> bool:
+    """A weight's scale (read with its weight) or an unused activation/KV scale."""
+    if name.endswith(quant.scale_suffix) and name.removesuffix(quant.scale_suffix) in tensors:
+        return True  # a scale without its weight is unexpected
     return name.endswith(fp8.UNUSED_SUFFIXES)
 
 
@@ -206,25 +208,25 @@ def _read_weight(
     source: str,
 ) -> torch.Tensor:
     """The tensor `name` as the model uses it: dequantized to `target`'s dtype, on its device, when the
-    checkpoint stores it in FP8 with an inverse scale."""
+    checkpoint stores it in FP8 with a scale."""
     dtype, device = target.dtype, target.device
     tensor = stored.read()
-    scale = tensors.get(name + fp8.SCALE_SUFFIX) if quant is not None else None
+    scale = tensors.get(name + quant.scale_suffix) if quant is not None else None
     if not fp8.is_fp8(tensor):
         if scale is not None:
             raise ConfigError(
-                f"{stored.where}: tensor {name} has an inverse scale ({name}{fp8.SCALE_SUFFIX}) but dtype "
+                f"{stored.where}: tensor {name} has a scale ({name}{quant.scale_suffix}) but dtype "
                 f"{tensor.dtype}; a quantized weight is {fp8.FP8_WEIGHT_DTYPE}"
             )
         return tensor
     if quant is None:
         raise ConfigError(
             f"{stored.where}: tensor {name} has dtype {tensor.dtype}, but config.json has no "
-            "quantization_config (an FP8 checkpoint declares quant_method 'fp8')"
+            "quantization_config (an FP8 checkpoint declares its quant_method)"
         )
     if scale is None:
         raise ConfigError(
-            f"{stored.where}: FP8 tensor {name} has no inverse scale {name}{fp8.SCALE_SUFFIX} in {source}"
+            f"{stored.where}: FP8 tensor {name} has no scale {name}{quant.scale_suffix} in {source}"
         )
     try:
         return fp8.dequantize(tensor.to(device), scale.read().to(device), quant, dtype)

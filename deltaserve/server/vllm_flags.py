@@ -4,8 +4,8 @@ with one sentence.
 Accepted: flags that ask for what deltaserve always does (auto tool choice, the Qwen XML tool-call and
 `<think>` reasoning parsers, chunked prefill, a text-only model) or that have nothing to act on
 (`--trust-remote-code`: no checkpoint code is ever run). Refused, naming what is supported: features
-the engine does not have (an fp8 KV cache, online or non-FP8 quantization, images). `--quantization fp8`
-is accepted with an FP8 checkpoint, which loads dequantized whatever the flag says.
+the engine does not have (an fp8 KV cache, online or non-FP8 quantization, images). `--quantization`
+naming the checkpoint's own FP8 format (`fp8`, `compressed-tensors`) is accepted: it loads dequantized.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
         "--quantization",
         "-q",
         default=None,
-        help="fp8 with an FP8 checkpoint only (its weights load dequantized); nothing else is supported",
+        help="the checkpoint's own FP8 format only (fp8, compressed-tensors; its weights load dequantized)",
     )
 
 
@@ -99,8 +99,8 @@ def check_vllm_arguments(args: argparse.Namespace, checkpoint_quantization: str 
             else f"a {checkpoint_quantization!r} checkpoint"
         )
         raise ConfigError(
-            f"--quantization must be left out, or be 'fp8' with an FP8 checkpoint (its weights load "
-            f"dequantized); got {args.quantization!r} for {served}"
+            "--quantization must be left out, or name the checkpoint's own FP8 format ('fp8' or "
+            f"'compressed-tensors'; its weights load dequantized), got {args.quantization!r} for {served}"
         )
     if args.trust_remote_code:
         logger.info("--trust-remote-code: nothing to trust, deltaserve runs no code from the checkpoint")
