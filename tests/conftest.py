@@ -10,6 +10,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Imported whole here, on the main thread: an EngineCore imports xgrammar (and through it transformers)
+# on a background thread, and a test that imports transformers while that import is half done gets
+# the half-initialised package (`from transformers import Qwen3_5ForCausalLM` then fails).
+import transformers  # noqa: E402, F401
+
 
 def _interpreter_accepts_tensor_loop_bounds() -> None:
     """Triton 3.6's interpreter turns a tensor loop bound into int(ndarray of shape (1,)), which numpy >= 2.4
