@@ -9,7 +9,7 @@ import os
 import sys
 
 from deltaserve import __version__
-from deltaserve.config import LOAD_FORMATS, EngineConfig, SpeculativeConfig
+from deltaserve.engine_config import LOAD_FORMATS, EngineConfig, SpeculativeConfig
 from deltaserve.errors import ConfigError, RequestValidationError
 
 

@@ -9,10 +9,11 @@ import torch
 
 from deltaserve.cache.device import build_device_caches
 from deltaserve.cache.manager import CacheManager
-from deltaserve.config import ModelConfig, SpeculativeConfig
+from deltaserve.config import ModelConfig
 from deltaserve.engine.backend import Backend
 from deltaserve.engine.protocol import AbortRequest, AddRequest, RequestUpdate, StepOutputs
 from deltaserve.engine.scheduler import Scheduler, SchedulerConfig
+from deltaserve.engine_config import SpeculativeConfig
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
 from deltaserve.model.weights import load_weights
 from deltaserve.sampling_params import SamplingParams

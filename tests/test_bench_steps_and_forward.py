@@ -8,8 +8,8 @@ import pytest
 
 from deltaserve.bench.forward_cost import RowGroup, parse_shape, run_bench_forward, shape_rows
 from deltaserve.bench.step_log import intervals, parse_steps, summarize
-from deltaserve.config import EngineConfig
 from deltaserve.engine.core import EngineCore
+from deltaserve.engine_config import EngineConfig
 
 
 def line(

@@ -11,7 +11,7 @@ from server_fixture import SMALL_ENGINE
 
 from deltaserve import __version__
 from deltaserve.cli import main
-from deltaserve.config import EngineConfig
+from deltaserve.engine_config import EngineConfig
 
 # (flags, what the one error line says)
 REFUSED = [

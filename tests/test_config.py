@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from deltaserve.config import EngineConfig, ModelConfig
+from deltaserve.config import ModelConfig
+from deltaserve.engine_config import EngineConfig
 from deltaserve.errors import ConfigError
 
 TEXT_4B = {
@@ -176,7 +177,7 @@ def test_bad_engine_flags_fail_before_loading(field, value, message):
 
 
 def test_speculation_with_the_async_prefill_is_refused_naming_both_flags():
-    from deltaserve.config import SpeculativeConfig
+    from deltaserve.engine_config import SpeculativeConfig
 
     with pytest.raises(ConfigError) as err:
         EngineConfig(

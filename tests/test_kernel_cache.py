@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 
 from deltaserve.cachedir import use_kernel_cache
-from deltaserve.config import EngineConfig
 from deltaserve.engine.core import EngineCore
+from deltaserve.engine_config import EngineConfig
 from deltaserve.tiny import default_model_dir
 
 

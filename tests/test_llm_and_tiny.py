@@ -66,7 +66,7 @@ def test_tiny_moe_preset_loads_and_matches_hf(tmp_path):
     prompt = [9419, 11, 821, 803, 369, 17]
     with torch.no_grad():
         ref = hf(input_ids=torch.tensor([prompt])).logits[0, -1, :248077].log_softmax(-1)
-    from deltaserve.config import EngineConfig
+    from deltaserve.engine_config import EngineConfig
 
     core = EngineCore(
         EngineConfig(model=str(out), dtype="float32", device="cpu", max_num_seqs=2, max_model_len=256)

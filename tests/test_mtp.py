@@ -15,8 +15,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from deltaserve.cache.device import build_device_caches
-from deltaserve.config import EngineConfig, ModelConfig, SpeculativeConfig
+from deltaserve.config import ModelConfig
 from deltaserve.engine.rank import build_rank, verify_scratch_slots
+from deltaserve.engine_config import EngineConfig, SpeculativeConfig
 from deltaserve.errors import ConfigError
 from deltaserve.model.layers.parallel import SINGLE, TensorParallel
 from deltaserve.model.qwen35 import Qwen35ForCausalLM

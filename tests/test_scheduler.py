@@ -397,8 +397,8 @@ def test_each_step_line_describes_the_step_its_tick_delivered(model, monkeypatch
 
 
 def test_invalid_policy_combinations_are_refused_before_the_model_loads(tmp_path):
-    from deltaserve.config import EngineConfig
     from deltaserve.engine.core import EngineCore
+    from deltaserve.engine_config import EngineConfig
     from deltaserve.errors import ConfigError
 
     with pytest.raises(ConfigError, match="cannot be combined with --prefill-overlap"):

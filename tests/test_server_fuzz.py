@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deltaserve.config import EngineConfig
+from deltaserve.engine_config import EngineConfig
 from deltaserve.server.app import build_app
 from deltaserve.server.args import ServerConfig
 from deltaserve.server.lifecycle import close_workers, open_state

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 
 from deltaserve.cache.manager import CacheManager
-from deltaserve.config import EngineConfig, SpeculativeConfig
 from deltaserve.engine.scheduler.speculation import (
     PROBE_INTERVAL,
     DraftGuard,
@@ -16,6 +15,7 @@ from deltaserve.engine.scheduler.speculation import (
     step_cost,
 )
 from deltaserve.engine.speculative import accepted_drafts
+from deltaserve.engine_config import EngineConfig, SpeculativeConfig
 from deltaserve.errors import ConfigError
 
 

@@ -21,10 +21,11 @@ from scheduler_harness import VOCAB, Run, load_model
 from verify_offsets import first_differences
 
 from deltaserve.cache.device import build_device_caches
-from deltaserve.config import ModelConfig, SpeculativeConfig
+from deltaserve.config import ModelConfig
 from deltaserve.engine.backend import Backend
 from deltaserve.engine.sampler import Sampler, SamplingRow
 from deltaserve.engine.step import PlannedRow, StepPlan
+from deltaserve.engine_config import SpeculativeConfig
 from deltaserve.errors import ConfigError
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
 from deltaserve.sampling_params import SamplingParams

@@ -18,8 +18,8 @@ import pytest
 import torch
 from engine_harness import Harness
 
-from deltaserve.config import EngineConfig
 from deltaserve.engine.core import EngineCore
+from deltaserve.engine_config import EngineConfig
 from deltaserve.errors import ConfigError
 from deltaserve.tiny import default_model_dir
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from deltaserve.cache.manager import CacheManager
-from deltaserve.config import EngineConfig
 from deltaserve.engine.protocol import AddRequest
 from deltaserve.engine.scheduler import Scheduler, SchedulerConfig, steps
 from deltaserve.engine.scheduler.plan import StepCost, cap_prefill_for_latency, observe_step_cost
 from deltaserve.engine.step import PendingStep, StagedResult, StepPlan
+from deltaserve.engine_config import EngineConfig
 from deltaserve.errors import ConfigError
 from deltaserve.sampling_params import SamplingParams
 

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from scheduler_harness import LOGPROB_TOL
 from server_fixture import MODEL, running_server
 
-from deltaserve.config import EngineConfig, ModelConfig
+from deltaserve.config import ModelConfig
 from deltaserve.engine.llm import LLM
 from deltaserve.engine.tp import (
     Cancel,
@@ -27,6 +27,7 @@ from deltaserve.engine.tp import (
     RankWorkers,
     TensorParallelError,
 )
+from deltaserve.engine_config import EngineConfig
 from deltaserve.errors import ConfigError
 from deltaserve.model.layers.parallel import Shard, TensorParallel
 from deltaserve.model.qwen35 import Qwen35ForCausalLM

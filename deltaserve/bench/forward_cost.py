@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from deltaserve.bench.kernel_table import KernelTime, kernel_table_lines, profile_kernels
-from deltaserve.config import EngineConfig
+from deltaserve.engine_config import EngineConfig
 
 if TYPE_CHECKING:  # the engine (torch) is imported when the benchmark runs, not when the CLI parses
     from deltaserve.engine.core import EngineCore

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from deltaserve.config import EngineConfig
 from deltaserve.engine.protocol import AddRequest, StepOutputs
+from deltaserve.engine_config import EngineConfig
 from deltaserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -27,7 +27,6 @@ from multiprocessing.connection import Connection
 import zmq
 import zmq.asyncio
 
-from deltaserve.config import EngineConfig
 from deltaserve.engine.core import EngineInfo
 from deltaserve.engine.liveness import HangLimits, hang_reason
 from deltaserve.engine.process import EngineLaunch, spawn_engine
@@ -44,6 +43,7 @@ from deltaserve.engine.protocol import (
     decode_engine_message,
     encode_client_message,
 )
+from deltaserve.engine_config import EngineConfig
 from deltaserve.errors import ConfigError
 from deltaserve.sampling_params import SamplingParams
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from deltaserve.cache.manager import CacheManager
 from deltaserve.cachedir import use_kernel_cache
-from deltaserve.config import EngineConfig, ModelConfig
+from deltaserve.config import ModelConfig
 from deltaserve.engine.backend import Backend
 from deltaserve.engine.cuda_graphs import CudaGraphRunner
 from deltaserve.engine.prefill_graphs import PrefillGraphRunner
@@ -27,6 +27,7 @@ from deltaserve.engine.spec_graphs import SpeculativeGraphs
 from deltaserve.engine.structured import GrammarBackend, grammar_vocabulary, warm_grammar_masks
 from deltaserve.engine.tp import RankWorkers, TensorParallelError, TensorParallelWorker
 from deltaserve.engine.worker import ModelWorker
+from deltaserve.engine_config import EngineConfig
 from deltaserve.errors import ConfigError
 from deltaserve.model.layers.parallel import TensorParallel
 from deltaserve.tiny import default_model_dir

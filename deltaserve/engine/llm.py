@@ -16,10 +16,11 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from deltaserve.config import EngineConfig, read_sampling_defaults
+from deltaserve.config import read_sampling_defaults
 from deltaserve.engine.core import EngineCore
 from deltaserve.engine.output import OutputState, RequestOutput
 from deltaserve.engine.protocol import AbortRequest, AddRequest, ResetPrefixCache, StepOutputs
+from deltaserve.engine_config import EngineConfig
 from deltaserve.errors import RequestValidationError
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.tiny import RANDOM_WEIGHTS_NOTE

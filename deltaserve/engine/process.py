@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from deltaserve.config import EngineConfig
 from deltaserve.engine.protocol import (
     HEARTBEAT_INTERVAL_S,
     EngineMessage,
@@ -36,6 +35,7 @@ from deltaserve.engine.protocol import (
     decode_client_message,
     encode_engine_message,
 )
+from deltaserve.engine_config import EngineConfig
 from deltaserve.errors import ConfigError
 from deltaserve.heap import freeze_startup_heap
 from deltaserve.process_clock import since_start_note

@@ -22,8 +22,9 @@ import torch
 import torch.distributed as dist
 
 from deltaserve.cache.device import DeviceCaches, build_device_caches
-from deltaserve.config import EngineConfig, ModelConfig
+from deltaserve.config import ModelConfig
 from deltaserve.engine.warmup import WarmupReport, warm_up
+from deltaserve.engine_config import EngineConfig
 from deltaserve.errors import ConfigError
 from deltaserve.model.layers.parallel import TensorParallel
 from deltaserve.model.qwen35 import Qwen35ForCausalLM

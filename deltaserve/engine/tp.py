@@ -40,9 +40,10 @@ import torch.distributed as dist
 
 from deltaserve.cache.copies import CacheCopy
 from deltaserve.cache.device import DeviceCaches
-from deltaserve.config import EngineConfig, ModelConfig
+from deltaserve.config import ModelConfig
 from deltaserve.engine.rank import build_rank
 from deltaserve.engine.worker import ModelWorker
+from deltaserve.engine_config import EngineConfig
 from deltaserve.errors import ConfigError
 from deltaserve.model.layers.parallel import TensorParallel
 from deltaserve.model.qwen35 import Qwen35ForCausalLM

@@ -21,8 +21,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deltaserve import __version__
-from deltaserve.config import EngineConfig
 from deltaserve.engine.process import EngineLaunch
+from deltaserve.engine_config import EngineConfig
 from deltaserve.server import chat, completions, invocations, responses, service, tokenize
 from deltaserve.server.args import ServerConfig
 from deltaserve.server.disconnect import ClientDisconnected

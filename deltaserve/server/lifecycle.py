@@ -28,10 +28,11 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
-from deltaserve.config import EngineConfig, read_sampling_defaults
+from deltaserve.config import read_sampling_defaults
 from deltaserve.engine.client import AsyncEngineClient
 from deltaserve.engine.core import resolve_model_dir
 from deltaserve.engine.process import EngineLaunch
+from deltaserve.engine_config import EngineConfig
 from deltaserve.errors import ConfigError
 from deltaserve.heap import freeze_startup_heap
 from deltaserve.process_clock import since_start_note

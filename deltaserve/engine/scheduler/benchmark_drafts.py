@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deltaserve.config import SpeculativeConfig
+from deltaserve.engine_config import SpeculativeConfig
 from deltaserve.errors import ConfigError
 
 logger = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from deltaserve.config import SpeculativeConfig
+from deltaserve.engine_config import SpeculativeConfig
 
 DRAFT_STEP_COST = 0.2  # one MTP draft step, in target decode steps
 VERIFY_TOKEN_COST = 0.01  # one more token per row in the verify forward, per row of the batch

@@ -14,7 +14,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from deltaserve.cache.manager import CacheManager
-from deltaserve.config import SpeculativeConfig, policy_error
 from deltaserve.engine.backend import Backend
 from deltaserve.engine.protocol import ClientMessage, LoadSnapshot, RequestUpdate, StepOutputs
 from deltaserve.engine.scheduler.benchmark_drafts import BenchmarkDrafts
@@ -22,6 +21,7 @@ from deltaserve.engine.scheduler.plan import StepCost
 from deltaserve.engine.scheduler.request import LaunchedStep, Request
 from deltaserve.engine.scheduler.speculation import DraftGuard, SpeculationCounters
 from deltaserve.engine.structured import GrammarBackend
+from deltaserve.engine_config import SpeculativeConfig, policy_error
 from deltaserve.errors import ConfigError
 
 

@@ -1,0 +1,276 @@
+"""Engine configuration (the flags, with vLLM's names) and `--speculative-config`, validated up front:
+every error names the flag, the expected and the found value, before anything is loaded."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from deltaserve.config import DTYPE_ALIASES, DTYPES, parse_dtype, torch_dtype
+from deltaserve.errors import ConfigError
+
+if TYPE_CHECKING:  # torch is imported where a dtype or device is resolved: the server's CLI starts fast
+    import torch
+
+
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+
+SCHEDULER_POLICIES = ("fcfs", "auto")
+
+
+def policy_error(policy: str, prefill_overlap: bool) -> str | None:
+    """Why a scheduling policy / flag combination is refused at start, or None when it is valid."""
+    if policy not in SCHEDULER_POLICIES:
+        return f"--scheduler-policy must be one of {list(SCHEDULER_POLICIES)}, got {policy!r}"
+    if policy == "auto" and prefill_overlap:
+        return (
+            "--scheduler-policy auto cannot be combined with --prefill-overlap: the overlap path already keeps "
+            "decode running while a prefill is in flight; choose one"
+        )
+    return None
+
+
+SPECULATIVE_METHODS = ("mtp",)
+# Benchmark-only draft sources (engine/scheduler/benchmark_drafts.py): "record" a greedy speculative
+# run; then the MTP head still runs (its cost is measured) but its proposals are replaced by the
+# recording's next tokens ("replay": every proposal right) or by tokens that differ from them ("wrong":
+# every proposal rejected). "accept" needs no recording: every proposal is accepted as if it were
+# right (the output is the proposals', not the model's). Never for serving.
+BENCHMARK_DRAFTS = ("record", "replay", "wrong", "accept")
+FORCED_BENCHMARK_DRAFTS = ("accept",)  # draft sources without a recording
+MAX_SPECULATIVE_TOKENS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """`--speculative-config` (vLLM's JSON): draft with the checkpoint's MTP head, verify
+    num_speculative_tokens + 1 positions per decode row in one target forward.
+
+    adaptive: the guard may lower the draft length (to 0) when the batch is large or the measured
+    acceptance is low; False pins it at num_speculative_tokens. max_batch: the most decode rows a step
+    speculates for (the verify scratch states are sized for it); larger batches decode plainly.
+    draft_vocab_size: the MTP head proposes only among the first N token ids (a BPE vocabulary lists
+    its most frequent merges first), reading N rows of the LM head per draft instead of all of them;
+    verification still takes the full vocabulary, so outputs are unchanged, only acceptance may drop."""
+
+    method: str = "mtp"
+    num_speculative_tokens: int = 1
+    adaptive: bool = True
+    max_batch: int = 32
+    benchmark_draft: str | None = None
+    benchmark_draft_file: str | None = None
+    draft_vocab_size: int | None = None
+
+    @classmethod
+    def from_json(cls, text: str | dict[str, Any]) -> SpeculativeConfig:
+        where = "--speculative-config"
+        if isinstance(text, dict):
+            data = text
+        else:
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{where} must be a JSON object, got {text!r} ({exc.msg})") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{where} must be a JSON object, got {text!r}")
+        known = {"method", "num_speculative_tokens", "adaptive", "max_batch"}
+        known |= {"benchmark_draft", "benchmark_draft_file", "model", "draft_vocab_size"}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"{where}: unknown keys {unknown}; known: {sorted(known)}")
+        method = data.get("method", "mtp")
+        if method not in SPECULATIVE_METHODS:
+            raise ConfigError(f"{where}: 'method' must be one of {list(SPECULATIVE_METHODS)}, got {method!r}")
+        if data.get("model") is not None:
+            raise ConfigError(
+                f"{where}: 'model' must be absent or null (method 'mtp' drafts with the checkpoint's own "
+                f"MTP head), got {data['model']!r}"
+            )
+        k = data.get("num_speculative_tokens", 1)
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(
+                f"{where}: 'num_speculative_tokens' must be an integer in 1..{MAX_SPECULATIVE_TOKENS}, got {k!r}"
+            )
+        adaptive = data.get("adaptive", True)
+        if not isinstance(adaptive, bool):
+            raise ConfigError(f"{where}: 'adaptive' must be true or false, got {adaptive!r}")
+        max_batch = data.get("max_batch", 32)
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise ConfigError(f"{where}: 'max_batch' must be an integer >= 1, got {max_batch!r}")
+        draft, draft_file = data.get("benchmark_draft"), data.get("benchmark_draft_file")
+        if draft is not None and draft not in BENCHMARK_DRAFTS:
+            raise ConfigError(
+                f"{where}: 'benchmark_draft' must be absent or one of {list(BENCHMARK_DRAFTS)}, got {draft!r}"
+            )
+        needs_file = draft is not None and draft not in FORCED_BENCHMARK_DRAFTS
+        if needs_file != (draft_file is not None):
+            raise ConfigError(
+                f"{where}: 'benchmark_draft_file' (a recorded greedy run) goes with 'benchmark_draft' "
+                f"{[d for d in BENCHMARK_DRAFTS if d not in FORCED_BENCHMARK_DRAFTS]} and only with them, "
+                f"got {draft!r} and {draft_file!r}"
+            )
+        vocab = data.get("draft_vocab_size")
+        if vocab is not None and (isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1):
+            raise ConfigError(f"{where}: 'draft_vocab_size' must be absent or an integer >= 1, got {vocab!r}")
+        return cls(method, k, adaptive, max_batch, draft, draft_file, vocab)
+
+
+# A 2,048-token 4B forward takes 34 ms on an H200's GPU against 50 ms of eager kernel launching; at twice
+# that the GPU time alone exceeds the launching, while each larger graph holds more memory.
+DEFAULT_PREFILL_GRAPH_TOKENS = 2048
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Engine flags, with vLLM's names. `validate()` runs before the model loads."""
+
+    model: str | None = None
+    dtype: str = "auto"  # auto = bfloat16 on GPU, float32 on CPU
+    device: str = "auto"  # auto = cuda when available
+    load_format: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None  # None = the checkpoint's max_position_embeddings
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    # The step budget while requests wait for admission (the server is full: every waiting request's
+    # first token depends on prefill throughput, and fewer, larger steps pay the decode rows' share less
+    # often); 0: max_num_batched_tokens always.
+    max_num_batched_tokens_saturated: int = 0
+    page_size: int = 16
+    num_kv_pages: int | None = None  # None = sized from memory
+    kv_cache_memory_gb: float | None = None  # CPU: KV budget; GPU: see gpu_memory_utilization
+    gpu_memory_utilization: float = 0.9
+    scheduler_policy: str = "fcfs"
+    prefill_overlap: bool = False
+    # While requests decode, a step's prefill is sized from measured step times so the step takes about
+    # this long (at least a quarter of max_num_batched_tokens still prefills); 0: off.
+    decode_latency_budget_ms: float = 0.0
+    decode_ahead: bool = (
+        True  # launch step N+1 (decode rows and chunks) before step N's tokens reach the host
+    )
+    # SSM state dtype: auto = the checkpoint's mamba_ssm_dtype (float32 for Qwen3.5). A 16-bit state halves
+    # the state memory but costs accuracy (docs/benchmarks/2026-11-30-ssm-state-bf16-accuracy.md): opt-in.
+    mamba_ssm_cache_dtype: str = "auto"
+    enforce_eager: bool = False
+    # Steps with prompt chunks of up to this many tokens replay CUDA graphs captured while idle or on first use
+    # (engine/prefill_graphs.py); None: min(max_num_batched_tokens, 2048); 0: off.
+    prefill_graph_max_tokens: int | None = None
+    # Ranks 1..N-1 run in their own processes (engine/tp.py); eager, without prefill overlap.
+    tensor_parallel_size: int = 1
+    # Prefix cache (on by default, as in vLLM): shared KV pages + GDN state snapshots in a pool of this
+    # many GiB (None: 8% of the GPU's memory, 0.25 GiB on CPU).
+    enable_prefix_caching: bool = True
+    prefix_cache_state_memory_gb: float | None = None
+    # Speculative decoding with the checkpoint's MTP head (None: off).
+    speculative_config: SpeculativeConfig | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.speculative_config, (str, dict)):  # LLM(speculative_config={...})
+            self.speculative_config = SpeculativeConfig.from_json(self.speculative_config)
+        if isinstance(self.dtype, str):
+            self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
+        if isinstance(self.mamba_ssm_cache_dtype, str):
+            self.mamba_ssm_cache_dtype = DTYPE_ALIASES.get(
+                self.mamba_ssm_cache_dtype, self.mamba_ssm_cache_dtype
+            )
+
+    @property
+    def largest_step_tokens(self) -> int:
+        """The most tokens one step may hold: what warm-up measures activations at."""
+        return max(self.max_num_batched_tokens, self.max_num_batched_tokens_saturated)
+
+    @property
+    def prefill_graph_tokens(self) -> int:
+        """The largest step (in tokens) a prefill graph is captured for; 0: none."""
+        if self.prefill_graph_max_tokens is not None:
+            return min(self.prefill_graph_max_tokens, self.max_num_batched_tokens)
+        return min(self.max_num_batched_tokens, DEFAULT_PREFILL_GRAPH_TOKENS)
+
+    def validate(self) -> None:
+        def fail(flag: str, expected: str, found: Any) -> ConfigError:
+            return ConfigError(f"--{flag.replace('_', '-')} must be {expected}, got {found!r}")
+
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise fail("dtype", f"one of {['auto', *sorted(DTYPES), *sorted(DTYPE_ALIASES)]}", self.dtype)
+        if self.mamba_ssm_cache_dtype != "auto":
+            parse_dtype(self.mamba_ssm_cache_dtype, what="--mamba-ssm-cache-dtype")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise fail("device", "'auto', 'cpu', 'cuda' or 'cuda:N'", self.device)
+        if self.load_format not in LOAD_FORMATS:
+            raise fail("load_format", f"one of {list(LOAD_FORMATS)}", self.load_format)
+        policy = policy_error(self.scheduler_policy, self.prefill_overlap)
+        if policy is not None:
+            raise ConfigError(policy)
+        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "tensor_parallel_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise fail(name, "an integer >= 1", value)
+        saturated = self.max_num_batched_tokens_saturated
+        if isinstance(saturated, bool) or not isinstance(saturated, int) or saturated < 0:
+            raise fail("max_num_batched_tokens_saturated", "an integer >= 0 (0: off)", saturated)
+        if 0 < saturated < self.max_num_batched_tokens:
+            raise fail(
+                "max_num_batched_tokens_saturated",
+                f"0 (off) or at least --max-num-batched-tokens ({self.max_num_batched_tokens})",
+                saturated,
+            )
+        graph_tokens = self.prefill_graph_max_tokens
+        if graph_tokens is not None and (
+            isinstance(graph_tokens, bool) or not isinstance(graph_tokens, int) or graph_tokens < 0
+        ):
+            raise fail("prefill_graph_max_tokens", "an integer >= 0 (0: off)", graph_tokens)
+        if self.page_size & (self.page_size - 1):
+            raise fail("page_size", "a power of two", self.page_size)
+        if self.max_model_len is not None and (
+            not isinstance(self.max_model_len, int) or self.max_model_len < 1
+        ):
+            raise fail("max_model_len", "an integer >= 1", self.max_model_len)
+        budget = self.decode_latency_budget_ms
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget >= 0:
+            raise fail("decode_latency_budget_ms", "a number of milliseconds >= 0 (0: off)", budget)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise fail("gpu_memory_utilization", "in (0, 1]", self.gpu_memory_utilization)
+        if self.tensor_parallel_size > 1:
+            if self.prefill_overlap:
+                raise ConfigError(
+                    f"--prefill-overlap is not supported with --tensor-parallel-size {self.tensor_parallel_size}"
+                )
+            if self.device.startswith("cuda:"):
+                raise ConfigError(
+                    f"--device {self.device}: with --tensor-parallel-size {self.tensor_parallel_size}, "
+                    "rank r runs on cuda:r; give --device cuda or auto"
+                )
+        if self.prefix_cache_state_memory_gb is not None and not self.prefix_cache_state_memory_gb > 0:
+            raise fail(
+                "prefix_cache_state_memory_gb", "a number of GiB > 0", self.prefix_cache_state_memory_gb
+            )
+        if self.speculative_config is not None and self.tensor_parallel_size > 1:
+            raise ConfigError(
+                f"--speculative-config is not supported with --tensor-parallel-size {self.tensor_parallel_size} "
+                "yet; serve speculative decoding on one GPU"
+            )
+        if self.speculative_config is not None and self.prefill_overlap:
+            raise ConfigError(
+                "--speculative-config cannot be combined with --prefill-overlap: an async prefill runs no "
+                "MTP pass, so a request prefilled beside decoders could never draft; drop one of the two"
+            )
+        if self.num_kv_pages is not None and self.num_kv_pages < 2:
+            raise fail("num_kv_pages", "an integer >= 2 (one page is reserved)", self.num_kv_pages)
+
+    def resolved_device(self) -> torch.device:
+        import torch
+
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device(self.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"--device {self.device} was asked for, but CUDA is not available here")
+        return device
+
+    def resolved_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch_dtype("bfloat16" if device.type == "cuda" else "float32")
+        return torch_dtype(self.dtype)
