@@ -206,7 +206,18 @@ def read_sampling_defaults(path: Path) -> dict[str, float | int]:
     sampling defaults. A missing file has none."""
     if not path.is_file():
         return {}
-    k = _Keys(_read_json(path), str(path))
+    return sampling_defaults(_read_json(path), str(path))
+
+
+def sampling_defaults(
+    data: dict[str, Any], where: str, *, only_sampling_keys: bool = False
+) -> dict[str, float | int]:
+    """The GENERATION_SAMPLING_KEYS of a generation config object, typed; with `only_sampling_keys`, any
+    other key is refused (an override that names one would otherwise be silently dropped)."""
+    k = _Keys(data, where)
+    unknown = sorted(set(data) - set(GENERATION_SAMPLING_KEYS)) if only_sampling_keys else []
+    if unknown:
+        raise ConfigError(f"{where}: keys must be among {list(GENERATION_SAMPLING_KEYS)}, got {unknown[0]!r}")
     defaults: dict[str, float | int] = {}
     for key in GENERATION_SAMPLING_KEYS:
         if k.has(key):

@@ -42,6 +42,32 @@ REFUSED = [
     (["--root-path", "api/"], "--root-path must start with '/'"),
     (["--allowed-origins", "*"], "--allowed-origins must be a JSON list of strings"),
     (["/some/dir", "--model", "/other/dir"], "the model is given twice"),
+    (["--data-parallel-size", "2"], "--data-parallel-size must be '1' (one engine per server), got 2"),
+    (["-pp", "2"], "--pipeline-parallel-size must be '1' (use --tensor-parallel-size), got 2"),
+    (["--distributed-executor-backend", "ray"], "--distributed-executor-backend must be 'mp' or 'uni'"),
+    (["--enable-lora"], "--enable-lora is not supported: no LoRA adapters"),
+    (["--lora-modules", "sql=/adapters/sql"], "--lora-modules is not supported: no LoRA adapters"),
+    (["--enable-sleep-mode"], "--enable-sleep-mode is not supported: no sleep mode"),
+    (["--kv-transfer-config", "{}"], "--kv-transfer-config is not supported: no disaggregated prefill"),
+    (
+        ["--tokenizer", "/other"],
+        "--tokenizer must be the model directory (the embedded default: its tokenizer.json",
+    ),
+    (
+        ["--structured-outputs-config", '{"backend": "outlines"}'],
+        "--structured-outputs-config: backend must be one of ['auto', 'xgrammar'], got 'outlines'",
+    ),
+    (["--hf-overrides", '{"num_hidden_layers": 2}'], "--hf-overrides may have no keys"),
+    (
+        ["--block-size", "32", "--page-size", "64"],
+        "--block-size 32 and --page-size 64 both set the KV page size",
+    ),
+    (
+        ["--override-generation-config", '{"max_new_tokens": 16}'],
+        "--override-generation-config: keys must be among ['temperature', 'top_p', 'top_k', 'min_p', "
+        "'repetition_penalty'], got 'max_new_tokens'",
+    ),
+    (["--override-generation-config", '{"temperature": "hot"}'], "temperature must be a finite number"),
 ]
 
 
@@ -121,3 +147,55 @@ def test_an_invalid_engine_flag_fails_before_any_engine_process_starts(capsys, m
     monkeypatch.setattr(engine_process, "spawn_engine", no_spawn)
     assert main(["serve", *SMALL_ENGINE, "--max-num-seqs", "0"]) == 2
     assert "--max-num-seqs must be an integer >= 1" in capsys.readouterr().err
+
+
+def test_vllm_aliases_reach_the_engine_and_server_configs() -> None:
+    from deltaserve.cli import build_parser, engine_config_from_args
+    from deltaserve.server.args import ServerConfig
+    from deltaserve.server.vllm_flags import check_vllm_arguments
+
+    flags = [
+        "--block-size",
+        "32",
+        "--mamba-cache-mode",
+        "none",
+        "--override-generation-config",
+        '{"top_p": 0.5}',
+    ]
+    args = build_parser().parse_args(
+        ["serve", *flags, "--disable-fastapi-docs", "--enable-force-include-usage"]
+    )
+    check_vllm_arguments(args)
+    engine = engine_config_from_args(args)
+    assert engine.page_size == 32 and engine.enable_prefix_caching is False
+    server = ServerConfig.from_args(args)
+    assert server.generation_overrides == {"top_p": 0.5}
+    assert server.fastapi_docs is False and server.force_include_usage is True
+
+
+def test_override_generation_config_goes_over_the_generation_config_file(tmp_path) -> None:
+    from deltaserve.server.lifecycle import generation_defaults
+
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.6, "top_p": 0.95, "top_k": 20}')
+    merged = generation_defaults("auto", tmp_path, {"top_k": 1, "min_p": 0.1})
+    assert merged == {"temperature": 0.6, "top_p": 0.95, "top_k": 1, "min_p": 0.1}
+    assert generation_defaults("vllm", tmp_path, {"top_k": 1}) == {"top_k": 1}
+
+
+@pytest.mark.parametrize("docs", [True, False])
+def test_disable_fastapi_docs_removes_the_docs_and_the_schema(docs: bool) -> None:
+    import asyncio
+    import types
+
+    import httpx
+
+    from deltaserve.server.app import build_app
+    from deltaserve.server.args import ServerConfig
+
+    app = build_app(types.SimpleNamespace(config=ServerConfig(fastapi_docs=docs)))  # type: ignore[arg-type]
+
+    async def statuses() -> list[int]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as http:
+            return [(await http.get(path)).status_code for path in ("/docs", "/redoc", "/openapi.json")]
+
+    assert asyncio.run(statuses()) == ([200, 200, 200] if docs else [404, 404, 404])

@@ -79,14 +79,43 @@ def recipe(generation_dir: Path, template: Path) -> list[str]:
         json.dumps([ORIGIN]),
         "--root-path",
         ROOT,
+        # Flags of other recipes and tuning guides: accepted (logged as configuring nothing here) or honoured.
+        "--tokenizer",
+        str(default_model_dir()),
+        "--tokenizer-mode",
+        "auto",
+        "--mamba-cache-mode",
+        "align",
+        "--block-size",
+        "16",
+        "--max-cudagraph-capture-size",
+        "256",
+        "-O3",
+        "--swap-space",
+        "4",
+        "--enable-expert-parallel",
+        "--disable-custom-all-reduce",
+        "--data-parallel-size",
+        "1",
+        "--distributed-executor-backend",
+        "mp",
+        "--performance-mode",
+        "throughput",
+        "--structured-outputs-config",
+        '{"backend": "xgrammar"}',
+        "--enable-prompt-tokens-details",
+        "--override-generation-config",
+        '{"top_k": 1}',
+        "--enable-force-include-usage",
     ]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     folder = tmp_path_factory.mktemp("recipe")
-    # top_k 1 makes every request that leaves top_k out greedy: visible in its output.
-    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.9, "top_k": 1}))
+    # --override-generation-config's top_k 1 (over this file's 20) makes every request that leaves top_k out
+    # greedy: visible in its output.
+    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.9, "top_k": 20}))
     original = (default_model_dir() / "tokenizer_config.json").read_text()
     template = folder / "chat_template.jinja"
     template.write_text(TEMPLATE_MARK + json.loads(original)["chat_template"])
@@ -128,7 +157,7 @@ def test_generation_config_defaults_apply_to_omitted_fields(client: openai.OpenA
         return out.choices[0].text
 
     greedy = text(temperature=0)
-    assert text() == text() == greedy  # top_k 1 from generation_config.json
+    assert text() == text() == greedy  # top_k 1 from --override-generation-config
     assert {text(seed=s, top_k=0) for s in range(3)} != {greedy}  # a request's own top_k wins
 
 
@@ -167,6 +196,21 @@ def test_request_log_lines_on_and_stats_lines_off(server: ServerProcess, client:
     assert f"request {out.id}-0 finished: length, 2 output tokens" in log
     assert "generation throughput" not in log
     assert "nothing to trust" in log
+    for flag in (
+        "--max-cudagraph-capture-size",
+        "--compilation-config",
+        "--swap-space",
+        "--enable-expert-parallel",
+    ):
+        assert f"{flag}: accepted, configures nothing here" in log, flag
+
+
+def test_every_stream_ends_with_usage_under_force_include_usage(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(model=NAMES[0], messages=USER, max_tokens=3, stream=True)  # type: ignore[arg-type]
+    chunks = list(stream)
+    assert all(c.usage is None for c in chunks[:-1])
+    last = chunks[-1]
+    assert last.choices == [] and last.usage is not None and last.usage.completion_tokens == 3
 
 
 def test_root_path_keeps_the_api_key_required(server: ServerProcess) -> None:

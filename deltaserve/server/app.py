@@ -43,6 +43,7 @@ def build_app(state: ServerState) -> FastAPI:
         title="deltaserve",
         version=__version__,
         description="OpenAI-compatible server for Qwen3.5 hybrid models",
+        **({} if state.config.fastapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}),
     )
     app.state.server = state
     for module in (completions, chat, responses, tokenize, service, invocations):

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from deltaserve.config import sampling_defaults
 from deltaserve.engine.liveness import DEFAULT_HEARTBEAT_TIMEOUT_S, DEFAULT_STEP_TIMEOUT_S, HangLimits
 from deltaserve.errors import ConfigError
 from deltaserve.sampling_params import MAX_LOGPROBS
@@ -44,6 +45,10 @@ class ServerConfig:
     log_requests: bool = False  # one log line when a request arrives and one when it ends
     log_stats: bool = True  # the periodic load line
     generation_config: str = "auto"  # auto: the model's generation_config.json; vllm: none; else a folder
+    # --override-generation-config: sampling defaults over generation_config's (validated keys and types)
+    generation_overrides: dict[str, float | int] = field(default_factory=dict)
+    fastapi_docs: bool = True  # /docs, /redoc and /openapi.json (--disable-fastapi-docs: none)
+    force_include_usage: bool = False  # every stream ends with a usage chunk, asked for or not
     chat_template: str | None = None  # the template text (--chat-template FILE, read at start-up)
     chat_template_source: str | None = None  # where it came from, for error messages
     cors: CorsConfig | None = None
@@ -68,7 +73,8 @@ class ServerConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServerConfig:
-        kwargs = _parse_json_flag("--default-chat-template-kwargs", args.default_chat_template_kwargs)
+        kwargs = parse_json_flag("--default-chat-template-kwargs", args.default_chat_template_kwargs)
+        overrides = parse_json_flag("--override-generation-config", args.override_generation_config)
         template, template_source = _chat_template(args.chat_template)
         config = cls(
             host=args.host,
@@ -85,6 +91,11 @@ class ServerConfig:
             log_requests=args.log_requests,
             log_stats=not args.disable_log_stats,
             generation_config=args.generation_config,
+            generation_overrides=sampling_defaults(
+                overrides, "--override-generation-config", only_sampling_keys=True
+            ),
+            fastapi_docs=not args.disable_fastapi_docs,
+            force_include_usage=args.enable_force_include_usage,
             chat_template=template,
             chat_template_source=template_source,
             cors=_cors(args),
@@ -183,7 +194,8 @@ def _cors(args: argparse.Namespace) -> CorsConfig | None:
     return CorsConfig(**given, allow_credentials=args.allow_credentials)  # type: ignore[arg-type]
 
 
-def _parse_json_flag(flag: str, text: str | None) -> dict[str, Any]:
+def parse_json_flag(flag: str, text: str | None) -> dict[str, Any]:
+    """A flag's JSON object ({} when the flag is absent)."""
     if not text:
         return {}
     try:
@@ -318,6 +330,17 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.generation_config,
         help="sampling defaults for fields a request omits: auto (the model's generation_config.json), "
         "vllm (none: the API defaults), or a folder holding a generation_config.json",
+    )
+    g.add_argument(
+        "--override-generation-config",
+        default=None,
+        help="JSON sampling defaults over --generation-config's, e.g. '{\"temperature\": 0.6}'",
+    )
+    g.add_argument("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc or /openapi.json")
+    g.add_argument(
+        "--enable-force-include-usage",
+        action="store_true",
+        help="every stream ends with a usage chunk, whether stream_options asked for it or not",
     )
     g.add_argument(
         "--chat-template", default=None, help="a jinja chat template file replacing the model's own"

@@ -344,7 +344,7 @@ async def _stream(
                 choice = stream_choice(outs[i], delta, lp, i)
                 if choice is not None:
                     yield chunk(choice)
-        if body.include_usage:
+        if body.include_usage or state.config.force_include_usage:
             yield data_event(
                 ChatCompletionChunk(id=rid, created=created, model=model, choices=[], usage=usage())
             )

@@ -324,7 +324,7 @@ async def _stream(
                         id=rid, created=created, model=state.model_name, choices=[choice], usage=running
                     )
                     yield data_event(chunk)
-        if body.include_usage:
+        if body.include_usage or state.config.force_include_usage:
             chunk = CompletionChunk(
                 id=rid, created=created, model=state.model_name, choices=[], usage=_usage(choices, body.n)
             )

@@ -83,9 +83,19 @@ def warn_random_weights() -> None:
     )
 
 
-def generation_defaults(source: str, model_dir: Path) -> dict[str, float | int]:
+def generation_defaults(
+    source: str, model_dir: Path, overrides: dict[str, float | int] | None = None
+) -> dict[str, float | int]:
     """--generation-config: auto reads the model's generation_config.json, vllm reads none, anything
-    else names a folder that must hold one."""
+    else names a folder that must hold one; `overrides` (--override-generation-config) go over them."""
+    defaults = _generation_file_defaults(source, model_dir)
+    if overrides:
+        defaults = {**defaults, **overrides}
+        logger.info("request defaults after --override-generation-config: %s", defaults)
+    return defaults
+
+
+def _generation_file_defaults(source: str, model_dir: Path) -> dict[str, float | int]:
     if source == "vllm":
         return {}
     if source == "auto":
@@ -289,7 +299,9 @@ async def serve(
         sock = bind_socket(config.host, config.port)
     try:
         model_dir = resolve_model_dir(engine_config.model)
-        sampling_defaults = generation_defaults(config.generation_config, model_dir)
+        sampling_defaults = generation_defaults(
+            config.generation_config, model_dir, config.generation_overrides
+        )
     except BaseException:
         sock.close()
         raise

@@ -2,10 +2,13 @@
 with one sentence.
 
 Accepted: flags that ask for what deltaserve always does (auto tool choice, the Qwen XML tool-call and
-`<think>` reasoning parsers, chunked prefill, a text-only model) or that have nothing to act on
-(`--trust-remote-code`: no checkpoint code is ever run). Refused, naming what is supported: features
-the engine does not have (an fp8 KV cache, online or non-FP8 quantization, images). `--quantization`
-naming the checkpoint's own FP8 format (`fp8`, `compressed-tensors`) is accepted: it loads dequantized.
+`<think>` reasoning parsers, chunked prefill, a text-only model, the model's own tokenizer, xgrammar)
+or that have nothing to act on (`--trust-remote-code`: no checkpoint code is ever run); aliases
+(`--block-size` is `--page-size`, `--mamba-cache-mode none` turns the prefix cache off). Refused,
+naming what is supported: features the engine does not have (an fp8 KV cache, online or non-FP8
+quantization, images, config overrides). `--quantization` naming the checkpoint's own FP8 format
+(`fp8`, `compressed-tensors`) is accepted: it loads dequantized. The flags that need no code of their
+own are tables in vllm_flag_table.py.
 """
 
 from __future__ import annotations
@@ -13,9 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+from pathlib import Path
 from typing import Any
 
+from deltaserve.engine_config import EngineConfig
 from deltaserve.errors import ConfigError
+from deltaserve.server.args import parse_json_flag
+from deltaserve.server.vllm_flag_table import add_table_arguments, check_table_arguments
 
 logger = logging.getLogger("deltaserve.server")
 
@@ -60,6 +67,23 @@ def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
         help='text only: accepted when it allows no media, e.g. \'{"image": 0, "video": 0}\'',
     )
     g.add_argument("--kv-cache-dtype", default="auto", help="auto only: the KV cache is in the model dtype")
+    g.add_argument("--tokenizer", default=None, help="the model directory only: its tokenizer.json is used")
+    g.add_argument("--block-size", type=int, default=None, help="the KV page size: --page-size")
+    g.add_argument(
+        "--mamba-cache-mode",
+        default=None,
+        choices=("align", "all", "none"),
+        help="align | all: the prefix cache keeps GDN state at any token; none: no prefix caching",
+    )
+    g.add_argument(
+        "--structured-outputs-config",
+        default=None,
+        help='JSON with a backend of auto or xgrammar only, e.g. \'{"backend": "xgrammar"}\'',
+    )
+    g.add_argument(
+        "--hf-overrides", default=None, help="{} only: the checkpoint's config.json is used as it is"
+    )
+    add_table_arguments(g)
     g.add_argument(
         "--quantization",
         "-q",
@@ -104,6 +128,48 @@ def check_vllm_arguments(args: argparse.Namespace, checkpoint_quantization: str 
         )
     if args.trust_remote_code:
         logger.info("--trust-remote-code: nothing to trust, deltaserve runs no code from the checkpoint")
+    _check_tokenizer(args.tokenizer, getattr(args, "model_tag", None) or args.model)
+    _apply_block_size(args)
+    if args.mamba_cache_mode == "none":  # vLLM keeps no GDN state for reuse: no prefix caching
+        logger.info("--mamba-cache-mode none: the prefix cache is off")
+        args.enable_prefix_caching = False
+    _check_json_flag(
+        "--structured-outputs-config", args.structured_outputs_config, {"backend": ("auto", "xgrammar")}
+    )
+    _check_json_flag("--hf-overrides", args.hf_overrides, {})
+    check_table_arguments(args)
+
+
+def _check_tokenizer(tokenizer: str | None, model: str | None) -> None:
+    if tokenizer is None:
+        return
+    if model is None or Path(tokenizer).resolve() != Path(model).resolve():
+        where = "the embedded default" if model is None else repr(model)
+        raise ConfigError(
+            f"--tokenizer must be the model directory ({where}: its tokenizer.json is the one used), "
+            f"got {tokenizer!r}"
+        )
+
+
+def _apply_block_size(args: argparse.Namespace) -> None:
+    """vLLM's --block-size is the KV page size."""
+    if args.block_size is None:
+        return
+    if args.page_size not in (args.block_size, EngineConfig().page_size):  # --page-size given too
+        raise ConfigError(
+            f"--block-size {args.block_size} and --page-size {args.page_size} both set the KV page size; give one"
+        )
+    args.page_size = args.block_size
+
+
+def _check_json_flag(flag: str, text: str | None, allowed: dict[str, tuple[str, ...]]) -> None:
+    """A JSON object whose keys are among `allowed`, each with one of its allowed values."""
+    for key, found in parse_json_flag(flag, text).items():
+        if key not in allowed:
+            keys = f"keys among {sorted(allowed)}" if allowed else "no keys"
+            raise ConfigError(f"{flag} may have {keys} (nothing else is configurable here), got {key!r}")
+        if found not in allowed[key]:
+            raise ConfigError(f"{flag}: {key} must be one of {list(allowed[key])}, got {found!r}")
 
 
 def _media_count(limit: Any) -> Any:
@@ -112,15 +178,9 @@ def _media_count(limit: Any) -> Any:
 
 
 def _check_media_limits(text: str | None) -> None:
-    if text is None:
-        return
-    try:
-        limits = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"--limit-mm-per-prompt must be a JSON object, got {text!r} ({exc})") from exc
-    if not isinstance(limits, dict):
-        raise ConfigError(f"--limit-mm-per-prompt must be a JSON object, got {text!r}")
-    allowed = {k: v for k, v in limits.items() if _media_count(v) != 0}
+    allowed = {
+        k: v for k, v in parse_json_flag("--limit-mm-per-prompt", text).items() if _media_count(v) != 0
+    }
     if allowed:
         raise ConfigError(
             "--limit-mm-per-prompt must allow no media (deltaserve serves text only; give 0 for "
