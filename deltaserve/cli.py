@@ -238,7 +238,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from deltaserve.engine.process import spawn_engine
     from deltaserve.server.args import ServerConfig
     from deltaserve.server.listen import bind_socket
-    from deltaserve.server.vllm_flags import check_vllm_arguments
+    from deltaserve.vllm_flags import check_vllm_arguments
 
     check_vllm_arguments(args, checkpoint_quantization(args) if args.quantization is not None else None)
     engine_config = engine_config_from_args(args)  # validated
@@ -328,7 +328,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_engine_arguments(parser)
     from deltaserve.server.args import add_server_arguments
-    from deltaserve.server.vllm_flags import add_vllm_arguments
+    from deltaserve.vllm_flags import add_vllm_arguments
 
     add_server_arguments(parser)
     add_vllm_arguments(parser)

@@ -152,7 +152,7 @@ def test_an_invalid_engine_flag_fails_before_any_engine_process_starts(capsys, m
 def test_vllm_aliases_reach_the_engine_and_server_configs() -> None:
     from deltaserve.cli import build_parser, engine_config_from_args
     from deltaserve.server.args import ServerConfig
-    from deltaserve.server.vllm_flags import check_vllm_arguments
+    from deltaserve.vllm_flags import check_vllm_arguments
 
     flags = [
         "--block-size",

@@ -301,7 +301,7 @@ def test_static_activation_scales_are_skipped_and_the_weights_load_the_same(root
 
 def test_the_quantization_flag_is_accepted_as_fp8_with_an_fp8_checkpoint_only(capsys, dense):
     from deltaserve.cli import build_parser, checkpoint_quantization, main
-    from deltaserve.server.vllm_flags import check_vllm_arguments
+    from deltaserve.vllm_flags import check_vllm_arguments
 
     _, model_dir, _ = dense
     args = build_parser().parse_args(["serve", str(model_dir), "--quantization", "fp8"])

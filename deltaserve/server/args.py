@@ -13,6 +13,7 @@ from deltaserve.config import sampling_defaults
 from deltaserve.engine.liveness import DEFAULT_HEARTBEAT_TIMEOUT_S, DEFAULT_STEP_TIMEOUT_S, HangLimits
 from deltaserve.errors import ConfigError
 from deltaserve.sampling_params import MAX_LOGPROBS
+from deltaserve.vllm_flags import parse_json_flag
 
 API_KEY_ENV = "DELTASERVE_API_KEY"
 DEFAULT_MAX_BODY_BYTES = 32 << 20
@@ -192,19 +193,6 @@ def _cors(args: argparse.Namespace) -> CorsConfig | None:
         return None
     given = {k: v for k, v in lists.items() if v is not None}
     return CorsConfig(**given, allow_credentials=args.allow_credentials)  # type: ignore[arg-type]
-
-
-def parse_json_flag(flag: str, text: str | None) -> dict[str, Any]:
-    """A flag's JSON object ({} when the flag is absent)."""
-    if not text:
-        return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{flag} must be a JSON object, got {text!r} ({exc})") from exc
-    if not isinstance(value, dict):
-        raise ConfigError(f"{flag} must be a JSON object, got {text!r}")
-    return value
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:

@@ -21,8 +21,7 @@ from typing import Any
 
 from deltaserve.engine_config import EngineConfig
 from deltaserve.errors import ConfigError
-from deltaserve.server.args import parse_json_flag
-from deltaserve.server.vllm_flag_table import add_table_arguments, check_table_arguments
+from deltaserve.vllm_flag_table import add_table_arguments, check_table_arguments
 
 logger = logging.getLogger("deltaserve.server")
 
@@ -138,6 +137,19 @@ def check_vllm_arguments(args: argparse.Namespace, checkpoint_quantization: str 
     )
     _check_json_flag("--hf-overrides", args.hf_overrides, {})
     check_table_arguments(args)
+
+
+def parse_json_flag(flag: str, text: str | None) -> dict[str, Any]:
+    """A flag's JSON object ({} when the flag is absent)."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{flag} must be a JSON object, got {text!r} ({exc})") from exc
+    if not isinstance(value, dict):
+        raise ConfigError(f"{flag} must be a JSON object, got {text!r}")
+    return value
 
 
 def _check_tokenizer(tokenizer: str | None, model: str | None) -> None:
