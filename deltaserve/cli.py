@@ -147,18 +147,6 @@ def _model_arg(args: argparse.Namespace) -> str | None:
     return positional if positional is not None else args.model
 
 
-def checkpoint_quantization(args: argparse.Namespace) -> str | None:
-    """The model's quantization_config.quant_method (None: unquantized, or the embedded default)."""
-    from deltaserve.config import ModelConfig
-    from deltaserve.engine.core import resolve_model_dir
-
-    model = _model_arg(args)
-    if model is None:
-        return None
-    quant = ModelConfig.from_dir(resolve_model_dir(model)).weight_quantization
-    return None if quant is None else quant.method
-
-
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     config = EngineConfig(
         model=_model_arg(args),
@@ -238,9 +226,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from deltaserve.engine.process import spawn_engine
     from deltaserve.server.args import ServerConfig
     from deltaserve.server.listen import bind_socket
-    from deltaserve.vllm_flags import check_vllm_arguments
+    from deltaserve.vllm_flags import check_vllm_arguments, checkpoint_quantization
 
-    check_vllm_arguments(args, checkpoint_quantization(args) if args.quantization is not None else None)
+    model = _model_arg(args)
+    check_vllm_arguments(args, checkpoint_quantization(model) if args.quantization is not None else None)
     engine_config = engine_config_from_args(args)  # validated
     server_config = ServerConfig.from_args(args)
     sock = bind_socket(server_config.host, server_config.port)

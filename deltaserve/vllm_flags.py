@@ -19,6 +19,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from deltaserve.config import ModelConfig
 from deltaserve.engine_config import EngineConfig
 from deltaserve.errors import ConfigError
 from deltaserve.vllm_flag_table import add_table_arguments, check_table_arguments
@@ -137,6 +138,49 @@ def check_vllm_arguments(args: argparse.Namespace, checkpoint_quantization: str 
     )
     _check_json_flag("--hf-overrides", args.hf_overrides, {})
     check_table_arguments(args)
+
+
+def checkpoint_quantization(model: str | None) -> str | None:
+    """The model's quantization_config.quant_method (None: unquantized, or the embedded default)."""
+    if model is None:
+        return None
+    quant = ModelConfig.from_dir(model).weight_quantization
+    return None if quant is None else quant.method
+
+
+# Engine arguments of vLLM's LLM() that the offline engine has nothing to do with (it logs no stats).
+OFFLINE_IGNORED = ("disable_log_stats",)
+
+
+def offline_engine_kwargs(
+    model: str | None, kwargs: dict[str, Any], engine_fields: set[str]
+) -> dict[str, Any]:
+    """vLLM's LLM(**kwargs) here: the engine flags among `kwargs`, after vLLM's other keyword arguments
+    were checked as their `vllm serve` flags are (accepted, logged as configuring nothing here, applied
+    as an alias, or refused with ConfigError). A name neither knows is a TypeError, as in vLLM."""
+    args = argparse.Namespace()
+    parser = argparse.ArgumentParser(add_help=False)
+    add_vllm_arguments(parser)
+    parser.parse_args([], namespace=args)
+    compat = set(vars(args)) - engine_fields
+    unknown = sorted(set(kwargs) - engine_fields - compat - set(OFFLINE_IGNORED))
+    if unknown:
+        known = sorted(engine_fields | compat | set(OFFLINE_IGNORED))
+        raise TypeError(f"LLM() got unknown engine arguments {unknown}; known: {known}")
+    for name in compat & set(kwargs):
+        value = kwargs[name]
+        setattr(args, name, json.dumps(value) if isinstance(value, dict) else value)
+    engine = {k: v for k, v in kwargs.items() if k in engine_fields}
+    defaults = EngineConfig()
+    args.model = model
+    args.page_size = engine.get("page_size", defaults.page_size)
+    args.enable_prefix_caching = engine.get("enable_prefix_caching", defaults.enable_prefix_caching)
+    check_vllm_arguments(args, checkpoint_quantization(model) if args.quantization is not None else None)
+    if args.page_size != defaults.page_size:
+        engine["page_size"] = args.page_size
+    if args.enable_prefix_caching != defaults.enable_prefix_caching:
+        engine["enable_prefix_caching"] = args.enable_prefix_caching
+    return engine
 
 
 def parse_json_flag(flag: str, text: str | None) -> dict[str, Any]:

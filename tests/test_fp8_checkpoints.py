@@ -300,13 +300,13 @@ def test_static_activation_scales_are_skipped_and_the_weights_load_the_same(root
 
 
 def test_the_quantization_flag_is_accepted_as_fp8_with_an_fp8_checkpoint_only(capsys, dense):
-    from deltaserve.cli import build_parser, checkpoint_quantization, main
-    from deltaserve.vllm_flags import check_vllm_arguments
+    from deltaserve.cli import build_parser, main
+    from deltaserve.vllm_flags import check_vllm_arguments, checkpoint_quantization
 
     _, model_dir, _ = dense
     args = build_parser().parse_args(["serve", str(model_dir), "--quantization", "fp8"])
-    assert checkpoint_quantization(args) == "fp8"
-    check_vllm_arguments(args, checkpoint_quantization(args))  # accepted
+    assert checkpoint_quantization(str(model_dir)) == "fp8"
+    check_vllm_arguments(args, "fp8")  # accepted
     assert main(["serve", str(model_dir), "--device", "cpu", "--quantization", "awq"]) == 2
     (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]
     assert line.endswith("got 'awq' for a 'fp8' checkpoint")

@@ -153,3 +153,37 @@ def test_chat_renders_the_template_then_generates(llm):
     assert chatted.outputs[0].token_ids == llm.generate([prompt], params)[0].outputs[0].token_ids
     two = llm.chat([messages, [*messages, {"role": "assistant", "content": "Hi"}, *messages]], params)
     assert len(two) == 2 and two[0].outputs[0].token_ids != two[1].outputs[0].token_ids
+
+
+def test_vllm_llm_arguments_are_taken_as_their_serve_flags(tiny_dir):
+    """A vLLM script's LLM(...) arguments: accepted, applied as their alias, or refused as the flag of
+    the same name is, before any engine starts; a name neither knows is a TypeError."""
+    from deltaserve.errors import ConfigError
+
+    small = {"device": "cpu", "dtype": "float32", "max_model_len": 256, "max_num_seqs": 2}
+    compat = {
+        "trust_remote_code": True,
+        "tokenizer": str(tiny_dir),
+        "kv_cache_dtype": "auto",
+        "block_size": 32,
+        "swap_space": 4,
+        "disable_log_stats": True,
+        "limit_mm_per_prompt": {"image": 0, "video": 0},
+        "enable_prefix_caching": True,
+        "mamba_cache_mode": "align",
+    }
+    with LLM(str(tiny_dir), **small, **compat) as llm:
+        assert llm.engine.config.page_size == 32 and llm.engine.config.enable_prefix_caching
+        (out,) = llm.generate("Hello", SamplingParams(max_tokens=2, temperature=0))
+        assert len(out.outputs[0].token_ids) == 2
+    refused = [
+        ({"enable_lora": True}, "--enable-lora is not supported"),
+        ({"quantization": "fp8"}, "got 'fp8' for an unquantized checkpoint"),
+        ({"kv_cache_dtype": "fp8"}, "--kv-cache-dtype must be 'auto'"),
+        ({"limit_mm_per_prompt": {"image": 2}}, "--limit-mm-per-prompt must allow no media"),
+    ]
+    for kwargs, message in refused:
+        with pytest.raises(ConfigError, match=message):
+            LLM(str(tiny_dir), **small, **kwargs)
+    with pytest.raises(TypeError, match=r"unknown engine arguments \['no_such_argument'\]"):
+        LLM(str(tiny_dir), **small, no_such_argument=1)

@@ -25,6 +25,7 @@ from deltaserve.errors import RequestValidationError
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.tiny import RANDOM_WEIGHTS_NOTE
 from deltaserve.tokenizer import Tokenizer
+from deltaserve.vllm_flags import offline_engine_kwargs
 
 Prompt = str | dict[str, Any]
 
@@ -32,11 +33,11 @@ Prompt = str | dict[str, Any]
 class LLM:
     def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
         """`engine_kwargs` are the engine flags by their vLLM names (dtype, device, max_model_len,
-        max_num_seqs, max_num_batched_tokens, scheduler_policy, load_format, seed, ...)."""
-        known = set(EngineConfig.__dataclass_fields__) - {"model", "extra"}
-        unknown = sorted(set(engine_kwargs) - known)
-        if unknown:
-            raise TypeError(f"LLM() got unknown engine arguments {unknown}; known: {sorted(known)}")
+        max_num_seqs, max_num_batched_tokens, scheduler_policy, load_format, seed, ...), and vLLM's other
+        LLM() arguments, checked as their `vllm serve` flags are (trust_remote_code, tokenizer,
+        quantization, kv_cache_dtype, block_size, swap_space, ...: deltaserve.vllm_flags)."""
+        fields = set(EngineConfig.__dataclass_fields__) - {"model", "extra"}
+        engine_kwargs = offline_engine_kwargs(model, engine_kwargs, fields)
         if model is None:
             print(RANDOM_WEIGHTS_NOTE, file=sys.stderr, flush=True)
         self.engine = EngineCore(EngineConfig(model=model, **engine_kwargs))
