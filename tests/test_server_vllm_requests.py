@@ -246,7 +246,9 @@ REFUSED: list[tuple[str, dict[str, Any], str]] = [
         {"messages": USER, "guided_whitespace_pattern": " "},
         "guided_whitespace_pattern",
     ),
-    ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 5}, "truncate_prompt_tokens"),
+    ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ("/v1/chat/completions", {"messages": USER, "truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+    ("/v1/responses", {"input": "x", "truncate_prompt_tokens": 5}, "truncate_prompt_tokens"),
     ("/v1/completions", {"prompt": "x", "allowed_token_ids": [1, 2]}, "allowed_token_ids"),
     ("/v1/responses", {"input": "x", "background": True}, "background"),
     ("/v1/responses", {"input": "x", "top_logprobs": 2}, "top_logprobs"),
@@ -335,3 +337,30 @@ def test_the_readme_client_snippet_runs_as_written(server: ServerProcess, capsys
     assert "http://127.0.0.1:8000/v1" in snippet
     exec(snippet.replace("http://127.0.0.1:8000", server.url), {})
     assert "ChatCompletionMessage(" in capsys.readouterr().out
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(
+    server: ServerProcess, client: openai.OpenAI
+) -> None:
+    """vLLM's left truncation: the request runs on the prompt's last N tokens, as if only they were sent
+    (greedy, so the outputs compare), on completions (text and ids) and on the rendered chat prompt."""
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": "The weather in Paris is mild today"}).json()[
+        "tokens"
+    ]
+    greedy = {"max_tokens": 6, "temperature": 0, "extra_body": {"ignore_eos": True}}
+
+    def completion(prompt: Any, **extra: Any) -> Any:
+        kw = {**greedy, "extra_body": {**greedy["extra_body"], **extra}}
+        return client.completions.create(model=MODEL, prompt=prompt, **kw)  # type: ignore[arg-type]
+
+    alone = completion(ids[-3:])
+    for prompt in ("The weather in Paris is mild today", ids):
+        cut = completion(prompt, truncate_prompt_tokens=3)
+        assert cut.usage is not None and cut.usage.prompt_tokens == 3
+        assert cut.choices[0].text == alone.choices[0].text
+    whole = completion(ids, truncate_prompt_tokens=-1)  # the context window's worth: all of it
+    assert whole.usage is not None and whole.usage.prompt_tokens == len(ids)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=USER, max_tokens=2, extra_body={"truncate_prompt_tokens": 5}
+    )
+    assert chat.usage is not None and chat.usage.prompt_tokens == 5

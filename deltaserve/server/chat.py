@@ -7,6 +7,7 @@ hold the rules). A turn that ends normally with tool calls has finish_reason "to
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -51,7 +52,7 @@ from deltaserve.server.protocol import (
     now,
 )
 from deltaserve.server.refused_fields import refuse_meaningful_fields
-from deltaserve.server.sampling import build_params, check_context_window, structured_field
+from deltaserve.server.sampling import build_params, check_context_window, structured_field, truncate_prompt
 from deltaserve.server.sse import DONE, SSEResponse, data_event
 from deltaserve.server.state import ServerState, get_state
 from deltaserve.server.tool_grammar import tool_call_output
@@ -97,13 +98,23 @@ async def create_chat_completion(
 
 def _prepare(state: ServerState, body: ChatCompletionRequest) -> tuple[ChatPrompt, SamplingParams]:
     """The rendered, tokenized prompt and checked parameters (runs on a worker thread)."""
-    prompt = _render(state, body)
+    prompt = _truncated(state, _render(state, body), body.truncate_prompt_tokens)
     params = _params(state, body, prompt)
     max_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     check_context_window(
         len(prompt.token_ids), params.max_tokens, state.max_model_len, max_tokens_field=max_field
     )
     return prompt, params
+
+
+def _truncated(state: ServerState, prompt: ChatPrompt, keep: int | None) -> ChatPrompt:
+    """truncate_prompt_tokens on the rendered prompt (vLLM's: its last tokens, system prompt or not)."""
+    ids = truncate_prompt(prompt.token_ids, keep, state.max_model_len)
+    cut = len(prompt.token_ids) - len(ids)
+    if cut == 0:
+        return prompt
+    points = [p - cut for p in prompt.cache_points if p > cut]
+    return dataclasses.replace(prompt, text=state.tokenizer.decode(ids), token_ids=ids, cache_points=points)
 
 
 def _render(state: ServerState, body: ChatCompletionRequest) -> ChatPrompt:

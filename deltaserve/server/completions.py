@@ -39,7 +39,13 @@ from deltaserve.server.protocol import (
     now,
 )
 from deltaserve.server.refused_fields import refuse_meaningful_fields
-from deltaserve.server.sampling import build_params, check_context_window, check_prompt_text, structured_field
+from deltaserve.server.sampling import (
+    build_params,
+    check_context_window,
+    check_prompt_text,
+    structured_field,
+    truncate_prompt,
+)
 from deltaserve.server.sse import DONE, SSEResponse, data_event
 from deltaserve.server.state import ServerState, get_state
 
@@ -149,24 +155,29 @@ def _refuse_unsupported(body: CompletionRequest) -> None:
 
 
 def _prompts(state: ServerState, body: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+    """(text, ids) per prompt; the text is None for token-id prompts and for texts that
+    truncate_prompt_tokens cut (their ids are the prompt then)."""
     prompt = body.prompt
     if isinstance(prompt, str):
-        return [(prompt, _encode(state, prompt))]
+        return [_encoded(state, body, prompt)]
     if not prompt:
         raise bad_request("prompt must not be an empty list", "prompt")
     if isinstance(prompt[0], int):
-        return [(None, _checked_ids(state, prompt))]  # type: ignore[arg-type]
+        return [(None, _checked_ids(state, body, prompt))]  # type: ignore[arg-type]
     if isinstance(prompt[0], str):
-        return [(p, _encode(state, p)) for p in prompt]  # type: ignore[misc]
-    return [(None, _checked_ids(state, ids)) for ids in prompt]  # type: ignore[arg-type]
+        return [_encoded(state, body, p) for p in prompt]  # type: ignore[arg-type]
+    return [(None, _checked_ids(state, body, ids)) for ids in prompt]  # type: ignore[arg-type]
 
 
-def _encode(state: ServerState, text: str) -> list[int]:
+def _encoded(state: ServerState, body: CompletionRequest, text: str) -> tuple[str | None, list[int]]:
     check_prompt_text(text, state.max_model_len, state.tokenizer.max_token_chars)
-    return state.tokenizer.encode(text)
+    ids = state.tokenizer.encode(text)
+    kept = truncate_prompt(ids, body.truncate_prompt_tokens, state.max_model_len)
+    return (text if len(kept) == len(ids) else None), kept
 
 
-def _checked_ids(state: ServerState, ids: list[int]) -> list[int]:
+def _checked_ids(state: ServerState, body: CompletionRequest, ids: list[int]) -> list[int]:
+    ids = truncate_prompt(ids, body.truncate_prompt_tokens, state.max_model_len)
     check_context_window(len(ids), None, state.max_model_len)
     vocab = state.vocab_size
     bad = next((t for t in ids if not 0 <= t < vocab), None)

@@ -115,6 +115,7 @@ class SamplingFields(OpenAIRequest):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None  # vLLM's: per prompt token, its logprob and the top alternatives
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last N tokens (-1: the window's)
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None

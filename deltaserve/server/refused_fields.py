@@ -31,7 +31,6 @@ _SAMPLING: dict[str, Rule] = {
     "bad_words": (_set, "use logit_bias on their token ids"),
     "allowed_token_ids": (_set, "use structured_outputs or logit_bias"),
     "logits_processors": (_set, "omit it"),
-    "truncate_prompt_tokens": (_set, "shorten the prompt"),
     "guided_whitespace_pattern": (_set, "structured output never has free whitespace; omit it"),
     "return_tokens_as_token_ids": (_set, "omit it"),
     "return_token_ids": (_set, "/tokenize gives a prompt's ids"),

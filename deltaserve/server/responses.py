@@ -128,6 +128,12 @@ def _prepare(
             "prompt_logprobs",
             "prompt_logprobs is not supported by the Responses API; use /v1/completions or /v1/chat/completions",
         )
+    if body.truncate_prompt_tokens is not None:
+        raise unsupported(
+            "truncate_prompt_tokens",
+            "truncate_prompt_tokens is not supported by the Responses API; shorten the input or use "
+            "/v1/chat/completions",
+        )
     text_format = _text_format(state, body, prompt)
     constrained = "text.format" if text_format is not None else structured_field(body)
     tool_calls = tool_call_output(prompt)

@@ -210,6 +210,20 @@ def check_prompt_text(text: str, max_model_len: int, max_token_chars: int, *, pa
         )
 
 
+def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: as many as the context window
+    holds); None keeps the whole prompt."""
+    if keep is None:
+        return ids
+    if keep == -1:
+        keep = max_model_len
+    if keep < 1:
+        raise bad_request(
+            f"truncate_prompt_tokens must be -1 or an integer >= 1, got {keep}", "truncate_prompt_tokens"
+        )
+    return ids[-keep:] if len(ids) > keep else ids
+
+
 def check_context_window(
     prompt_len: int,
     max_tokens: int | None,
