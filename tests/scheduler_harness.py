@@ -88,10 +88,17 @@ class Run:
             self.updates[u.request_id].append(u)
 
     def add(
-        self, rid: str, prompt: list[int], params: SamplingParams | None = None, cache_points: list[int] = ()
+        self,
+        rid: str,
+        prompt: list[int],
+        params: SamplingParams | None = None,
+        cache_points: list[int] = (),
+        cache_salt: str | None = None,
     ) -> None:
         params = params or SamplingParams(temperature=0.0, max_tokens=8)
-        self.sched.submit(AddRequest(rid, prompt, params, cache_points=list(cache_points)))
+        self.sched.submit(
+            AddRequest(rid, prompt, params, cache_points=list(cache_points), cache_salt=cache_salt)
+        )
 
     def abort(self, rid: str) -> None:
         self.sched.submit(AbortRequest(rid))

@@ -187,3 +187,24 @@ def test_vllm_llm_arguments_are_taken_as_their_serve_flags(tiny_dir):
             LLM(str(tiny_dir), **small, **kwargs)
     with pytest.raises(TypeError, match=r"unknown engine arguments \['no_such_argument'\]"):
         LLM(str(tiny_dir), **small, no_such_argument=1)
+
+
+def test_prompt_dicts_take_text_ids_and_a_cache_salt(llm):
+    """vLLM's {"prompt": ...} and {"prompt_token_ids": ...} prompts, each with an optional cache_salt:
+    a salted request reuses only its own salt's cached prefix."""
+    text = "The salted prefix of a tenant's request, long enough to fill several pages of the cache."
+    ids = llm.tokenizer.encode(text)
+    greedy = SamplingParams(max_tokens=2, temperature=0)
+    (a,) = llm.generate({"prompt": text, "cache_salt": "tenant-a"}, greedy)
+    longer = ids + llm.tokenizer.encode(" And then the question.")  # resumes at the first prompt's end
+    (again,) = llm.generate({"prompt_token_ids": longer, "cache_salt": "tenant-a"}, greedy)
+    (other,) = llm.generate({"prompt_token_ids": longer, "cache_salt": "tenant-b"}, greedy)
+    assert a.prompt_token_ids == ids and again.prompt_token_ids == other.prompt_token_ids == longer
+    assert again.num_cached_tokens == len(ids) and other.num_cached_tokens == 0
+    assert again.outputs[0].token_ids == other.outputs[0].token_ids
+    for bad, field in (
+        ({"prompt": text, "cache_salt": ""}, "cache_salt"),
+        ({"prompt": text, "multi_modal_data": {}}, "multi_modal_data"),
+    ):
+        with pytest.raises(RequestValidationError, match=field):
+            llm.generate(bad, greedy)

@@ -14,6 +14,7 @@ import pytest
 from scheduler_harness import LOGPROB_TOL, VOCAB, Run, load_model
 
 from deltaserve.cache.kv_pages import PageAllocator
+from deltaserve.cache.prefix import ROOT, PageKeys, extend_page_keys, prefix_key, salted_root
 from deltaserve.cache.snapshots import Snapshot, SnapshotTable
 from deltaserve.engine.protocol import ResetPrefixCache
 from deltaserve.engine.scheduler.prefix import PROMPT_END_MIN_GAP, cache_points
@@ -308,3 +309,44 @@ def test_a_request_that_scores_its_prompt_is_never_resumed_from_the_cache(model)
     assert len(ours) == len(prompt) and ours[0] is None
     for a, b in zip(ours[1:], ref[1:], strict=True):
         assert abs(a.logprob - b.logprob) < LOGPROB_TOL and a.rank == b.rank
+
+
+# ---- cache_salt -------------------------------------------------------------------------------------
+
+
+def test_a_cache_salt_roots_a_key_chain_of_its_own():
+    tokens = list(range(12))
+    keys = {}
+    for salt in (None, "tenant-a", "tenant-b"):
+        keys[salt] = PageKeys(salted_root(salt))
+        extend_page_keys(keys[salt], tokens, 4)
+    assert keys[None].root == ROOT  # without a salt, the keys are the unsalted chain's
+    for a, b in (("tenant-a", None), ("tenant-a", "tenant-b"), (None, "tenant-b")):
+        assert keys[a].root != keys[b].root and not set(keys[a]) & set(keys[b])
+    again = PageKeys(salted_root("tenant-a"))
+    extend_page_keys(again, tokens, 4)
+    assert list(again) == list(keys["tenant-a"]) and prefix_key(again, 0) == again.root
+
+
+def test_requests_share_cached_prefixes_only_with_the_same_salt(model):
+    """Pages and snapshots (a whole-page one, and a sub-page one keyed at the root) serve a request only
+    when its cache_salt is the warm request's; outputs are those computed alone either way."""
+    long, short = _prompt(22, 40), _prompt(3, 41)  # pages of 4: the short prompt's snapshot has no full page
+    run = Run(model, num_snapshots=16)
+    run.add("warm_long", long, greedy(2), cache_points=[20], cache_salt="a")
+    run.add("warm_short", short, greedy(2), cache_salt="a")
+    run.run_until_idle()
+    cases = {"a": 20, "b": 0, None: 0}
+    for i, (salt, hit) in enumerate(cases.items()):
+        for rid, prompt, expect in (
+            (f"long{i}", long[:20] + _prompt(5, 50 + i), hit),
+            (f"short{i}", short + [7, 8], min(hit, 3)),
+        ):
+            run.add(rid, prompt, greedy(), cache_salt=salt)
+            run.run_until_idle()
+            assert run.terminal(rid).num_cached_tokens == expect, (rid, salt)
+            _assert_same(
+                run,
+                rid,
+                (lambda r, q=rid: (r.tokens(q), r.logprobs(q)))(_alone(model, rid, prompt, greedy())),
+            )

@@ -364,3 +364,21 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(
         model=MODEL, messages=USER, max_tokens=2, extra_body={"truncate_prompt_tokens": 5}
     )
     assert chat.usage is not None and chat.usage.prompt_tokens == 5
+
+
+def test_cache_salt_keeps_tenants_cached_prefixes_apart(server: ServerProcess, client: openai.OpenAI) -> None:
+    messages = [{"role": "system", "content": "You are a terse assistant for tenant work."}, *USER]
+
+    def cached(salt: str | None) -> int:
+        extra = {"cache_salt": salt} if salt is not None else {}
+        out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, extra_body=extra)  # type: ignore[arg-type]
+        assert out.usage is not None and out.usage.prompt_tokens_details is not None
+        return out.usage.prompt_tokens_details.cached_tokens or 0
+
+    assert cached("tenant-1") == 0
+    assert cached("tenant-1") > 0  # the same tenant reuses its own prefix
+    assert cached("tenant-2") == 0 and cached(None) == 0  # no other tenant, and no unsalted request, does
+    empty = httpx.post(
+        f"{server.url}/v1/chat/completions", json={"messages": USER, "cache_salt": ""}, timeout=60
+    )
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "cache_salt"

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from deltaserve.cache.copies import CacheCopy, PageCopy, StateRestore, StateSave
 from deltaserve.cache.device import DeviceCaches
 from deltaserve.cache.kv_pages import PageAllocator
-from deltaserve.cache.prefix import chain, prefix_key
+from deltaserve.cache.prefix import PageKeys, chain, prefix_key
 from deltaserve.cache.snapshots import Snapshot, SnapshotTable
 from deltaserve.cache.state_slots import SlotAllocator
 
@@ -163,7 +163,7 @@ class CacheManager:
 
     # ---- the prefix cache -----------------------------------------------------------------------
 
-    def lookup(self, keys: Sequence[bytes], tokens: Sequence[int], limit: int) -> PrefixHit | None:
+    def lookup(self, keys: PageKeys, tokens: Sequence[int], limit: int) -> PrefixHit | None:
         """The longest prefix of `tokens`, at most `limit` tokens, whose KV pages and a GDN state snapshot
         at exactly its end are cached. `keys` are the page keys of `tokens` (at least limit // page_size)."""
         snaps = self.snapshots
@@ -237,7 +237,7 @@ class CacheManager:
     def save(
         self,
         seq: SequenceCache,
-        keys: Sequence[bytes],
+        keys: PageKeys,
         tokens: Sequence[int],
         position: int,
         *,

@@ -1,7 +1,9 @@
 """Content keys of the prefix cache: a hash chain over token ids, one key per full KV page.
 
-key(page i) = H(key(page i - 1) || tokens of page i), key(page -1) = ROOT, so a key names the page's
-tokens AND everything before them: two sequences share page i's KV exactly when their keys agree. A
+key(page i) = H(key(page i - 1) || tokens of page i), key(page -1) = the root, so a key names the page's
+tokens AND everything before them: two sequences share page i's KV exactly when their keys agree. The
+root is ROOT, or for a request with a cache salt (vLLM's `cache_salt`: one tenant's requests) a root of
+that salt's own, so requests of different salts share no page and no snapshot. A
 GDN state snapshot at position P is indexed under the key of the P // page_size full pages before it
 and holds the tail tokens [P - P % page_size, P) itself. blake2b with 128-bit digests: a collision
 (which would serve another prefix's KV) is not a practical event.
@@ -20,13 +22,30 @@ def chain(parent: bytes, tokens: Sequence[int]) -> bytes:
     return hashlib.blake2b(parent + array("I", tokens).tobytes(), digest_size=16).digest()
 
 
-def extend_page_keys(keys: list[bytes], tokens: Sequence[int], page_size: int) -> None:
-    """Appends the keys of the full pages of `tokens` not yet in `keys` (keys[i] is page i's)."""
+def salted_root(salt: str | None) -> bytes:
+    """The key before page 0 of a request with cache salt `salt` (ROOT without one)."""
+    if salt is None:
+        return ROOT
+    return hashlib.blake2b(ROOT + b"\0cache_salt\0" + salt.encode(), digest_size=16).digest()
+
+
+class PageKeys(list[bytes]):
+    """The keys of a sequence's full pages (self[i] is page i's) and `root`, the key before page 0."""
+
+    __slots__ = ("root",)
+
+    def __init__(self, root: bytes = ROOT) -> None:
+        super().__init__()
+        self.root = root
+
+
+def extend_page_keys(keys: PageKeys, tokens: Sequence[int], page_size: int) -> None:
+    """Appends the keys of the full pages of `tokens` not yet in `keys`."""
     for i in range(len(keys), len(tokens) // page_size):
-        parent = keys[i - 1] if i else ROOT
+        parent = keys[i - 1] if i else keys.root
         keys.append(chain(parent, tokens[i * page_size : (i + 1) * page_size]))
 
 
-def prefix_key(keys: Sequence[bytes], num_pages: int) -> bytes:
-    """The key of the first `num_pages` full pages (ROOT for none)."""
-    return keys[num_pages - 1] if num_pages else ROOT
+def prefix_key(keys: PageKeys, num_pages: int) -> bytes:
+    """The key of the first `num_pages` full pages (the root for none)."""
+    return keys[num_pages - 1] if num_pages else keys.root

@@ -160,6 +160,7 @@ class AsyncEngineClient:
         prompt_token_ids: list[int],
         params: SamplingParams,
         cache_points: list[int] | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestUpdate]:
         if self.dead or self._closing:
             raise EngineDeadError(self.dead_reason or "the engine is not running (shutting down)")
@@ -176,6 +177,7 @@ class AsyncEngineClient:
                     params,
                     arrival_time=time.monotonic(),
                     cache_points=list(cache_points or ()),
+                    cache_salt=cache_salt,
                 )
             )
             while True:

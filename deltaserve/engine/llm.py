@@ -69,10 +69,11 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
         states: dict[str, OutputState] = {}
+        salts: dict[str, str | None] = {}
         order: list[str] = []
         choices: list[list[str]] = []  # per prompt, its choices' engine request ids
         for prompt, params in zip(prompts, params_list, strict=True):
-            text, token_ids = self._tokenize(prompt)
+            text, token_ids, salt = self._tokenize(prompt)
             per_choice = params.per_choice(params.n)  # validates n
             per_choice[0].validate()
             per_choice[0].validate_token_ids(self.engine.info.vocab_size)
@@ -80,12 +81,15 @@ class LLM:
             for choice_params in per_choice:
                 rid = uuid.uuid4().hex
                 states[rid] = OutputState(rid, text, token_ids, choice_params, self.tokenizer)
+                salts[rid] = salt
                 order.append(rid)
                 choices[-1].append(rid)
         now = time.monotonic()
         for rid in order:
             st = states[rid]
-            self.engine.submit(AddRequest(rid, st.prompt_token_ids, st.params, arrival_time=now))
+            self.engine.submit(
+                AddRequest(rid, st.prompt_token_ids, st.params, arrival_time=now, cache_salt=salts[rid])
+            )
         pending = set(order)
         while pending:
             for update in self._outputs.get().updates:
@@ -130,21 +134,38 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params)
 
-    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int], str | None]:
+        """(text, token ids, cache salt) of a prompt: a string, or vLLM's {"prompt": text} or
+        {"prompt_token_ids": [...]}, either with an optional "cache_salt" (only requests with the same
+        salt share cached prefixes)."""
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            ids = prompt["prompt_token_ids"]
-            if not isinstance(ids, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in ids
-            ):
-                raise RequestValidationError(
-                    "prompt_token_ids", f"prompt_token_ids must be a list of ints, got {ids!r}"
-                )
-            return None, list(ids)
-        raise RequestValidationError(
-            "prompt", f"a prompt must be a string or {{'prompt_token_ids': [...]}}, got {prompt!r}"
-        )
+            return prompt, self.tokenizer.encode(prompt), None
+        if not isinstance(prompt, dict) or ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+            raise RequestValidationError(
+                "prompt",
+                "a prompt must be a string, {'prompt': text} or {'prompt_token_ids': [...]}, "
+                f"got {prompt!r}",
+            )
+        extra = sorted(set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"})
+        if extra:
+            raise RequestValidationError(
+                extra[0],
+                f"prompt keys must be among prompt, prompt_token_ids and cache_salt (text only), got {extra[0]!r}",
+            )
+        salt = prompt.get("cache_salt")
+        if salt is not None and not (isinstance(salt, str) and salt):
+            raise RequestValidationError("cache_salt", f"cache_salt must be a non-empty string, got {salt!r}")
+        if "prompt" in prompt:
+            text = prompt["prompt"]
+            if not isinstance(text, str):
+                raise RequestValidationError("prompt", f"prompt must be a string, got {text!r}")
+            return text, self.tokenizer.encode(text), salt
+        ids = prompt["prompt_token_ids"]
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise RequestValidationError(
+                "prompt_token_ids", f"prompt_token_ids must be a list of ints, got {ids!r}"
+            )
+        return None, list(ids), salt
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached page and state snapshot (the next tick of the engine)."""

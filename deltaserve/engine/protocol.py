@@ -26,6 +26,8 @@ class AddRequest:
     # Prompt positions where a later request is likely to diverge (chat message boundaries): the
     # prefix cache saves the GDN state there (engine/scheduler/prefix.py).
     cache_points: list[int] = field(default_factory=list)
+    # vLLM's cache_salt: only requests with the same salt share cached prefixes (deltaserve.cache.prefix)
+    cache_salt: str | None = None
 
 
 @dataclass(slots=True)

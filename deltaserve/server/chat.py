@@ -85,6 +85,7 @@ async def create_chat_completion(
             choice_params,
             place,
             cache_points=prompt.cache_points,
+            cache_salt=body.cache_salt,
         )
         for j, choice_params in enumerate(params.per_choice(body.n))
     ]

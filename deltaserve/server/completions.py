@@ -69,7 +69,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     place = state.admission.reserve(len(prompts) * body.n)
     per_choice = params.per_choice(body.n)
     reqs = [
-        EngineRequest(f"{rid}-{i * body.n + j}", text, ids, choice_params, place)
+        EngineRequest(f"{rid}-{i * body.n + j}", text, ids, choice_params, place, cache_salt=body.cache_salt)
         for i, (text, ids) in enumerate(prompts)
         for j, choice_params in enumerate(per_choice)
     ]

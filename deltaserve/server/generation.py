@@ -34,6 +34,7 @@ class EngineRequest:
     params: SamplingParams
     queue_place: Reservation | None = None  # held (shared with its siblings) until the request starts
     cache_points: list[int] = field(default_factory=list)  # chat message boundaries (prefix cache)
+    cache_salt: str | None = None  # only requests with the same salt share cached prefixes
 
 
 async def generate(state: ServerState, req: EngineRequest, arrival: float) -> AsyncIterator[OutputDelta]:
@@ -46,7 +47,9 @@ async def generate(state: ServerState, req: EngineRequest, arrival: float) -> As
     queued = req.queue_place is not None
     state.inflight += 1
     try:
-        updates = state.client.generate(req.request_id, req.prompt_token_ids, req.params, req.cache_points)
+        updates = state.client.generate(
+            req.request_id, req.prompt_token_ids, req.params, req.cache_points, req.cache_salt
+        )
         async with contextlib.aclosing(updates):
             async for update in updates:
                 if queued and req.queue_place is not None:

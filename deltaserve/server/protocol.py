@@ -116,6 +116,7 @@ class SamplingFields(OpenAIRequest):
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None  # vLLM's: per prompt token, its logprob and the top alternatives
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last N tokens (-1: the window's)
+    cache_salt: str | None = None  # vLLM's: only requests with the same salt share cached prefixes
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None

@@ -183,7 +183,14 @@ def _prepare(
         text=body.text if body.text is not None else TextConfig(),
         reasoning=body.reasoning,
     )
-    req = EngineRequest(rid, prompt.text, prompt.token_ids, params, cache_points=prompt.cache_points)
+    req = EngineRequest(
+        rid,
+        prompt.text,
+        prompt.token_ids,
+        params,
+        cache_points=prompt.cache_points,
+        cache_salt=body.cache_salt,
+    )
     structured = "tools" if tool_calls is not None else constrained
     return _Run(state, body.store, prompt, req, ResponseBuilder(response), conversation, arrival, structured)
 

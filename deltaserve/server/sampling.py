@@ -48,6 +48,8 @@ def build_params(
     end of a reasoning block); `structured` replaces it (the Responses API's text.format, a forced tool
     call). `defaults` (generation_config.json's) fill the sampling fields the request omits; logprobs
     beyond `max_logprobs` (--max-logprobs) are refused."""
+    if req.cache_salt is not None and not req.cache_salt:
+        raise bad_request("cache_salt must be a non-empty string when given, got ''", "cache_salt")
     if not allow_n and req.n != 1:
         raise unsupported("n", f"n > 1 is not supported by this endpoint, got {req.n}; send n requests")
     source = "response_format"

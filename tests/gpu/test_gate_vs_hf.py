@@ -33,7 +33,7 @@ from driver import Driver, StepItem
 
 from deltaserve.cache.device import build_device_caches
 from deltaserve.cache.manager import CacheManager
-from deltaserve.cache.prefix import extend_page_keys
+from deltaserve.cache.prefix import PageKeys, extend_page_keys
 from deltaserve.config import ModelConfig
 from deltaserve.engine.backend import Backend
 from deltaserve.engine.cuda_graphs import CudaGraphRunner
@@ -398,7 +398,7 @@ def test_resumed_from_the_prefix_cache(pair, precision, graphs):
     shared = prompt_of(boundary, 7)
     a, b = shared + prompt_of(40, 8), shared + prompt_of(60, 9)
     ref = pair.reference(b)
-    keys_a: list[bytes] = []
+    keys_a = PageKeys()
     extend_page_keys(keys_a, a, cache.page_size)
     sa = cache.open()
     backend.forward([StepItem(sa, a[:boundary])])
@@ -408,7 +408,7 @@ def test_resumed_from_the_prefix_cache(pair, precision, graphs):
     backend.forward([StepItem(sa, a[boundary:])])  # a goes on writing past the boundary
     cache.register_pages(sa, keys_a)
     cache.release(sa)
-    keys_b: list[bytes] = []
+    keys_b = PageKeys()
     extend_page_keys(keys_b, b, cache.page_size)
     hit = cache.lookup(keys_b, b, len(b) - 1)
     assert hit is not None and hit.position == boundary

@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 
 from deltaserve.cache.manager import CacheManager
+from deltaserve.cache.prefix import PageKeys, salted_root
 from deltaserve.engine.backend import Backend
 from deltaserve.engine.protocol import (
     AbortRequest,
@@ -154,6 +155,7 @@ class Scheduler(SchedulerState):
         )
         if self.cache.prefix_caching:
             req.cache_points = prefix.cache_points(prompt_len, msg.cache_points)
+            req.page_keys = PageKeys(salted_root(msg.cache_salt))
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]
         self.by_id[req.request_id] = req

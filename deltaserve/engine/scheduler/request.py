@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from deltaserve.cache.manager import CacheManager, CacheWork, SequenceCache
+from deltaserve.cache.prefix import PageKeys
 from deltaserve.engine.protocol import TokenLogprobs
 from deltaserve.engine.step import PendingStep, StepResult
 from deltaserve.engine.structured import RequestGrammar
@@ -53,7 +54,7 @@ class Request:
     # Prefix cache: positions after which a GDN state snapshot is saved (a chunk ends there), sorted;
     # the content keys of its full pages so far; the tokens its first admission found cached.
     cache_points: list[int] = field(default_factory=list)
-    page_keys: list[bytes] = field(default_factory=list)
+    page_keys: PageKeys = field(default_factory=PageKeys)  # its root is the request's cache salt's
     num_cached_tokens: int = 0
     # Speculative decoding: the MTP head's proposals for the tokens after the last output token (empty:
     # none, or stale since a step without speculation). `state_ahead`: the request stopped inside an
