@@ -249,6 +249,7 @@ REFUSED: list[tuple[str, dict[str, Any], str]] = [
     ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ("/v1/chat/completions", {"messages": USER, "truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
     ("/v1/responses", {"input": "x", "truncate_prompt_tokens": 5}, "truncate_prompt_tokens"),
+    ("/v1/responses", {"input": "x", "return_token_ids": True}, "return_token_ids"),
     ("/v1/completions", {"prompt": "x", "allowed_token_ids": [1, 2]}, "allowed_token_ids"),
     ("/v1/responses", {"input": "x", "background": True}, "background"),
     ("/v1/responses", {"input": "x", "top_logprobs": 2}, "top_logprobs"),
@@ -382,3 +383,37 @@ def test_cache_salt_keeps_tenants_cached_prefixes_apart(server: ServerProcess, c
         f"{server.url}/v1/chat/completions", json={"messages": USER, "cache_salt": ""}, timeout=60
     )
     assert empty.status_code == 400 and empty.json()["error"]["param"] == "cache_salt"
+
+
+def test_return_token_ids_gives_the_prompt_and_output_ids(
+    server: ServerProcess, client: openai.OpenAI
+) -> None:
+    """vLLM's return_token_ids: the prompt's ids (a stream: in its first chunk) and each choice's output
+    ids (a stream: each chunk's new ones), on completions and chat; absent unless asked for."""
+    text = "The weather in Paris"
+    prompt_ids = httpx.post(f"{server.url}/tokenize", json={"prompt": text}).json()["tokens"]
+    ask = {"return_token_ids": True, "ignore_eos": True}
+    out = client.completions.create(model=MODEL, prompt=text, max_tokens=5, temperature=0, extra_body=ask)
+    choice: Any = out.choices[0]
+    assert choice.prompt_token_ids == prompt_ids and len(choice.token_ids) == 5
+    detok = httpx.post(f"{server.url}/detokenize", json={"tokens": choice.token_ids}).json()["prompt"]
+    assert detok == choice.text
+    chunks: list[Any] = list(
+        client.completions.create(
+            model=MODEL, prompt=text, max_tokens=5, temperature=0, stream=True, extra_body=ask
+        )
+    )
+    assert chunks[0].choices[0].prompt_token_ids == prompt_ids
+    assert all(c.choices[0].prompt_token_ids is None for c in chunks[1:])
+    assert [t for c in chunks for t in c.choices[0].token_ids] == choice.token_ids
+    plain: Any = client.completions.create(model=MODEL, prompt=text, max_tokens=2).choices[0]
+    assert plain.token_ids is None and plain.prompt_token_ids is None
+
+    chat_ids = httpx.post(f"{server.url}/tokenize", json={"messages": USER}).json()["tokens"]
+    reply: Any = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=4, extra_body=ask)  # type: ignore[arg-type]
+    assert reply.prompt_token_ids == chat_ids and len(reply.choices[0].token_ids) == 4
+    stream: list[Any] = list(
+        client.chat.completions.create(model=MODEL, messages=USER, max_tokens=4, stream=True, extra_body=ask)  # type: ignore[arg-type]
+    )
+    assert stream[0].prompt_token_ids == chat_ids and all(c.prompt_token_ids is None for c in stream[1:])
+    assert len([t for c in stream for ch in c.choices for t in (ch.token_ids or [])]) == 4

@@ -280,6 +280,7 @@ class _ChoiceState:
             else None,
             finish_reason=out.finish_reason(last.finish_reason),
             stop_reason=last.stop_reason,
+            token_ids=self.token_ids if body.return_token_ids else None,
         )
 
 
@@ -309,6 +310,7 @@ async def _complete(
         prompt_logprobs=None
         if scored is None
         else prompt_logprobs(state.token_texts, prompt.token_ids, scored),
+        prompt_token_ids=prompt.token_ids if body.return_token_ids else None,
     )
 
 
@@ -331,16 +333,24 @@ async def _stream(
         # the first choice's cached share: the n choices share the prompt
         return UsageInfo.of(len(prompt.token_ids), sum(num_output_tokens), num_cached_tokens[0])
 
-    def chunk(choice: ChatStreamChoice) -> str:
+    def chunk(choice: ChatStreamChoice, prompt_token_ids: list[int] | None = None) -> str:
         running = usage() if body.continuous_usage else None
         return data_event(
-            ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice], usage=running)
+            ChatCompletionChunk(
+                id=rid,
+                created=created,
+                model=model,
+                choices=[choice],
+                usage=running,
+                prompt_token_ids=prompt_token_ids,
+            )
         )
 
     try:
         echoed = _echoed(body)
         for i in range(len(reqs)):
-            yield chunk(ChatStreamChoice(index=i, delta=ChatDelta(role="assistant", content="")))
+            first = prompt.token_ids if body.return_token_ids and i == 0 else None
+            yield chunk(ChatStreamChoice(index=i, delta=ChatDelta(role="assistant", content="")), first)
             if echoed:
                 yield chunk(ChatStreamChoice(index=i, delta=ChatDelta(content=echoed)))
         async with aclosing(merge([generate(state, r, arrival) for r in reqs])) as deltas:
@@ -355,6 +365,7 @@ async def _stream(
                     lp = chat_logprobs(state.token_texts, delta.token_ids, delta.logprobs)
                 choice = stream_choice(outs[i], delta, lp, i)
                 if choice is not None:
+                    choice.token_ids = delta.token_ids if body.return_token_ids else None
                     yield chunk(choice)
         if body.include_usage or state.config.force_include_usage:
             yield data_event(

@@ -255,6 +255,8 @@ async def _complete(
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
                 prompt_logprobs=_prompt_logprobs(state, body, req, c.scored_prompt),
+                prompt_token_ids=req.prompt_token_ids if body.return_token_ids else None,
+                token_ids=c.token_ids if body.return_token_ids else None,
             )
         )
     return CompletionResponse(id=rid, model=state.model_name, choices=out, usage=_usage(choices, body.n))
@@ -304,6 +306,7 @@ async def _stream(
     created = now()
     choices = [_Choice(num_prompt_tokens=len(r.prompt_token_ids)) for r in reqs]
     echoed = [0] * len(reqs)  # characters of each choice's echoed prompt
+    ids_pending = [bool(body.return_token_ids)] * len(reqs)  # the prompt's ids go in a choice's first chunk
     try:
         async with aclosing(merge(_choice_streams(state, body, reqs, arrival))) as deltas:
             async for i, delta in deltas:
@@ -329,7 +332,10 @@ async def _stream(
                         finish_reason=delta.finish_reason,
                         stop_reason=delta.stop_reason,
                         prompt_logprobs=prompt_lps,
+                        prompt_token_ids=reqs[i].prompt_token_ids if ids_pending[i] else None,
+                        token_ids=delta.token_ids if body.return_token_ids else None,
                     )
+                    ids_pending[i] = False
                     running = _usage(choices, body.n) if body.continuous_usage else None
                     chunk = CompletionChunk(
                         id=rid, created=created, model=state.model_name, choices=[choice], usage=running

@@ -117,6 +117,9 @@ class SamplingFields(OpenAIRequest):
     prompt_logprobs: int | None = None  # vLLM's: per prompt token, its logprob and the top alternatives
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last N tokens (-1: the window's)
     cache_salt: str | None = None  # vLLM's: only requests with the same salt share cached prefixes
+    # vLLM's: responses carry the prompt's token ids and each choice's output ids (a stream: the prompt's
+    # in its first chunk, each chunk its new ids)
+    return_token_ids: bool | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
@@ -197,6 +200,8 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids
+    token_ids: list[int] | None = None  # return_token_ids
 
 
 class CompletionResponse(BaseModel):
@@ -340,6 +345,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -350,6 +356,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids
 
 
 class DeltaFunction(DropNone):
@@ -377,6 +384,7 @@ class ChatStreamChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids: this chunk's new ids
 
 
 class ChatCompletionChunk(BaseModel):
@@ -386,6 +394,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: in the first chunk
 
 
 # ---- models, tokenize -------------------------------------------------------------------------

@@ -33,7 +33,6 @@ _SAMPLING: dict[str, Rule] = {
     "logits_processors": (_set, "omit it"),
     "guided_whitespace_pattern": (_set, "structured output never has free whitespace; omit it"),
     "return_tokens_as_token_ids": (_set, "omit it"),
-    "return_token_ids": (_set, "/tokenize gives a prompt's ids"),
     "prompt_embeds": (_set, "send text or token ids"),
     "kv_transfer_params": (_set, "there is no disaggregated serving"),
     "vllm_xargs": (_set, "omit it"),

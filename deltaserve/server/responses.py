@@ -128,6 +128,11 @@ def _prepare(
             "prompt_logprobs",
             "prompt_logprobs is not supported by the Responses API; use /v1/completions or /v1/chat/completions",
         )
+    if body.return_token_ids:
+        raise unsupported(
+            "return_token_ids",
+            "return_token_ids is not supported by the Responses API; use /v1/completions or /v1/chat/completions",
+        )
     if body.truncate_prompt_tokens is not None:
         raise unsupported(
             "truncate_prompt_tokens",
