@@ -14,6 +14,19 @@ if TYPE_CHECKING:  # torch is imported where a dtype or device is resolved: the 
     import torch
 
 
+def parse_json_object(flag: str, value: str | dict[str, Any]) -> dict[str, Any]:
+    """A flag's JSON object (an offline caller's dict passes as it is); ConfigError names the flag."""
+    if isinstance(value, dict):
+        return value
+    try:
+        data = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{flag} must be a JSON object, got {value!r} ({exc.msg})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{flag} must be a JSON object, got {value!r}")
+    return data
+
+
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
@@ -66,15 +79,7 @@ class SpeculativeConfig:
     @classmethod
     def from_json(cls, text: str | dict[str, Any]) -> SpeculativeConfig:
         where = "--speculative-config"
-        if isinstance(text, dict):
-            data = text
-        else:
-            try:
-                data = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"{where} must be a JSON object, got {text!r} ({exc.msg})") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{where} must be a JSON object, got {text!r}")
+        data = parse_json_object(where, text)
         known = {"method", "num_speculative_tokens", "adaptive", "max_batch"}
         known |= {"benchmark_draft", "benchmark_draft_file", "model", "draft_vocab_size"}
         unknown = sorted(set(data) - known)

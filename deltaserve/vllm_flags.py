@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from deltaserve.config import ModelConfig
-from deltaserve.engine_config import EngineConfig
+from deltaserve.engine_config import EngineConfig, parse_json_object
 from deltaserve.errors import ConfigError
 from deltaserve.vllm_flag_table import add_table_arguments, check_table_arguments
 
@@ -185,15 +185,7 @@ def offline_engine_kwargs(
 
 def parse_json_flag(flag: str, text: str | None) -> dict[str, Any]:
     """A flag's JSON object ({} when the flag is absent)."""
-    if not text:
-        return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{flag} must be a JSON object, got {text!r} ({exc})") from exc
-    if not isinstance(value, dict):
-        raise ConfigError(f"{flag} must be a JSON object, got {text!r}")
-    return value
+    return parse_json_object(flag, text) if text else {}
 
 
 def _check_tokenizer(tokenizer: str | None, model: str | None) -> None:
