@@ -131,6 +131,7 @@ class SamplingParams:
     logprobs: int | None = None  # top alternatives per output token; 0 = only the sampled token's logprob
     prompt_logprobs: int | None = None  # per prompt token: its logprob, rank and this many alternatives
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these ids may be sampled
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -174,6 +175,14 @@ class SamplingParams:
                 "prompt_logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]", self.prompt_logprobs
             )
         self._validate_logit_bias()
+        if self.allowed_token_ids is not None and not (
+            isinstance(self.allowed_token_ids, list)
+            and self.allowed_token_ids
+            and all(_is_int(t) for t in self.allowed_token_ids)
+        ):
+            raise _invalid(
+                "allowed_token_ids", "None or a non-empty list of token ids", self.allowed_token_ids
+            )
         if self.structured_output is not None:
             if not isinstance(self.structured_output, StructuredOutputParams):
                 raise _invalid("structured_output", "None or StructuredOutputParams", self.structured_output)
@@ -190,10 +199,12 @@ class SamplingParams:
                 raise _invalid(field, "a boolean", getattr(self, field))
 
     def validate_token_ids(self, vocab_size: int) -> None:
-        """Every id in stop_token_ids and the logit_bias keys lies in the tokenizer's [0, vocab_size)."""
-        for tok in self.stop_token_ids or ():
-            if not 0 <= tok < vocab_size:
-                raise _invalid("stop_token_ids", f"token ids in [0, {vocab_size})", tok)
+        """Every id in stop_token_ids, allowed_token_ids and the logit_bias keys lies in the tokenizer's
+        [0, vocab_size)."""
+        for field in ("stop_token_ids", "allowed_token_ids"):
+            for tok in getattr(self, field) or ():
+                if not 0 <= tok < vocab_size:
+                    raise _invalid(field, f"token ids in [0, {vocab_size})", tok)
         for tok in self.logit_bias or {}:
             if not 0 <= tok < vocab_size:
                 raise _invalid("logit_bias", f"keyed by token ids in [0, {vocab_size})", tok)

@@ -348,3 +348,18 @@ def test_cuda_draws_match_cpu_without_host_sync() -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert gpu.token_ids.cpu().tolist() == cpu.token_ids.tolist()
+
+
+def test_allowed_token_ids_restrict_greedy_and_sampled_rows_and_leave_the_others() -> None:
+    logits = torch.tensor([[0.0, 1.0, 0.5, 9.0, 0.2, 3.0, 0.1, 0.3]])
+    assert sample(logits, [row(temperature=0, allowed_token_ids=[1, 2, 6])]).token_ids.tolist() == [1]
+    tokens = draws(logits, 400, allowed_token_ids=[0, 4, 6])
+    assert set(tokens) == {0, 4, 6}
+    # with logit_bias (it still moves the allowed ones) and beside an unrestricted row
+    mixed = sample(
+        logits.expand(2, -1),
+        [row(temperature=0, allowed_token_ids=[2, 4], logit_bias={4: 5.0}), row(temperature=0)],
+    )
+    assert mixed.token_ids.tolist() == [4, 3]
+    processed = process_logits(logits, [row(allowed_token_ids=[5, 7])])
+    assert torch.equal(processed[0, [5, 7]], logits[0, [5, 7]]) and processed[0].isinf().sum() == 6

@@ -250,7 +250,8 @@ REFUSED: list[tuple[str, dict[str, Any], str]] = [
     ("/v1/chat/completions", {"messages": USER, "truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
     ("/v1/responses", {"input": "x", "truncate_prompt_tokens": 5}, "truncate_prompt_tokens"),
     ("/v1/responses", {"input": "x", "return_token_ids": True}, "return_token_ids"),
-    ("/v1/completions", {"prompt": "x", "allowed_token_ids": [1, 2]}, "allowed_token_ids"),
+    ("/v1/completions", {"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
+    ("/v1/completions", {"prompt": "x", "allowed_token_ids": [1, 10**9]}, "allowed_token_ids"),
     ("/v1/responses", {"input": "x", "background": True}, "background"),
     ("/v1/responses", {"input": "x", "top_logprobs": 2}, "top_logprobs"),
     ("/v1/responses", {"input": "x", "reasoning": {"effort": "extreme"}}, "reasoning"),
@@ -417,3 +418,16 @@ def test_return_token_ids_gives_the_prompt_and_output_ids(
     )
     assert stream[0].prompt_token_ids == chat_ids and all(c.prompt_token_ids is None for c in stream[1:])
     assert len([t for c in stream for ch in c.choices for t in (ch.token_ids or [])]) == 4
+
+
+def test_allowed_token_ids_are_the_only_ids_sampled(client: openai.OpenAI) -> None:
+    allowed = [11, 220, 1000, 4999]
+    extra = {"allowed_token_ids": allowed, "return_token_ids": True, "ignore_eos": True}
+    out = client.completions.create(model=MODEL, prompt="Count:", max_tokens=24, n=3, extra_body=extra)
+    for choice in out.choices:
+        ids = choice.token_ids  # type: ignore[attr-defined]
+        assert len(ids) == 24 and set(ids) <= set(allowed), ids
+    chat: Any = client.chat.completions.create(
+        model=MODEL, messages=USER, max_tokens=8, temperature=0, extra_body=extra
+    )
+    assert set(chat.choices[0].token_ids) <= set(allowed)

@@ -1,7 +1,8 @@
 """Batched, device-agnostic sampling: one pass over a step's logits, with no host synchronisation.
 
 Stages, in vLLM's order (each runs only when some row of the step uses it, decided from host data):
-  log-probs of the raw logits → logit_bias → suppressed ids → repetition penalty (prompt ∪ output) →
+  log-probs of the raw logits → logit_bias → suppressed ids → allowed ids only → repetition penalty
+  (prompt ∪ output) →
   frequency and presence penalties (output) → greedy argmax | temperature → top_k → top_p → min_p → draw.
 
 The draw is Gumbel-max with counter-based noise, so a row's token depends only on its own logits, parameters,
@@ -87,7 +88,8 @@ class Sampler:
 
 
 def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """logit_bias, then suppressed ids (-inf), then repetition, frequency and presence penalties.
+    """logit_bias, then suppressed ids (-inf), then every id outside a row's allowed_token_ids (-inf), then
+    repetition, frequency and presence penalties.
 
     Returns `logits` itself when no row uses any of them, else a new float32 [B, V] tensor."""
     bias = [
@@ -97,8 +99,9 @@ def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
         for tok, b in r.params.logit_bias.items()
     ]
     suppressed = [(i, tok) for i, r in enumerate(rows) for tok in r.suppressed_token_ids]
+    allowed = [(i, tok) for i, r in enumerate(rows) for tok in r.params.allowed_token_ids or ()]
     penalised = [i for i, r in enumerate(rows) if uses_penalties(r.params)]
-    if not (bias or suppressed or penalised):
+    if not (bias or suppressed or allowed or penalised):
         return logits
     x = logits.to(torch.float32, copy=True)
     if bias:
@@ -108,6 +111,12 @@ def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
     if suppressed:
         index = to_device(list(zip(*suppressed, strict=True)), torch.int64, x.device)
         x[index[0], index[1]] = float("-inf")
+    if allowed:
+        index = to_device(list(zip(*allowed, strict=True)), torch.int64, x.device)
+        restricted = to_device(sorted({i for i, _ in allowed}), torch.int64, x.device)
+        kept = x[index[0], index[1]]
+        x[restricted] = float("-inf")
+        x[index[0], index[1]] = kept
     if penalised:
         x = _apply_penalties(x, rows, penalised)
     return x
@@ -170,6 +179,7 @@ def is_plain_argmax(row: SamplingRow) -> bool:
     return (
         _is_greedy_row(p)
         and not p.logit_bias
+        and not p.allowed_token_ids
         and not row.suppressed_token_ids
         and not uses_penalties(p)
         and row.grammar is None

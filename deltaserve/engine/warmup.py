@@ -24,7 +24,8 @@ from deltaserve.ops.batch import BatchRow, build_forward_batch
 from deltaserve.sampling_params import SamplingParams
 
 # Between them these take every stage of the sampler (engine/sampler.py): greedy argmax; temperature
-# with top-k, top-p, min-p and logprobs; top-p over the whole vocabulary (a full sort); bias, penalties.
+# with top-k, top-p, min-p and logprobs; top-p over the whole vocabulary (a full sort); bias, allowed ids,
+# penalties.
 SAMPLER_STAGES = (
     SamplingParams(temperature=0.0),
     SamplingParams(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, logprobs=5),
@@ -35,6 +36,7 @@ SAMPLER_STAGES = (
         frequency_penalty=0.5,
         presence_penalty=0.5,
         logit_bias={1: 2.0},
+        allowed_token_ids=[1, 2, 3],
         logprobs=0,
     ),
 )

@@ -108,6 +108,7 @@ class SamplingFields(OpenAIRequest):
     repetition_penalty: float | None = None
     seed: int | None = None
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these ids may be sampled
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False

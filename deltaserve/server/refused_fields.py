@@ -29,7 +29,6 @@ Rule = tuple[Callable[[Any], bool], str]
 _SAMPLING: dict[str, Rule] = {
     "use_beam_search": (_set, "there is no beam search; omit it"),
     "bad_words": (_set, "use logit_bias on their token ids"),
-    "allowed_token_ids": (_set, "use structured_outputs or logit_bias"),
     "logits_processors": (_set, "omit it"),
     "guided_whitespace_pattern": (_set, "structured output never has free whitespace; omit it"),
     "return_tokens_as_token_ids": (_set, "omit it"),

@@ -70,6 +70,7 @@ def build_params(
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
         logit_bias=_logit_bias(req.logit_bias),
+        allowed_token_ids=None if req.allowed_token_ids is None else list(req.allowed_token_ids),
         skip_special_tokens=req.skip_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
