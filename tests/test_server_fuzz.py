@@ -42,6 +42,7 @@ FIELDS = [
     "prompt_logprobs", "stream", "stream_options", "response_format", "logprobs", "top_logprobs", "echo",
     "best_of", "suffix", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
     "instructions", "previous_response_id", "text", "reasoning", "metadata", "truncation", "store",
+    "truncate_prompt_tokens", "cache_salt", "return_token_ids", "allowed_token_ids",
 ]  # fmt: skip
 LENGTH_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
