@@ -96,7 +96,6 @@ UNSUPPORTED = (
     Flag(("--enable-sleep-mode",), "no sleep mode (/sleep, /wake_up)", _TRUE),
     Flag(("--kv-transfer-config",), "no disaggregated prefill (KV transfer)"),
     Flag(("--middleware",), "deltaserve loads no code into its server", {"action": "append"}),
-    Flag(("--return-tokens-as-token-ids",), "logprob tokens are always their text", _TRUE),
 )
 
 

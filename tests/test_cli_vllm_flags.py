@@ -163,7 +163,13 @@ def test_vllm_aliases_reach_the_engine_and_server_configs() -> None:
         '{"top_p": 0.5}',
     ]
     args = build_parser().parse_args(
-        ["serve", *flags, "--disable-fastapi-docs", "--enable-force-include-usage"]
+        [
+            "serve",
+            *flags,
+            "--disable-fastapi-docs",
+            "--enable-force-include-usage",
+            "--return-tokens-as-token-ids",
+        ]
     )
     check_vllm_arguments(args)
     engine = engine_config_from_args(args)
@@ -171,6 +177,7 @@ def test_vllm_aliases_reach_the_engine_and_server_configs() -> None:
     server = ServerConfig.from_args(args)
     assert server.generation_overrides == {"top_p": 0.5}
     assert server.fastapi_docs is False and server.force_include_usage is True
+    assert server.return_tokens_as_token_ids is True
 
 
 def test_override_generation_config_goes_over_the_generation_config_file(tmp_path) -> None:

@@ -431,3 +431,20 @@ def test_allowed_token_ids_are_the_only_ids_sampled(client: openai.OpenAI) -> No
         model=MODEL, messages=USER, max_tokens=8, temperature=0, extra_body=extra
     )
     assert set(chat.choices[0].token_ids) <= set(allowed)
+
+
+def test_return_tokens_as_token_ids_spells_logprob_tokens_by_id(client: openai.OpenAI) -> None:
+    ask = {"return_tokens_as_token_ids": True, "return_token_ids": True}
+    chat: Any = client.chat.completions.create(
+        model=MODEL, messages=USER, max_tokens=5, logprobs=True, top_logprobs=2, extra_body=ask
+    )
+    content = chat.choices[0].logprobs.content
+    assert [c.token for c in content] == [f"token_id:{t}" for t in chat.choices[0].token_ids]
+    assert all(alt.token.startswith("token_id:") for c in content for alt in c.top_logprobs)
+    assert content[0].bytes == list(content[0].token.encode())
+    out: Any = client.completions.create(
+        model=MODEL, prompt="The weather", max_tokens=4, logprobs=1, extra_body=ask
+    )
+    assert out.choices[0].logprobs.tokens == [f"token_id:{t}" for t in out.choices[0].token_ids]
+    plain: Any = client.completions.create(model=MODEL, prompt="The weather", max_tokens=2, logprobs=1)
+    assert not any(t.startswith("token_id:") for t in plain.choices[0].logprobs.tokens)

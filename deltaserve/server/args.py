@@ -50,6 +50,7 @@ class ServerConfig:
     generation_overrides: dict[str, float | int] = field(default_factory=dict)
     fastapi_docs: bool = True  # /docs, /redoc and /openapi.json (--disable-fastapi-docs: none)
     force_include_usage: bool = False  # every stream ends with a usage chunk, asked for or not
+    return_tokens_as_token_ids: bool = False  # logprob tokens spelled "token_id:N" for every request
     chat_template: str | None = None  # the template text (--chat-template FILE, read at start-up)
     chat_template_source: str | None = None  # where it came from, for error messages
     cors: CorsConfig | None = None
@@ -97,6 +98,7 @@ class ServerConfig:
             ),
             fastapi_docs=not args.disable_fastapi_docs,
             force_include_usage=args.enable_force_include_usage,
+            return_tokens_as_token_ids=args.return_tokens_as_token_ids,
             chat_template=template,
             chat_template_source=template_source,
             cors=_cors(args),
@@ -325,6 +327,11 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         help="JSON sampling defaults over --generation-config's, e.g. '{\"temperature\": 0.6}'",
     )
     g.add_argument("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc or /openapi.json")
+    g.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help='logprob tokens spelled "token_id:N" for every request (a request may ask with the same field)',
+    )
     g.add_argument(
         "--enable-force-include-usage",
         action="store_true",

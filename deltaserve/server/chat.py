@@ -275,7 +275,9 @@ class _ChoiceState:
         return ChatChoice(
             index=index,
             message=message,
-            logprobs=chat_logprobs(state.token_texts, self.token_ids, self.logprobs)
+            logprobs=chat_logprobs(
+                state.token_spelling(body.return_tokens_as_token_ids), self.token_ids, self.logprobs
+            )
             if body.logprobs
             else None,
             finish_reason=out.finish_reason(last.finish_reason),
@@ -309,7 +311,7 @@ async def _complete(
         usage=UsageInfo.of(len(prompt.token_ids), outputs, choices[0].last.num_cached_tokens),
         prompt_logprobs=None
         if scored is None
-        else prompt_logprobs(state.token_texts, prompt.token_ids, scored),
+        else prompt_logprobs(state.token_spelling(body.return_tokens_as_token_ids), prompt.token_ids, scored),
         prompt_token_ids=prompt.token_ids if body.return_token_ids else None,
     )
 
@@ -362,7 +364,9 @@ async def _stream(
                 num_cached_tokens[i] = delta.num_cached_tokens
                 lp = None
                 if body.logprobs and delta.logprobs:
-                    lp = chat_logprobs(state.token_texts, delta.token_ids, delta.logprobs)
+                    lp = chat_logprobs(
+                        state.token_spelling(body.return_tokens_as_token_ids), delta.token_ids, delta.logprobs
+                    )
                 choice = stream_choice(outs[i], delta, lp, i)
                 if choice is not None:
                     choice.token_ids = delta.token_ids if body.return_token_ids else None

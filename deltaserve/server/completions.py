@@ -245,7 +245,12 @@ async def _complete(
         echoed = _echo(state, body, req, c.scored_prompt)
         lp = None
         if body.logprobs is not None:
-            lp = completion_logprobs(state.token_texts, c.token_ids, c.logprobs, len(echoed.text))
+            lp = completion_logprobs(
+                state.token_spelling(body.return_tokens_as_token_ids),
+                c.token_ids,
+                c.logprobs,
+                len(echoed.text),
+            )
             lp = _joined(echoed.logprobs, lp)
         out.append(
             CompletionChoice(
@@ -278,7 +283,12 @@ def _echo(
     if body.logprobs is None:
         return _Echo(text)
     assert scored is not None, "echo with logprobs asks the engine for prompt logprobs"
-    return _Echo(text, echoed_prompt_logprobs(state.token_texts, req.prompt_token_ids, scored))
+    return _Echo(
+        text,
+        echoed_prompt_logprobs(
+            state.token_spelling(body.return_tokens_as_token_ids), req.prompt_token_ids, scored
+        ),
+    )
 
 
 def _joined(first: CompletionLogprobs | None, second: CompletionLogprobs) -> CompletionLogprobs:
@@ -297,7 +307,9 @@ def _prompt_logprobs(
 ) -> PromptLogprobs | None:
     if body.prompt_logprobs is None or scored is None:
         return None
-    return prompt_logprobs(state.token_texts, req.prompt_token_ids, scored)
+    return prompt_logprobs(
+        state.token_spelling(body.return_tokens_as_token_ids), req.prompt_token_ids, scored
+    )
 
 
 async def _stream(
@@ -321,7 +333,12 @@ async def _stream(
                 offset += len(echo.text)
                 lp = None
                 if body.logprobs is not None and (delta.logprobs or echo.logprobs is not None):
-                    lp = completion_logprobs(state.token_texts, delta.token_ids, delta.logprobs or [], offset)
+                    lp = completion_logprobs(
+                        state.token_spelling(body.return_tokens_as_token_ids),
+                        delta.token_ids,
+                        delta.logprobs or [],
+                        offset,
+                    )
                     lp = _joined(echo.logprobs, lp)
                 prompt_lps = _prompt_logprobs(state, body, reqs[i], delta.prompt_logprobs)
                 if carries_output(delta, echo.text, lp is not None or prompt_lps is not None):

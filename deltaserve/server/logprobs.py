@@ -8,6 +8,7 @@ Its text is those bytes decoded as UTF-8, with U+FFFD where a character continue
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Protocol
 
 from deltaserve.engine.protocol import TokenLogprobs
 from deltaserve.server.protocol import (
@@ -36,6 +37,29 @@ def _byte_decoder() -> dict[str, int]:
     return {chr(c): b for b, c in zip(printable, chars, strict=True)}
 
 
+class TokenSpelling(Protocol):
+    """How logprobs spell a token: its text and bytes."""
+
+    def lookup(self, token_id: int) -> tuple[str, tuple[int, ...]]: ...
+
+    def text(self, token_id: int) -> str: ...
+
+
+class TokenIdTexts:
+    """vLLM's return_tokens_as_token_ids: every token spelled "token_id:N" (its bytes those of that text),
+    so that a client maps logprobs back to ids without the tokenizer, whatever bytes a token holds."""
+
+    def lookup(self, token_id: int) -> tuple[str, tuple[int, ...]]:
+        text = f"token_id:{token_id}"
+        return text, tuple(text.encode())
+
+    def text(self, token_id: int) -> str:
+        return f"token_id:{token_id}"
+
+
+TOKEN_ID_TEXTS = TokenIdTexts()
+
+
 class TokenTexts:
     """Token id -> (text, bytes), memoised per id."""
 
@@ -59,7 +83,7 @@ class TokenTexts:
 
 
 def completion_logprobs(
-    texts: TokenTexts, token_ids: list[int], logprobs: list[TokenLogprobs], offset: int
+    texts: TokenSpelling, token_ids: list[int], logprobs: list[TokenLogprobs], offset: int
 ) -> CompletionLogprobs:
     """The completions format for consecutive tokens whose first character is at text offset `offset`.
     top_logprobs holds the top alternatives plus the sampled token (vLLM's convention)."""
@@ -77,7 +101,7 @@ def completion_logprobs(
 
 
 def echoed_prompt_logprobs(
-    texts: TokenTexts, prompt_ids: list[int], scored: list[TokenLogprobs | None]
+    texts: TokenSpelling, prompt_ids: list[int], scored: list[TokenLogprobs | None]
 ) -> CompletionLogprobs:
     """The completions format for an echoed prompt: its first token has no logprob (None)."""
     out = CompletionLogprobs()
@@ -99,7 +123,7 @@ def echoed_prompt_logprobs(
 
 
 def prompt_logprobs(
-    texts: TokenTexts, prompt_ids: list[int], scored: list[TokenLogprobs | None]
+    texts: TokenSpelling, prompt_ids: list[int], scored: list[TokenLogprobs | None]
 ) -> PromptLogprobs:
     """vLLM's prompt_logprobs: per prompt token, {token id: logprob, rank, decoded_token} for the token
     itself and its top alternatives (ranks of alternatives are their position)."""
@@ -117,7 +141,7 @@ def prompt_logprobs(
     return out
 
 
-def chat_logprobs(texts: TokenTexts, token_ids: list[int], logprobs: list[TokenLogprobs]) -> ChatLogprobs:
+def chat_logprobs(texts: TokenSpelling, token_ids: list[int], logprobs: list[TokenLogprobs]) -> ChatLogprobs:
     content = []
     for token_id, lp in zip(token_ids, logprobs, strict=True):
         text, raw = texts.lookup(token_id)

@@ -121,6 +121,7 @@ class SamplingFields(OpenAIRequest):
     # vLLM's: responses carry the prompt's token ids and each choice's output ids (a stream: the prompt's
     # in its first chunk, each chunk its new ids)
     return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None  # vLLM's: logprob tokens spelled "token_id:N"
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None

@@ -31,7 +31,6 @@ _SAMPLING: dict[str, Rule] = {
     "bad_words": (_set, "use logit_bias on their token ids"),
     "logits_processors": (_set, "omit it"),
     "guided_whitespace_pattern": (_set, "structured output never has free whitespace; omit it"),
-    "return_tokens_as_token_ids": (_set, "omit it"),
     "prompt_embeds": (_set, "send text or token ids"),
     "kv_transfer_params": (_set, "there is no disaggregated serving"),
     "vllm_xargs": (_set, "omit it"),

@@ -13,7 +13,7 @@ from deltaserve.server.admission import Admission
 from deltaserve.server.args import ServerConfig
 from deltaserve.server.errors import NOT_FOUND, APIError, bad_request, engine_unavailable
 from deltaserve.server.grammar_check import GrammarChecker
-from deltaserve.server.logprobs import TokenTexts
+from deltaserve.server.logprobs import TOKEN_ID_TEXTS, TokenSpelling, TokenTexts
 from deltaserve.server.metrics import ServerMetrics
 from deltaserve.server.offload import TextWorkers
 from deltaserve.server.response_store import ResponseStore
@@ -81,6 +81,11 @@ class ServerState:
                 param="model",
                 code="model_not_found",
             )
+
+    def token_spelling(self, as_ids: bool | None) -> TokenSpelling:
+        """How this request's logprobs spell tokens: "token_id:N" when it (or --return-tokens-as-token-ids)
+        asks for ids, else their text."""
+        return TOKEN_ID_TEXTS if as_ids or self.config.return_tokens_as_token_ids else self.token_texts
 
     def check_available(self) -> None:
         if self.client.dead or self.dead_reason is not None:
