@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from deltaserve.errors import RequestValidationError, UnsupportedRequestError
@@ -132,6 +133,11 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # per prompt token: its logprob, rank and this many alternatives
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None  # vLLM's: only these ids may be sampled
+    # vLLM's bad_words: words the output never completes. The offline LLM and the server turn them into
+    # bad_words_token_ids (bad_word_sequences), which the engine applies: a sequence's last token is
+    # never sampled right after the rest of it.
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -175,6 +181,19 @@ class SamplingParams:
                 "prompt_logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]", self.prompt_logprobs
             )
         self._validate_logit_bias()
+        if self.bad_words:
+            raise _invalid(
+                "bad_words", "tokenized into bad_words_token_ids before the engine", self.bad_words
+            )
+        if self.bad_words_token_ids is not None and not (
+            isinstance(self.bad_words_token_ids, list)
+            and all(
+                isinstance(w, list) and w and all(_is_int(t) for t in w) for w in self.bad_words_token_ids
+            )
+        ):
+            raise _invalid(
+                "bad_words", "None or a list of non-empty token id lists", self.bad_words_token_ids
+            )
         if self.allowed_token_ids is not None and not (
             isinstance(self.allowed_token_ids, list)
             and self.allowed_token_ids
@@ -205,6 +224,10 @@ class SamplingParams:
             for tok in getattr(self, field) or ():
                 if not 0 <= tok < vocab_size:
                     raise _invalid(field, f"token ids in [0, {vocab_size})", tok)
+        for word in self.bad_words_token_ids or ():
+            for tok in word:
+                if not 0 <= tok < vocab_size:
+                    raise _invalid("bad_words", f"token ids in [0, {vocab_size})", tok)
         for tok in self.logit_bias or {}:
             if not 0 <= tok < vocab_size:
                 raise _invalid("logit_bias", f"keyed by token ids in [0, {vocab_size})", tok)
@@ -268,3 +291,17 @@ class SamplingParams:
                 raise RequestValidationError(
                     "logit_bias", f"logit_bias[{tok}] must be a number in [-100, 100], got {bias!r}"
                 )
+
+
+def bad_word_sequences(words: list[str], encode: Callable[[str], list[int]]) -> list[list[int]]:
+    """vLLM's bad_words as token sequences: each word as it is and after a space (so that it is banned at
+    the start of the text and inside it), each spelling once."""
+    sequences: list[list[int]] = []
+    for word in words:
+        if not isinstance(word, str) or not word.strip():
+            raise _invalid("bad_words", "a list of non-empty strings", word)
+        for spelling in (word.lstrip(), " " + word.lstrip()):
+            ids = encode(spelling)
+            if ids and ids not in sequences:
+                sequences.append(ids)
+    return sequences

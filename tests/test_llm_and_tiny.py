@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import subprocess
@@ -208,3 +209,15 @@ def test_prompt_dicts_take_text_ids_and_a_cache_salt(llm):
     ):
         with pytest.raises(RequestValidationError, match=field):
             llm.generate(bad, greedy)
+
+
+def test_offline_bad_words_are_tokenized_and_never_completed(llm):
+    paris, london = llm.tokenizer.encode(" Paris"), llm.tokenizer.encode(" London")
+    assert len(paris) == len(london) == 1
+    params = SamplingParams(
+        max_tokens=16, temperature=1.0, seed=3, ignore_eos=True, allowed_token_ids=[*paris, *london]
+    )
+    (free,) = llm.generate("Cities:", params)
+    assert paris[0] in free.outputs[0].token_ids
+    (banned,) = llm.generate("Cities:", dataclasses.replace(params, bad_words=["Paris"]))
+    assert set(banned.outputs[0].token_ids) == set(london)

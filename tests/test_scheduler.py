@@ -686,3 +686,39 @@ def test_an_async_prefills_cache_work_settles_only_once_it_has_been_waited_for(m
     assert run.sched.inflight is not inflight and snapshots[0].indexed
     run.run_until_idle()
     assert len(run.tokens("long")) == 4 and run.sched.load.kv_pages_used == 0
+
+
+def test_bad_word_ends_are_the_tokens_that_would_complete_a_bad_word():
+    from deltaserve.engine.scheduler.steps import bad_word_ends
+
+    words = [[5], [7, 8], [1, 2, 3]]
+    assert bad_word_ends(words, []) == (5,)
+    assert bad_word_ends(words, [9, 7]) == (5, 8)
+    assert bad_word_ends(words, [4, 1, 2]) == (5, 3)
+    assert bad_word_ends(words, [2, 1]) == (5,)
+
+
+def test_bad_words_are_never_completed_with_or_without_decode_ahead(model):
+    """A one-token bad word is never sampled; a two-token one never follows its first token. With
+    decode-ahead the second needs the first on the host, so those steps run synchronously."""
+    probe = Run(model)
+    probe.add("p", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    probe.run_until_idle()
+    greedy = probe.tokens("p")
+    for decode_ahead in (True, False):
+        run = Run(model, decode_ahead=decode_ahead)
+        one = SamplingParams(
+            temperature=0.0, max_tokens=8, ignore_eos=True, bad_words_token_ids=[[greedy[0]]]
+        )
+        two = SamplingParams(
+            temperature=0.0, max_tokens=8, ignore_eos=True, bad_words_token_ids=[greedy[1:3]]
+        )
+        run.add("one", [1, 2, 3], one)
+        run.add("two", [1, 2, 3], two)
+        run.run_until_idle()
+        assert greedy[0] not in run.tokens("one"), decode_ahead
+        out = run.tokens("two")
+        assert out[:2] == greedy[:2] and out[2] != greedy[2], (
+            decode_ahead
+        )  # the ban bites at its first chance
+        assert all(out[i : i + 2] != greedy[1:3] for i in range(len(out) - 1)), decode_ahead

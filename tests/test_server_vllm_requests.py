@@ -238,7 +238,6 @@ def test_reasoning_effort_none_turns_thinking_off(client: openai.OpenAI) -> None
 
 REFUSED: list[tuple[str, dict[str, Any], str]] = [
     ("/v1/chat/completions", {"messages": USER, "use_beam_search": True}, "use_beam_search"),
-    ("/v1/chat/completions", {"messages": USER, "bad_words": ["x"]}, "bad_words"),
     ("/v1/chat/completions", {"messages": USER, "functions": [{"name": "f"}]}, "functions"),
     ("/v1/chat/completions", {"messages": USER, "modalities": ["text", "audio"]}, "modalities"),
     (
@@ -448,3 +447,25 @@ def test_return_tokens_as_token_ids_spells_logprob_tokens_by_id(client: openai.O
     assert out.choices[0].logprobs.tokens == [f"token_id:{t}" for t in out.choices[0].token_ids]
     plain: Any = client.completions.create(model=MODEL, prompt="The weather", max_tokens=2, logprobs=1)
     assert not any(t.startswith("token_id:") for t in plain.choices[0].logprobs.tokens)
+
+
+def test_bad_words_are_never_completed(server: ServerProcess, client: openai.OpenAI) -> None:
+    """Only " Paris" and " London" may be sampled (allowed_token_ids); banning the word Paris leaves London."""
+    (paris,) = httpx.post(f"{server.url}/tokenize", json={"prompt": " Paris"}).json()["tokens"]
+    (london,) = httpx.post(f"{server.url}/tokenize", json={"prompt": " London"}).json()["tokens"]
+    extra = {"allowed_token_ids": [paris, london], "return_token_ids": True, "ignore_eos": True}
+    free = client.completions.create(
+        model=MODEL, prompt="Cities:", max_tokens=24, temperature=1.0, seed=1, extra_body=extra
+    )
+    assert paris in free.choices[0].token_ids  # type: ignore[attr-defined]
+    banned = client.completions.create(
+        model=MODEL,
+        prompt="Cities:",
+        max_tokens=24,
+        temperature=1.0,
+        seed=1,
+        extra_body={**extra, "bad_words": ["Paris"]},
+    )
+    assert set(banned.choices[0].token_ids) == {london}  # type: ignore[attr-defined]
+    refused = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "bad_words": [""]}, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "bad_words"

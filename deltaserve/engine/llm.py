@@ -9,6 +9,7 @@ Requests run through the same EngineCore and scheduler the server uses, in-proce
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import sys
 import time
@@ -22,7 +23,7 @@ from deltaserve.engine.output import OutputState, RequestOutput
 from deltaserve.engine.protocol import AbortRequest, AddRequest, ResetPrefixCache, StepOutputs
 from deltaserve.engine_config import EngineConfig
 from deltaserve.errors import RequestValidationError
-from deltaserve.sampling_params import SamplingParams
+from deltaserve.sampling_params import SamplingParams, bad_word_sequences
 from deltaserve.tiny import RANDOM_WEIGHTS_NOTE
 from deltaserve.tokenizer import Tokenizer
 from deltaserve.vllm_flags import offline_engine_kwargs
@@ -74,6 +75,9 @@ class LLM:
         choices: list[list[str]] = []  # per prompt, its choices' engine request ids
         for prompt, params in zip(prompts, params_list, strict=True):
             text, token_ids, salt = self._tokenize(prompt)
+            if params.bad_words:
+                words = bad_word_sequences(params.bad_words, self.tokenizer.encode)
+                params = dataclasses.replace(params, bad_words=None, bad_words_token_ids=words)
             per_choice = params.per_choice(params.n)  # validates n
             per_choice[0].validate()
             per_choice[0].validate_token_ids(self.engine.info.vocab_size)

@@ -197,6 +197,7 @@ def _params(state: ServerState, body: ChatCompletionRequest, prompt: ChatPrompt)
         structured=calls,
         defaults=state.sampling_defaults,
         max_logprobs=state.config.max_logprobs,
+        encode=state.tokenizer.encode,
     )
 
 

@@ -96,6 +96,7 @@ def _prepare(
         allow_n=True,
         defaults=state.sampling_defaults,
         max_logprobs=state.config.max_logprobs,
+        encode=state.tokenizer.encode,
     )
     for _, ids in prompts:
         check_context_window(len(ids), body.max_tokens, state.max_model_len)

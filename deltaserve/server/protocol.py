@@ -109,6 +109,7 @@ class SamplingFields(OpenAIRequest):
     seed: int | None = None
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None  # vLLM's: only these ids may be sampled
+    bad_words: list[str] | None = None  # vLLM's: words the output never completes
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False

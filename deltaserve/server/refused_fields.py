@@ -28,7 +28,6 @@ Rule = tuple[Callable[[Any], bool], str]
 
 _SAMPLING: dict[str, Rule] = {
     "use_beam_search": (_set, "there is no beam search; omit it"),
-    "bad_words": (_set, "use logit_bias on their token ids"),
     "logits_processors": (_set, "omit it"),
     "guided_whitespace_pattern": (_set, "structured output never has free whitespace; omit it"),
     "prompt_embeds": (_set, "send text or token ids"),

@@ -163,6 +163,7 @@ def _prepare(
         structured=text_format or tool_calls,
         defaults=state.sampling_defaults,
         max_logprobs=state.config.max_logprobs,
+        encode=state.tokenizer.encode,
     )
     check_context_window(
         len(prompt.token_ids),

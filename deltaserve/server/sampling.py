@@ -8,11 +8,17 @@ and never occupies the engine.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from deltaserve.engine.schema_rules import SchemaRuleError, check_depth
 from deltaserve.errors import RequestValidationError
-from deltaserve.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputParams, check_choices
+from deltaserve.sampling_params import (
+    MAX_LOGPROBS,
+    SamplingParams,
+    StructuredOutputParams,
+    bad_word_sequences,
+    check_choices,
+)
 from deltaserve.server.errors import APIError, bad_request, from_validation, unsupported
 from deltaserve.server.protocol import SamplingFields
 
@@ -39,6 +45,7 @@ def build_params(
     structured: StructuredOutputParams | None = None,
     defaults: Mapping[str, float | int] | None = None,
     max_logprobs: int = MAX_LOGPROBS,
+    encode: Callable[[str], list[int]] | None = None,
 ) -> SamplingParams:
     """SamplingParams for `req`, for ONE engine request (n = 1: with `allow_n` the endpoint fans `req.n`
     choices out itself, see SamplingParams.per_choice); `rename` maps SamplingParams field names to this
@@ -71,6 +78,7 @@ def build_params(
         logprobs=logprobs,
         logit_bias=_logit_bias(req.logit_bias),
         allowed_token_ids=None if req.allowed_token_ids is None else list(req.allowed_token_ids),
+        bad_words_token_ids=_bad_words(req.bad_words, encode),
         skip_special_tokens=req.skip_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
@@ -94,6 +102,17 @@ def build_params(
                 f"{wire} must be <= {max_logprobs} (the server's --max-logprobs), got {value}", wire
             )
     return params
+
+
+def _bad_words(words: list[str] | None, encode: Callable[[str], list[int]] | None) -> list[list[int]] | None:
+    if not words:
+        return None
+    if encode is None:
+        raise unsupported("bad_words", "bad_words is not supported on this endpoint")
+    try:
+        return bad_word_sequences(words, encode)
+    except RequestValidationError as err:
+        raise from_validation(err) from err
 
 
 _GUIDED = {

@@ -67,6 +67,7 @@ from deltaserve.engine.step import (
     StepResult,
     TokenFeed,
 )
+from deltaserve.sampling_params import SamplingParams
 
 # ---- admission ---------------------------------------------------------------------------------
 
@@ -531,9 +532,9 @@ def _speculative_chunk_row(sched: SchedulerState, c: ScheduledChunk, spec: Specu
 
 def _may_decode_ahead(sched: SchedulerState, decode: list[Request]) -> bool:
     """Launching ahead needs no host knowledge of the token in flight: penalties count output tokens
-    on the host and a grammar's next mask needs the sampled token, so a step with such a row runs
-    synchronously."""
-    return sched.config.decode_ahead and not any(uses_penalties(r.params) or r.grammar for r in decode)
+    on the host, a bad word of several tokens is matched against them and a grammar's next mask needs the
+    sampled token, so a step with such a row runs synchronously."""
+    return sched.config.decode_ahead and not any(_needs_output_on_host(r.params) or r.grammar for r in decode)
 
 
 def _may_launch_ahead(sched: SchedulerState, decode: list[Request], chunks: list[ScheduledChunk]) -> bool:
@@ -691,7 +692,24 @@ def _sampling_row(
     if step < params.min_tokens:
         eos = () if params.ignore_eos else sched.config.eos_token_ids
         suppressed = tuple(eos) + tuple(params.stop_token_ids or ())
+    if params.bad_words_token_ids:
+        suppressed += bad_word_ends(params.bad_words_token_ids, outputs)
     return SamplingRow(params, req.seed, step, req.prompt_token_ids, outputs, suppressed, req.grammar)
+
+
+def bad_word_ends(words: list[list[int]], outputs: list[int]) -> tuple[int, ...]:
+    """The tokens that would complete a bad word after `outputs`: a one-token word's always, a longer
+    word's last when the output ends with the rest of it."""
+    return tuple(
+        w[-1]
+        for w in words
+        if len(w) == 1 or (len(outputs) >= len(w) - 1 and outputs[len(outputs) - len(w) + 1 :] == w[:-1])
+    )
+
+
+def _needs_output_on_host(params: SamplingParams) -> bool:
+    """Penalties count output tokens and a bad word of several tokens is matched against them."""
+    return uses_penalties(params) or any(len(w) > 1 for w in params.bad_words_token_ids or ())
 
 
 # ---- preemption ----------------------------------------------------------------------------------
