@@ -77,6 +77,11 @@ ONE_OF = (
     Flag(("--model-impl",), "deltaserve's own Qwen3.5 implementation", allowed=("auto", "vllm")),
     Flag(("--response-role",), "chat replies come from the assistant", allowed=("assistant",)),
     Flag(
+        ("--scheduling-policy",),
+        "requests are admitted in arrival order (deltaserve's --scheduler-policy fcfs | auto)",
+        allowed=("fcfs",),
+    ),
+    Flag(
         ("--chat-template-content-format",),
         "message content is taken as a string or as a list of text parts",
         allowed=("auto", "string", "openai"),

@@ -43,6 +43,10 @@ REFUSED = [
     (["--allowed-origins", "*"], "--allowed-origins must be a JSON list of strings"),
     (["/some/dir", "--model", "/other/dir"], "the model is given twice"),
     (["--data-parallel-size", "2"], "--data-parallel-size must be '1' (one engine per server), got 2"),
+    (
+        ["--scheduling-policy", "priority"],
+        "--scheduling-policy must be 'fcfs' (requests are admitted in arrival",
+    ),
     (["-pp", "2"], "--pipeline-parallel-size must be '1' (use --tensor-parallel-size), got 2"),
     (["--distributed-executor-backend", "ray"], "--distributed-executor-backend must be 'mp' or 'uni'"),
     (["--enable-lora"], "--enable-lora is not supported: no LoRA adapters"),

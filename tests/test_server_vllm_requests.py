@@ -250,6 +250,7 @@ REFUSED: list[tuple[str, dict[str, Any], str]] = [
     ("/v1/responses", {"input": "x", "truncate_prompt_tokens": 5}, "truncate_prompt_tokens"),
     ("/v1/responses", {"input": "x", "return_token_ids": True}, "return_token_ids"),
     ("/v1/completions", {"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
+    ("/v1/chat/completions", {"messages": USER, "priority": 1}, "priority"),
     ("/v1/completions", {"prompt": "x", "allowed_token_ids": [1, 10**9]}, "allowed_token_ids"),
     ("/v1/responses", {"input": "x", "background": True}, "background"),
     ("/v1/responses", {"input": "x", "top_logprobs": 2}, "top_logprobs"),

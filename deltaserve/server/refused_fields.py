@@ -1,7 +1,7 @@
 """Request fields of the OpenAI and vLLM APIs that this server does not implement and that change what
 a request means. Sent with a value that asks for something, such a field is refused (400 naming it)
 rather than dropped; any other unknown field is logged and ignored (clients send many that change
-nothing: `metadata`, `store`, `service_tier`, `priority`, ...)."""
+nothing: `metadata`, `store`, `service_tier`, `priority` 0, ...)."""
 
 from __future__ import annotations
 
@@ -29,6 +29,11 @@ Rule = tuple[Callable[[Any], bool], str]
 _SAMPLING: dict[str, Rule] = {
     "use_beam_search": (_set, "there is no beam search; omit it"),
     "logits_processors": (_set, "omit it"),
+    # vLLM refuses a priority other than 0 unless its scheduling policy is "priority"; ours is arrival order
+    "priority": (
+        lambda v: v is not None and v != 0,
+        "requests are served in arrival order; send 0 or omit it",
+    ),
     "guided_whitespace_pattern": (_set, "structured output never has free whitespace; omit it"),
     "prompt_embeds": (_set, "send text or token ids"),
     "kv_transfer_params": (_set, "there is no disaggregated serving"),
