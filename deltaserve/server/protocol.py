@@ -118,7 +118,8 @@ class SamplingFields(OpenAIRequest):
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None  # vLLM's: per prompt token, its logprob and the top alternatives
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last N tokens (-1: the window's)
-    cache_salt: str | None = None  # vLLM's: only requests with the same salt share cached prefixes
+    # vLLM's: only requests with the same salt share cached prefixes (an empty salt is refused)
+    cache_salt: str | None = Field(default=None, min_length=1)
     # vLLM's: responses carry the prompt's token ids and each choice's output ids (a stream: the prompt's
     # in its first chunk, each chunk its new ids)
     return_token_ids: bool | None = None

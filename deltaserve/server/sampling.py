@@ -45,7 +45,7 @@ def build_params(
     structured: StructuredOutputParams | None = None,
     defaults: Mapping[str, float | int] | None = None,
     max_logprobs: int = MAX_LOGPROBS,
-    encode: Callable[[str], list[int]] | None = None,
+    encode: Callable[[str], list[int]],
 ) -> SamplingParams:
     """SamplingParams for `req`, for ONE engine request (n = 1: with `allow_n` the endpoint fans `req.n`
     choices out itself, see SamplingParams.per_choice); `rename` maps SamplingParams field names to this
@@ -55,8 +55,6 @@ def build_params(
     end of a reasoning block); `structured` replaces it (the Responses API's text.format, a forced tool
     call). `defaults` (generation_config.json's) fill the sampling fields the request omits; logprobs
     beyond `max_logprobs` (--max-logprobs) are refused."""
-    if req.cache_salt is not None and not req.cache_salt:
-        raise bad_request("cache_salt must be a non-empty string when given, got ''", "cache_salt")
     if not allow_n and req.n != 1:
         raise unsupported("n", f"n > 1 is not supported by this endpoint, got {req.n}; send n requests")
     source = "response_format"
@@ -104,11 +102,9 @@ def build_params(
     return params
 
 
-def _bad_words(words: list[str] | None, encode: Callable[[str], list[int]] | None) -> list[list[int]] | None:
+def _bad_words(words: list[str] | None, encode: Callable[[str], list[int]]) -> list[list[int]] | None:
     if not words:
         return None
-    if encode is None:
-        raise unsupported("bad_words", "bad_words is not supported on this endpoint")
     try:
         return bad_word_sequences(words, encode)
     except RequestValidationError as err:
