@@ -13,8 +13,11 @@ surface. Every surface runs in two precisions:
   tests, not here.)
 - bf16: the engine in bfloat16 against HF bfloat16. On random weights both sides' rounding noise can exceed
   the tolerance (HF bf16 itself sits 0.16-0.21 nat from fp32 at the 4B shape); then HF fp32 on the same
-  tokens decides: the engine must be no further from it than HF bf16 is (25% slack on mean and p99), and
-  an argmax may move only among tokens whose fp32 log-probs lie within HF bf16's own p99 error of the best.
+  tokens decides: the engine must be no further from it than HF bf16 is, with 25% slack: on the mean and
+  p99, and for an argmax, which may move only among tokens whose fp32 log-probs lie within HF bf16's own
+  p99 error of the best (or within its own pick's distance at that position). On the tiny MoE preset a
+  bf16 rounding flips top-2 routing decisions, and HF bf16 itself sits ~0.34 nat (mean) and ~3 nat (p99)
+  from fp32: an argmax there lands ~3 nat off for HF bf16 as for the engine.
 
 Surfaces: batch of one, batched with padding rows (graph buckets), chunked prefill at odd boundaries, mixed
 prefill+decode steps, slot reuse, graphs on and off, and long prompts (4097 and 8192 tokens).
@@ -48,6 +51,7 @@ DEVICE = torch.device("cuda")
 DECODE_STEPS = 8
 SAMPLED_POSITIONS = 24  # prompt positions compared per prompt, the last one always among them
 REGRET, MEAN, P99 = 0.2, 0.06, 0.2
+NOISE_SLACK = 1.25  # judged on HF fp32, the engine may be this much further from it than HF bf16 is
 PRECISIONS = ("bf16", "fp32")
 
 
@@ -254,11 +258,11 @@ class Gate:
         failures = []
         for stat, name in ((torch.mean, "mean"), (lambda t: t.quantile(0.99), "p99")):
             ours, hf = float(stat(o)), float(stat(h))
-            if ours > 1.25 * hf:
+            if ours > NOISE_SLACK * hf:
                 failures.append(f"{name} distance to HF fp32 {ours:.4f} > 1.25 x HF bf16's {hf:.4f}")
         band = max(REGRET, float(h.quantile(0.99)))
         for regret, ours_true, hf_true, where in self.regrets:
-            if regret > REGRET and ours_true > max(band, hf_true):
+            if regret > REGRET and ours_true > NOISE_SLACK * max(band, hf_true):
                 failures.append(
                     f"{where}: argmax {ours_true:.3f} nat from the fp32 best (HF bf16's pick "
                     f"{hf_true:.3f}, noise band {band:.3f})"
@@ -431,16 +435,43 @@ def test_resumed_from_the_prefix_cache(pair, precision, graphs):
 
 
 LOOP_RUN = 8  # a single token repeated more often than this is a loop, unless HF would repeat it too
-CLEARLY_WORSE = 1.0  # nat below HF fp32's best: beyond the bf16 noise at these shapes (gate p99 <= 0.7)
+CLEARLY_WORSE = 1.0  # nat below HF fp32's best: beyond the dense shapes' bf16 noise (gate p99 <= 0.7)
+
+
+def picks_regret(logprobs: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:
+    """How far below the best of each row of `logprobs` (the judge's) each row's pick lies, in nat."""
+    return logprobs.max(-1).values - logprobs[torch.arange(len(picks), device=picks.device), picks]
+
+
+def free_run_failures(ours: torch.Tensor, hf: torch.Tensor) -> list[str]:
+    """Judges the engine's free-running picks (`ours`: each pick's regret under HF fp32, pooled over the
+    runs) against HF bf16's picks on the same prefixes (`hf`, the same positions). Where HF bf16 keeps
+    every pick within CLEARLY_WORSE (the dense shapes), so must the engine. Where it does not (routing
+    flips of the MoE preset: HF bf16's own free runs there reach 2-4 nat), single picks are noise, and
+    the engine may be at most NOISE_SLACK times as often clearly worse (plus two picks) and as far off on
+    average (plus 0.05 nat): a bug is wrong at most positions, a flip at a few."""
+    if float(hf.max()) <= CLEARLY_WORSE:
+        worst = float(ours.max())
+        return [] if worst <= CLEARLY_WORSE else [f"a pick {worst:.3f} nat below HF fp32's best"]
+    failures = []
+    ours_n, hf_n = int((ours > CLEARLY_WORSE).sum()), int((hf > CLEARLY_WORSE).sum())
+    if ours_n > NOISE_SLACK * hf_n + 2:
+        failures.append(f"{ours_n} of {len(ours)} picks clearly worse against HF bf16's {hf_n}")
+    ours_mean, hf_mean = float(ours.mean()), float(hf.mean())
+    if ours_mean > NOISE_SLACK * hf_mean + 0.05:
+        failures.append(f"mean regret {ours_mean:.3f} nat against HF bf16's {hf_mean:.3f}")
+    return failures
 
 
 def test_free_running_greedy_does_not_collapse_into_a_token_loop(pair):
-    """Degenerate-output detector: the engine's free-running greedy continuation, judged by HF fp32 on the
-    engine's own prefix at every step. No pick is clearly worse than HF's best, and a run of one token
-    longer than LOOP_RUN is allowed only where HF fp32 picks that token at every step of the run (random
-    tied-embedding models do repeat tokens; bf16 noise can lead to a different, legitimate trajectory)."""
+    """Degenerate-output detector: the engine's free-running greedy continuations, judged by HF fp32 on the
+    engine's own prefix at every step, with HF bf16's picks on the same prefixes as the noise level
+    (free_run_failures). A run of one token longer than LOOP_RUN is allowed only where HF fp32 picks that
+    token at every step of the run (random tied-embedding models do repeat tokens; bf16 noise can lead to
+    a different, legitimate trajectory)."""
     engine = pair.engines["bf16"]
     backend = engine.backend(True)
+    ours_regrets, hf_regrets, runs = [], [], []
     for seed in range(3):
         prompt = prompt_of(24, 100 + seed)
         seq = engine.cache.open()
@@ -450,11 +481,16 @@ def test_free_running_greedy_does_not_collapse_into_a_token_loop(pair):
             ours.append(int(logits.argmax()))
             logits = backend.forward([StepItem(seq, [ours[-1]])], all_logits=True)[0]
         engine.cache.release(seq)
+        ids = torch.tensor([prompt + ours], device=DEVICE)
         with torch.no_grad():
-            judged = pair.hf32(input_ids=torch.tensor([prompt + ours], device=DEVICE)).logits[0, 23:-1]
-        logprobs = judged.float().log_softmax(-1)
-        regrets = (logprobs.max(-1).values - logprobs[torch.arange(len(ours)), ours]).tolist()
-        assert max(regrets) <= CLEARLY_WORSE, (seed, ours, [round(r, 3) for r in regrets])
+            logprobs = pair.hf32(input_ids=ids).logits[0, 23:-1].float().log_softmax(-1)
+            hf_picks = pair.hf(input_ids=ids).logits[0, 23:-1].argmax(-1)
+        ours_regrets.append(picks_regret(logprobs, torch.tensor(ours, device=DEVICE)))
+        hf_regrets.append(picks_regret(logprobs, hf_picks))
+        regrets = ours_regrets[-1].tolist()
+        runs.append(
+            (seed, ours, [round(r, 3) for r in regrets], [round(r, 3) for r in hf_regrets[-1].tolist()])
+        )
         run_start = 0
         for t in range(1, len(ours) + 1):
             if t == len(ours) or ours[t] != ours[run_start]:
@@ -462,6 +498,8 @@ def test_free_running_greedy_does_not_collapse_into_a_token_loop(pair):
                 if len(run) > LOOP_RUN:
                     assert all(regrets[i] <= REGRET for i in run), (seed, ours, run, regrets)
                 run_start = t
+    failures = free_run_failures(torch.cat(ours_regrets), torch.cat(hf_regrets))
+    assert not failures, (failures, runs)
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
