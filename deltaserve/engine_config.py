@@ -21,7 +21,11 @@ def parse_json_object(flag: str, value: str | dict[str, Any]) -> dict[str, Any]:
     try:
         data = json.loads(value)
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"{flag} must be a JSON object, got {value!r} ({exc.msg})") from None
+        hint = ""
+        if value.lstrip().startswith("{") and '"' not in value and ":" in value:
+            # `{"a":1}` unquoted by a shell (or by a second shlex pass) arrives as `{a:1}`
+            hint = "; its keys lost their double quotes: single-quote the whole object for the shell"
+        raise ConfigError(f"{flag} must be a JSON object, got {value!r} ({exc.msg}{hint})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{flag} must be a JSON object, got {value!r}")
     return data

@@ -37,6 +37,7 @@ def test_speculative_config_reads_vllms_json():
     [
         ("mtp", "must be a JSON object"),
         ("[1]", "must be a JSON object"),
+        ("{method:mtp,num_speculative_tokens:3}", "keys lost their double quotes: single-quote the whole"),
         ('{"method": "eagle"}', "'method' must be one of ['mtp'], got 'eagle'"),
         ('{"num_speculative_tokens": 0}', "'num_speculative_tokens' must be an integer in 1..4, got 0"),
         ('{"num_speculative_tokens": 5}', "in 1..4, got 5"),
