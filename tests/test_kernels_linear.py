@@ -103,3 +103,56 @@ def test_skinny_gemm_gives_a_row_the_same_bits_whatever_the_other_rows():
 def test_skinny_gemm_rejects_more_rows_than_its_tile():
     with pytest.raises(ValueError, match=r"1..16 rows"):
         triton_linear.skinny_gemm(torch.zeros(17, 16, device=DEVICE), torch.zeros(4, 16, device=DEVICE))
+
+
+@pytest.mark.parametrize(("n", "k", "m"), [(37, 200, 1), (130, 1000, 1), (45, 96, 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gemv_swiglu_has_the_bits_of_silu_and_mul_then_gemv(n, k, m, dtype):
+    """The down projection with the SwiGLU computed inside the GEMV: the same bits as the two kernels
+    (so fusing changes no token), and the torch reference's values. gate_up rows are strided and wider
+    than 2K; N and K are off the block multiples."""
+    from deltaserve.ops.triton.activation import silu_and_mul
+
+    gen = torch.Generator().manual_seed(n + k + m)
+    gate_up = torch.randn(m + 1, 2 * k + 16, generator=gen).mul(3).to(dtype).to(DEVICE)[1:, 8 : 8 + 2 * k]
+    w = torch.randn(n + 5, k, generator=gen).to(dtype).to(DEVICE)[2 : 2 + n]
+    got = triton_linear.gemv_swiglu(gate_up, w)
+    assert got.shape == (m, n) and got.dtype == dtype
+    assert torch.equal(got, triton_linear.gemv(silu_and_mul(gate_up), w))
+    act = ops._activation_ref.silu_and_mul(gate_up.cpu()).to(DEVICE)  # rounded to the dtype, as HF's is
+    want = F.linear(act.double(), w.double())
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+    else:  # one rounding of an fp32 sum: within a step of the dtype of the exact result
+        torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-2)
+
+
+def test_gemv_swiglu_refuses_a_gate_up_not_twice_the_weights_k():
+    with pytest.raises(ValueError, match=r"gate_up must be \(M, 2K\) = \(M, 32\) for a weight of K = 16"):
+        triton_linear.gemv_swiglu(torch.zeros(1, 30, device=DEVICE), torch.zeros(4, 16, device=DEVICE))
+
+
+def test_op_boundary_fuses_the_swiglu_into_the_gemvs_rows_only(monkeypatch):
+    calls = []
+    monkeypatch.setattr(
+        triton_linear,
+        "gemv_swiglu",
+        lambda g, w: calls.append(("fused", *g.shape)) or F.linear(ops.silu_and_mul(g), w),
+    )
+    monkeypatch.setattr(
+        triton_linear, "gemv", lambda x, w: calls.append(("gemv", *x.shape)) or F.linear(x, w)
+    )
+    monkeypatch.setattr(ops, "use_kernels", lambda t: False)
+    w = torch.randn(8, 16, dtype=torch.bfloat16)
+    gate_up = torch.randn(3, 32, dtype=torch.bfloat16)
+    want = F.linear(F.silu(gate_up[:, :16]) * gate_up[:, 16:], w)
+    torch.testing.assert_close(ops.silu_and_mul_linear(gate_up, w), want)  # the reference path
+    assert calls == []
+    monkeypatch.setattr(ops, "use_kernels", lambda t: True)
+    monkeypatch.setattr(
+        "deltaserve.ops.triton.activation.silu_and_mul", lambda g: ops._activation_ref.silu_and_mul(g)
+    )
+    for m in (1, 2):
+        ops.silu_and_mul_linear(torch.randn(m, 32, dtype=torch.bfloat16), w)
+    ops.silu_and_mul_linear(torch.randn(1, 32), w.float())  # fp32: the two ops, cuBLAS
+    assert calls == [("fused", 1, 32)]  # one row fused; two rows: the activation kernel, then cuBLAS

@@ -44,18 +44,23 @@ def use_kernels(t: torch.Tensor) -> bool:
     return t.is_cuda and not REFERENCE_ONLY
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight^T. One 16-bit row on the GPU (batch-1 decode; up to GEMV_ROWS rows when raised) takes
-    the GEMV kernel, which streams the weight once for all its rows; up to 16 rows take the skinny GEMM
-    when it is switched on (SKINNY_GEMM); everything else is F.linear (cuBLAS)."""
-    rows = x.shape[0]
-    if (
+def _streams_weights(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether x's rows may take the weight-streaming kernels (ops/triton/linear.py)."""
+    return (
         x.dim() == 2
         and x.dtype in (torch.bfloat16, torch.float16)
         and use_kernels(x)
         and x.stride(1) == 1
         and weight.stride(1) == 1
-    ):
+    )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight^T. One 16-bit row on the GPU (batch-1 decode; up to GEMV_ROWS rows when raised) takes
+    the GEMV kernel, which streams the weight once for all its rows; up to 16 rows take the skinny GEMM
+    when it is switched on (SKINNY_GEMM); everything else is F.linear (cuBLAS)."""
+    rows = x.shape[0]
+    if _streams_weights(x, weight):
         if 1 <= rows <= GEMV_ROWS:
             from deltaserve.ops.triton.linear import gemv
 
@@ -66,6 +71,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             if rows <= SKINNY_MAX_ROWS:
                 return skinny_gemm(x, weight)
     return F.linear(x, weight)
+
+
+def silu_and_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """linear(silu_and_mul(gate_up), weight): a SwiGLU MLP's down projection. The GEMV's rows (see
+    linear) compute the activation inside the GEMV, with the same bits as the two ops."""
+    if _streams_weights(gate_up, weight) and 1 <= gate_up.shape[0] <= GEMV_ROWS:
+        from deltaserve.ops.triton.linear import gemv_swiglu
+
+        return gemv_swiglu(gate_up, weight)
+    return linear(silu_and_mul(gate_up), weight)
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

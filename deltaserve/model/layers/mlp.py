@@ -8,7 +8,7 @@ from torch import nn
 from deltaserve.config import ModelConfig
 from deltaserve.model.layers.parallel import SINGLE, TensorParallel
 from deltaserve.model.layers.params import CheckpointTensor, WeightRequirement, new_param, single, stacked
-from deltaserve.ops import fused_experts, linear, route, silu_and_mul
+from deltaserve.ops import fused_experts, linear, route, silu_and_mul_linear
 
 
 class MLP(nn.Module):
@@ -43,7 +43,7 @@ class MLP(nn.Module):
         ]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(silu_and_mul(linear(x, self.gate_up_proj)), self.down_proj)
+        return silu_and_mul_linear(linear(x, self.gate_up_proj), self.down_proj)
 
 
 class SparseMoeBlock(nn.Module):

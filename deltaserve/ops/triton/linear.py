@@ -5,6 +5,10 @@ and streams the weight once for all of them; the skinny GEMM takes 2..16 rows an
 once for all rows on the tensor cores. ops.linear routes one row to the GEMV and, by default, nothing
 else here (DELTASERVE_GEMV_ROWS and DELTASERVE_SKINNY_GEMM switch the others on; ops/__init__.py).
 
+The GEMV also takes a SwiGLU MLP's [gate | up] row in place of x (gemv_swiglu): each program computes
+silu(gate) * up for its K block as the weight streams by, rounded as the silu_and_mul kernel rounds it,
+so the down projection at batch-1 decode needs no activation kernel and gets the same bits.
+
 GEMV:
 
 At one row a linear layer is a pure stream of its weight; cuBLAS's M = 1 kernels reach 2.0-3.7 TB/s
@@ -25,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deltaserve.ops.triton.activation import _INTERPRETER, round_to
+from deltaserve.ops.triton.activation import _INTERPRETER, round_to, silu_f32
 
 # (BLOCK_N, BLOCK_K, warps): the winners of a sweep over 4..32 x 256..1024 x 4..8 at the 4B shapes
 # (few rows per program for the narrow N = 2560 projections, wider for N >= 10k).
@@ -37,9 +41,21 @@ GEMV_MAX_ROWS = 4  # rows streamed together (a K = 3 verify row has 4 tokens)
 
 
 @triton.jit
-def _row_product(acc, w, x_row_ptr, cols, col_ok):
-    x = tl.load(x_row_ptr + cols, mask=col_ok, other=0.0)
-    return acc + w * x.to(tl.float32)[None, :]
+def _load_x(x_row_ptr, cols, col_ok, K, SWIGLU: tl.constexpr):
+    """x[cols] in fp32. With SWIGLU the row holds gate | up (2K wide) and x = silu(gate) * up, rounded
+    exactly as the silu_and_mul kernel rounds it, so the fused GEMV has the bits of the two kernels."""
+    if SWIGLU:
+        gate = tl.load(x_row_ptr + cols, mask=col_ok, other=0.0)
+        up = tl.load(x_row_ptr + K + cols, mask=col_ok, other=0.0)
+        act = round_to(silu_f32(gate.to(tl.float32)), gate.dtype)
+        return round_to(act.to(tl.float32) * up.to(tl.float32), gate.dtype).to(tl.float32)
+    else:
+        return tl.load(x_row_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _row_product(acc, w, x_row_ptr, cols, col_ok, K, SWIGLU: tl.constexpr):
+    return acc + w * _load_x(x_row_ptr, cols, col_ok, K, SWIGLU)[None, :]
 
 
 @triton.jit
@@ -58,6 +74,7 @@ def _gemv_kernel(
     stride_wn,
     stride_om,
     ROWS: tl.constexpr,
+    SWIGLU: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -74,13 +91,13 @@ def _gemv_kernel(
         cols = k0 + tl.arange(0, BLOCK_K)
         col_ok = cols < K
         w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-        acc0 = _row_product(acc0, w, x_ptr, cols, col_ok)
+        acc0 = _row_product(acc0, w, x_ptr, cols, col_ok, K, SWIGLU)
         if ROWS > 1:
-            acc1 = _row_product(acc1, w, x_ptr + stride_xm, cols, col_ok)
+            acc1 = _row_product(acc1, w, x_ptr + stride_xm, cols, col_ok, K, SWIGLU)
         if ROWS > 2:
-            acc2 = _row_product(acc2, w, x_ptr + 2 * stride_xm, cols, col_ok)
+            acc2 = _row_product(acc2, w, x_ptr + 2 * stride_xm, cols, col_ok, K, SWIGLU)
         if ROWS > 3:
-            acc3 = _row_product(acc3, w, x_ptr + 3 * stride_xm, cols, col_ok)
+            acc3 = _row_product(acc3, w, x_ptr + 3 * stride_xm, cols, col_ok, K, SWIGLU)
     _store_row(out_ptr, acc0, rows, row_ok)
     if ROWS > 1:
         _store_row(out_ptr + stride_om, acc1, rows, row_ok)
@@ -92,7 +109,7 @@ def _gemv_kernel(
 
 _gemv_tuned = triton.autotune(
     configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n, k, w in _CONFIGS],
-    key=["N", "K", "ROWS"],
+    key=["N", "K", "ROWS", "SWIGLU"],
     cache_results=True,  # the winners persist in Triton's cache directory: a restart does not re-tune
 )(_gemv_kernel)
 
@@ -201,6 +218,27 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = No
     unit column stride (row slices of a larger matrix are fine). Returns [M, N] in x's dtype, written
     into `out` when given (contiguous). The weight is streamed once for all M rows."""
     _check_operands(x, weight, max_rows=GEMV_MAX_ROWS)
+    return _launch_gemv(x, weight, out, swiglu=False)
+
+
+def gemv_swiglu(
+    gate_up: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """gemv(silu_and_mul(gate_up), weight) in one kernel, with the same bits: gate_up [M, 2K] (gate
+    first; any row stride, unit column stride), weight [N, K]. The activation is computed as the weight
+    streams by and never written (a dense MLP's down projection at batch-1 decode)."""
+    if gate_up.dim() != 2 or gate_up.shape[-1] != 2 * weight.shape[-1]:
+        raise ValueError(
+            f"gate_up must be (M, 2K) = (M, {2 * weight.shape[-1]}) for a weight of K = {weight.shape[-1]}, "
+            f"got {tuple(gate_up.shape)}"
+        )
+    _check_operands(gate_up[:, : weight.shape[1]], weight, max_rows=GEMV_MAX_ROWS)
+    return _launch_gemv(gate_up, weight, out, swiglu=True)
+
+
+def _launch_gemv(
+    x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None, *, swiglu: bool
+) -> torch.Tensor:
     m, (n, k) = x.shape[0], weight.shape
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -211,8 +249,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = No
     args = (x, weight, out, n, k, x.stride(0), weight.stride(0), out.stride(0))
     if _INTERPRETER:
         block_n, block_k = _INTERPRETER_BLOCKS
-        _gemv_kernel[(triton.cdiv(n, block_n),)](*args, ROWS=m, BLOCK_N=block_n, BLOCK_K=block_k)
+        _gemv_kernel[(triton.cdiv(n, block_n),)](
+            *args, ROWS=m, SWIGLU=swiglu, BLOCK_N=block_n, BLOCK_K=block_k
+        )
     else:
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-        _gemv_tuned[grid](*args, ROWS=m)
+        _gemv_tuned[grid](*args, ROWS=m, SWIGLU=swiglu)
     return out
