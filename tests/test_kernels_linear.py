@@ -156,3 +156,58 @@ def test_op_boundary_fuses_the_swiglu_into_the_gemvs_rows_only(monkeypatch):
         ops.silu_and_mul_linear(torch.randn(m, 32, dtype=torch.bfloat16), w)
     ops.silu_and_mul_linear(torch.randn(1, 32), w.float())  # fp32: the two ops, cuBLAS
     assert calls == [("fused", 1, 32)]  # one row fused; two rows: the activation kernel, then cuBLAS
+
+
+@pytest.mark.parametrize(("heads", "head_dim", "n", "m"), [(3, 64, 37, 1), (5, 32, 130, 1), (2, 64, 45, 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_sigmoid_gated_matches_gating_then_gemv(heads, head_dim, n, m, dtype):
+    """o_proj(attn * sigmoid(gate)) in one kernel, the gate read where q_proj leaves it: the gate half of
+    each head's [query | gate] row. The product is rounded to the dtype as torch's two ops round it."""
+    gen = torch.Generator().manual_seed(heads * head_dim + n + m)
+    k = heads * head_dim
+    q_gate = torch.randn(m, heads, 2 * head_dim + 8, generator=gen).mul(3).to(dtype).to(DEVICE)
+    gate = q_gate[..., head_dim + 8 :]  # strided rows and heads, unit columns
+    x = torch.randn(m, k, generator=gen).to(dtype).to(DEVICE)
+    w = torch.randn(n + 5, k, generator=gen).to(dtype).to(DEVICE)[2 : 2 + n]
+    got = triton_linear.gemv_sigmoid_gated(x, gate, w)
+    assert got.shape == (m, n) and got.dtype == dtype
+    gated = x * torch.sigmoid(gate.reshape(m, k))  # the two torch ops the layer ran before
+    if dtype == torch.bfloat16:  # the dtype the fused path serves: fusing changes no bit
+        assert torch.equal(got, triton_linear.gemv(gated, w))  # (fp32 sigmoids differ by ulps across libms)
+    want = F.linear(gated.double(), w.double())
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+    else:  # one rounding of an fp32 sum
+        torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-2)
+
+
+def test_gemv_sigmoid_gated_refuses_a_gate_of_another_shape_naming_it():
+    x = torch.zeros(1, 64, device=DEVICE)
+    with pytest.raises(ValueError, match=r"gate must be \(M, H, D\) with M = 1, H \* D = 64"):
+        triton_linear.gemv_sigmoid_gated(
+            x, torch.zeros(1, 3, 16, device=DEVICE), torch.zeros(4, 64, device=DEVICE)
+        )
+
+
+def test_op_boundary_gates_inside_the_gemvs_rows_only(monkeypatch):
+    calls = []
+    monkeypatch.setattr(
+        triton_linear,
+        "gemv_sigmoid_gated",
+        lambda x, g, w: (
+            calls.append(("fused", *x.shape)) or F.linear(x * torch.sigmoid(g.reshape(x.shape)), w)
+        ),
+    )
+    monkeypatch.setattr(
+        triton_linear, "gemv", lambda x, w: calls.append(("gemv", *x.shape)) or F.linear(x, w)
+    )
+    w = torch.randn(8, 32, dtype=torch.bfloat16)
+    q_gate = torch.randn(2, 2, 32, dtype=torch.bfloat16)
+    x, gate = torch.randn(2, 32, dtype=torch.bfloat16), q_gate[..., 16:]
+    want = F.linear(x * torch.sigmoid(gate.reshape(2, 32)), w)
+    assert torch.equal(ops.sigmoid_gated_linear(x, gate, w), want)  # the reference path
+    assert calls == []
+    monkeypatch.setattr(ops, "use_kernels", lambda t: True)
+    ops.sigmoid_gated_linear(x[:1], gate[:1], w)
+    ops.sigmoid_gated_linear(x, gate, w)  # two rows: torch's ops, then cuBLAS
+    assert calls == [("fused", 1, 32)]

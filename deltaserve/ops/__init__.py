@@ -83,6 +83,17 @@ def silu_and_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Te
     return linear(silu_and_mul(gate_up), weight)
 
 
+def sigmoid_gated_linear(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """linear(x * sigmoid(gate), weight) with x [T, H * D] and gate [T, H, D] (any row and head strides):
+    gated attention's output projection. The GEMV's rows (see linear) gate inside the GEMV, rounded as
+    the two ops round."""
+    if _streams_weights(x, weight) and 1 <= x.shape[0] <= GEMV_ROWS and gate.stride(-1) == 1:
+        from deltaserve.ops.triton.linear import gemv_sigmoid_gated
+
+        return gemv_sigmoid_gated(x, gate, weight)
+    return linear(x * torch.sigmoid(gate.reshape(x.shape)), weight)
+
+
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k softmax routing: (weights [T, k] in the logits' dtype, expert ids [T, k] int64)."""
     if use_kernels(router_logits):

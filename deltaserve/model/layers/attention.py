@@ -8,7 +8,7 @@ from torch import nn
 from deltaserve.config import ModelConfig
 from deltaserve.model.layers.parallel import SINGLE, TensorParallel
 from deltaserve.model.layers.params import WeightRequirement, new_param, single, stacked
-from deltaserve.ops import linear, paged_attention, qk_norm_rope_write_kv
+from deltaserve.ops import linear, paged_attention, qk_norm_rope_write_kv, sigmoid_gated_linear
 from deltaserve.ops.batch import ForwardBatch
 
 
@@ -78,5 +78,4 @@ class GatedAttention(nn.Module):
             batch.slot_mapping,
         )
         out = paged_attention(q, k_cache, v_cache, batch, self.scale)
-        out = out.reshape(tokens, -1) * torch.sigmoid(gate.reshape(tokens, -1))
-        return linear(out, self.o_proj)
+        return sigmoid_gated_linear(out.reshape(tokens, -1), gate, self.o_proj)

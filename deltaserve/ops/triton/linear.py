@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deltaserve.ops.triton.activation import _INTERPRETER, round_to, silu_f32
+from deltaserve.ops.triton.activation import _INTERPRETER, exp_f32, round_to, silu_f32
 
 # (BLOCK_N, BLOCK_K, warps): the winners of a sweep over 4..32 x 256..1024 x 4..8 at the 4B shapes
 # (few rows per program for the narrow N = 2560 projections, wider for N >= 10k).
@@ -40,22 +40,43 @@ _INTERPRETER_BLOCKS = (8, 64)
 GEMV_MAX_ROWS = 4  # rows streamed together (a K = 3 verify row has 4 tokens)
 
 
+# What the GEMV reads as x (its MODE): a plain row, a SwiGLU MLP's [gate | up] row, or an attention
+# output row with its per-head sigmoid gate (Qwen3.5's gated attention: o_proj(attn * sigmoid(gate))).
+PLAIN, SWIGLU, SIGMOID_GATE = 0, 1, 2
+
+
 @triton.jit
-def _load_x(x_row_ptr, cols, col_ok, K, SWIGLU: tl.constexpr):
-    """x[cols] in fp32. With SWIGLU the row holds gate | up (2K wide) and x = silu(gate) * up, rounded
-    exactly as the silu_and_mul kernel rounds it, so the fused GEMV has the bits of the two kernels."""
-    if SWIGLU:
+def sigmoid_f32(x):
+    """x: fp32. 1 / (1 + exp(-x)) in fp32, as torch's sigmoid computes it."""
+    return tl.div_rn(1.0, 1.0 + exp_f32(-x))
+
+
+@triton.jit
+def _load_x(x_row_ptr, g_row_ptr, cols, col_ok, K, stride_gh, MODE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """x[cols] in fp32, rounded as the unfused ops round it, so the fused GEMV has their bits.
+    SWIGLU: the row holds gate | up (2K wide); x = silu(gate) * up as the silu_and_mul kernel rounds it.
+    SIGMOID_GATE: x = row * sigmoid(gate), the gate of column c at g_row_ptr + (c // HEAD_DIM) *
+    stride_gh + c % HEAD_DIM; the sigmoid rounded to the dtype, then the product, as torch rounds them."""
+    if MODE == 1:
         gate = tl.load(x_row_ptr + cols, mask=col_ok, other=0.0)
         up = tl.load(x_row_ptr + K + cols, mask=col_ok, other=0.0)
         act = round_to(silu_f32(gate.to(tl.float32)), gate.dtype)
         return round_to(act.to(tl.float32) * up.to(tl.float32), gate.dtype).to(tl.float32)
+    elif MODE == 2:
+        x = tl.load(x_row_ptr + cols, mask=col_ok, other=0.0)
+        gate_at = g_row_ptr + (cols // HEAD_DIM) * stride_gh + cols % HEAD_DIM
+        gate = tl.load(gate_at, mask=col_ok, other=0.0)
+        sig = round_to(sigmoid_f32(gate.to(tl.float32)), x.dtype)
+        return round_to(x.to(tl.float32) * sig.to(tl.float32), x.dtype).to(tl.float32)
     else:
         return tl.load(x_row_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _row_product(acc, w, x_row_ptr, cols, col_ok, K, SWIGLU: tl.constexpr):
-    return acc + w * _load_x(x_row_ptr, cols, col_ok, K, SWIGLU)[None, :]
+def _row_product(
+    acc, w, x_row_ptr, g_row_ptr, cols, col_ok, K, stride_gh, MODE: tl.constexpr, HEAD_DIM: tl.constexpr
+):
+    return acc + w * _load_x(x_row_ptr, g_row_ptr, cols, col_ok, K, stride_gh, MODE, HEAD_DIM)[None, :]
 
 
 @triton.jit
@@ -68,13 +89,17 @@ def _gemv_kernel(
     x_ptr,
     w_ptr,
     out_ptr,
+    g_ptr,
     N,
     K,
     stride_xm,
     stride_wn,
     stride_om,
+    stride_gm,
+    stride_gh,
     ROWS: tl.constexpr,
-    SWIGLU: tl.constexpr,
+    MODE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -91,13 +116,37 @@ def _gemv_kernel(
         cols = k0 + tl.arange(0, BLOCK_K)
         col_ok = cols < K
         w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-        acc0 = _row_product(acc0, w, x_ptr, cols, col_ok, K, SWIGLU)
+        acc0 = _row_product(acc0, w, x_ptr, g_ptr, cols, col_ok, K, stride_gh, MODE, HEAD_DIM)
         if ROWS > 1:
-            acc1 = _row_product(acc1, w, x_ptr + stride_xm, cols, col_ok, K, SWIGLU)
+            acc1 = _row_product(
+                acc1, w, x_ptr + stride_xm, g_ptr + stride_gm, cols, col_ok, K, stride_gh, MODE, HEAD_DIM
+            )
         if ROWS > 2:
-            acc2 = _row_product(acc2, w, x_ptr + 2 * stride_xm, cols, col_ok, K, SWIGLU)
+            acc2 = _row_product(
+                acc2,
+                w,
+                x_ptr + 2 * stride_xm,
+                g_ptr + 2 * stride_gm,
+                cols,
+                col_ok,
+                K,
+                stride_gh,
+                MODE,
+                HEAD_DIM,
+            )
         if ROWS > 3:
-            acc3 = _row_product(acc3, w, x_ptr + 3 * stride_xm, cols, col_ok, K, SWIGLU)
+            acc3 = _row_product(
+                acc3,
+                w,
+                x_ptr + 3 * stride_xm,
+                g_ptr + 3 * stride_gm,
+                cols,
+                col_ok,
+                K,
+                stride_gh,
+                MODE,
+                HEAD_DIM,
+            )
     _store_row(out_ptr, acc0, rows, row_ok)
     if ROWS > 1:
         _store_row(out_ptr + stride_om, acc1, rows, row_ok)
@@ -109,7 +158,7 @@ def _gemv_kernel(
 
 _gemv_tuned = triton.autotune(
     configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n, k, w in _CONFIGS],
-    key=["N", "K", "ROWS", "SWIGLU"],
+    key=["N", "K", "ROWS", "MODE"],
     cache_results=True,  # the winners persist in Triton's cache directory: a restart does not re-tune
 )(_gemv_kernel)
 
@@ -218,7 +267,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = No
     unit column stride (row slices of a larger matrix are fine). Returns [M, N] in x's dtype, written
     into `out` when given (contiguous). The weight is streamed once for all M rows."""
     _check_operands(x, weight, max_rows=GEMV_MAX_ROWS)
-    return _launch_gemv(x, weight, out, swiglu=False)
+    return _launch_gemv(x, weight, out, PLAIN)
 
 
 def gemv_swiglu(
@@ -233,11 +282,34 @@ def gemv_swiglu(
             f"got {tuple(gate_up.shape)}"
         )
     _check_operands(gate_up[:, : weight.shape[1]], weight, max_rows=GEMV_MAX_ROWS)
-    return _launch_gemv(gate_up, weight, out, swiglu=True)
+    return _launch_gemv(gate_up, weight, out, SWIGLU)
+
+
+def gemv_sigmoid_gated(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """gemv(x * sigmoid(gate), weight) in one kernel, rounded as torch rounds the two ops: x [M, H * D]
+    (an attention output), gate [M, H, D] with a unit column stride (any row and head strides: the gate
+    halves of q_proj's per-head [query | gate] rows), weight [N, H * D]. The gated row is never written
+    (o_proj of Qwen3.5's gated attention at batch-1 decode)."""
+    _check_operands(x, weight, max_rows=GEMV_MAX_ROWS)
+    m, k = x.shape
+    if gate.dim() != 3 or gate.shape[0] != m or gate.shape[1] * gate.shape[2] != k or gate.stride(2) != 1:
+        raise ValueError(
+            f"gate must be (M, H, D) with M = {m}, H * D = {k} and a unit last stride, got shape "
+            f"{tuple(gate.shape)}, strides {gate.stride()}"
+        )
+    if gate.dtype != x.dtype:
+        raise ValueError(f"gate dtype {gate.dtype} differs from x's {x.dtype}")
+    return _launch_gemv(x, weight, out, SIGMOID_GATE, gate)
 
 
 def _launch_gemv(
-    x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None, *, swiglu: bool
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor | None,
+    mode: int,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     m, (n, k) = x.shape[0], weight.shape
     if out is None:
@@ -246,13 +318,16 @@ def _launch_gemv(
         raise ValueError(
             f"out must be a contiguous {x.dtype} tensor of shape ({m}, {n}), got {tuple(out.shape)}"
         )
-    args = (x, weight, out, n, k, x.stride(0), weight.stride(0), out.stride(0))
+    g, stride_gm, stride_gh, head_dim = (
+        (x, 0, 0, 1) if gate is None else (gate, *gate.stride()[:2], gate.shape[2])
+    )
+    args = (x, weight, out, g, n, k, x.stride(0), weight.stride(0), out.stride(0), stride_gm, stride_gh)
     if _INTERPRETER:
         block_n, block_k = _INTERPRETER_BLOCKS
         _gemv_kernel[(triton.cdiv(n, block_n),)](
-            *args, ROWS=m, SWIGLU=swiglu, BLOCK_N=block_n, BLOCK_K=block_k
+            *args, ROWS=m, MODE=mode, HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_K=block_k
         )
     else:
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-        _gemv_tuned[grid](*args, ROWS=m, SWIGLU=swiglu)
+        _gemv_tuned[grid](*args, ROWS=m, MODE=mode, HEAD_DIM=head_dim)
     return out
