@@ -12,6 +12,7 @@ the `tiny` preset, built once into the cache directory.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,7 +24,7 @@ from deltaserve.tokenizer_build import cached_tokenizer_dir
 if TYPE_CHECKING:  # torch is imported when weights are made: the CLI's parser reads PRESETS from here
     import torch
 
-RECIPE_VERSION = 2  # 2: a complete MTP head (was a few placeholder mtp.* tensors)
+RECIPE_VERSION = 3  # 2: a complete MTP head (was placeholder mtp.* tensors); 3: the same bits on any CPU
 VOCAB_SIZE = 248320  # the checkpoint's padded vocabulary; the tokenizer's id space is 248077
 EOS_TOKEN_IDS = [248046, 248044]  # <|im_end|>, <|endoftext|>
 ROPE = {
@@ -197,6 +198,15 @@ def random_text_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
 
     from deltaserve.model.qwen35 import Qwen35ForCausalLM
 
+    def normal(shape: tuple[int, ...], std: float, mean: float = 0.0) -> torch.Tensor:
+        # Box-Muller over float64 uniforms: the uniforms are exact on every CPU, and the transform's
+        # last-ulp differences between vectorised libms vanish in the bf16 rounding. (torch.randn's
+        # float32 samples differ between AVX2 and AVX-512 builds of its kernels.)
+        u1 = torch.rand(shape, generator=gen, dtype=torch.float64)
+        u2 = torch.rand(shape, generator=gen, dtype=torch.float64)
+        z = torch.sqrt(-2.0 * torch.log1p(-u1)) * torch.cos(2.0 * math.pi * u2)
+        return z * std + mean
+
     with torch.inference_mode():
         gen = torch.Generator().manual_seed(seed)
         model = Qwen35ForCausalLM(cfg, dtype=torch.float32, device=torch.device("meta"), mtp=True)
@@ -207,17 +217,17 @@ def random_text_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
                 name = spec.name
                 leaf = name.rsplit(".", 1)[-1]
                 if leaf == "A_log":
-                    t = torch.empty(shape).uniform_(1.0, 16.0, generator=gen).log_()
+                    t = torch.log(1.0 + 15.0 * torch.rand(shape, generator=gen, dtype=torch.float64))
                 elif leaf == "dt_bias":
-                    t = torch.randn(shape, generator=gen) * 0.5 + 1.0
+                    t = normal(shape, 0.5, 1.0)
                 elif name.endswith("linear_attn.norm.weight"):
-                    t = torch.randn(shape, generator=gen) * 0.2 + 1.0
+                    t = normal(shape, 0.2, 1.0)
                 elif len(shape) == 1:
-                    t = torch.randn(shape, generator=gen) * 0.2
+                    t = normal(shape, 0.2)
                 elif name == "embed_tokens.weight":
-                    t = torch.randn(shape, generator=gen) * 0.3
+                    t = normal(shape, 0.3)
                 else:
-                    t = torch.randn(shape, generator=gen) / shape[-1] ** 0.5
+                    t = normal(shape, shape[-1] ** -0.5)
                 dtype = torch.float32 if leaf == "A_log" else torch.bfloat16
                 top_level = name == "lm_head.weight" or name.startswith("mtp.")
                 tensors[("" if top_level else "model.language_model.") + name] = t.to(dtype).contiguous()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -54,6 +55,44 @@ def test_make_tiny_writes_the_official_layout_deterministically(tmp_path, tiny_d
         assert norm.float().std() > 0.05  # norm weights are randomised too
     other = make_tiny(tmp_path / "seed1", "tiny", 1)
     assert digest(other / "model.safetensors") != digest(out / "model.safetensors")
+
+
+WEIGHTS_DIGEST = """
+import dataclasses, hashlib, torch
+from deltaserve.config import ModelConfig
+from deltaserve.tiny import official_config, random_text_weights
+cfg = dataclasses.replace(ModelConfig.from_dict(official_config("tiny-moe")), vocab_size=1024)
+tensors = random_text_weights(cfg, 5)
+h = hashlib.sha256()
+for name in sorted(tensors):
+    h.update(name.encode() + tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
+print(torch.backends.cpu.get_cpu_capability(), h.hexdigest())
+"""
+
+
+def weights_digest(capability: str | None) -> tuple[str, str]:
+    """(the CPU kernels torch ran, a digest of make-tiny's weights) from a fresh process forced to
+    `capability` (None: the machine's best)."""
+    env = dict(os.environ)
+    env.pop("ATEN_CPU_CAPABILITY", None)
+    if capability is not None:
+        env["ATEN_CPU_CAPABILITY"] = capability
+    out = subprocess.run(
+        [sys.executable, "-c", WEIGHTS_DIGEST], env=env, capture_output=True, text=True, check=True
+    )
+    kernels, digest_hex = out.stdout.split()
+    return kernels, digest_hex
+
+
+def test_make_tiny_weights_are_the_same_bits_whatever_the_cpu_kernels():
+    """torch picks its CPU kernels by the machine's instruction set (ATEN_CPU_CAPABILITY forces one); the
+    random weights must not depend on it, or the embedded model differs between machines."""
+    runs = [weights_digest(None), weights_digest("default")]
+    assert runs[1][0] == "DEFAULT"
+    if runs[0][0] == "AVX512":  # x86 machines this one's kernels may differ from: AVX2 too
+        runs.append(weights_digest("avx2"))
+        assert runs[2][0] == "AVX2"
+    assert len({digest_hex for _, digest_hex in runs}) == 1, runs
 
 
 def test_tiny_moe_preset_loads_and_matches_hf(tmp_path):
