@@ -152,6 +152,10 @@ def test_op_boundary_fuses_the_swiglu_into_the_gemvs_rows_only(monkeypatch):
     monkeypatch.setattr(
         "deltaserve.ops.triton.activation.silu_and_mul", lambda g: ops._activation_ref.silu_and_mul(g)
     )
+    ops.silu_and_mul_linear(torch.randn(1, 32, dtype=torch.bfloat16), w)
+    assert calls == [("gemv", 1, 16)]  # DELTASERVE_FUSED_GEMV unset: the activation kernel, then the GEMV
+    calls.clear()
+    monkeypatch.setattr(ops, "FUSED_GEMV", True)
     for m in (1, 2):
         ops.silu_and_mul_linear(torch.randn(m, 32, dtype=torch.bfloat16), w)
     ops.silu_and_mul_linear(torch.randn(1, 32), w.float())  # fp32: the two ops, cuBLAS
@@ -209,5 +213,74 @@ def test_op_boundary_gates_inside_the_gemvs_rows_only(monkeypatch):
     assert calls == []
     monkeypatch.setattr(ops, "use_kernels", lambda t: True)
     ops.sigmoid_gated_linear(x[:1], gate[:1], w)
+    assert calls == [("gemv", 1, 32)]  # DELTASERVE_FUSED_GEMV unset: torch's ops, then the GEMV
+    calls.clear()
+    monkeypatch.setattr(ops, "FUSED_GEMV", True)
+    ops.sigmoid_gated_linear(x[:1], gate[:1], w)
     ops.sigmoid_gated_linear(x, gate, w)  # two rows: torch's ops, then cuBLAS
     assert calls == [("fused", 1, 32)]
+
+
+@pytest.mark.parametrize(("heads", "head_dim", "n", "m"), [(3, 32, 37, 1), (4, 64, 130, 1), (2, 16, 45, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_gated_norm_matches_the_gated_norm_then_gemv(heads, head_dim, n, m, dtype):
+    """out_proj(gated_rms_norm(o, z)) in one kernel, z read where in_proj leaves it (strided rows and
+    heads). Against the torch reference of the two ops, and the two kernels it replaces."""
+    from deltaserve.ops import norm as norm_ref
+    from deltaserve.ops.triton.norm import gated_rms_norm
+
+    gen = torch.Generator().manual_seed(heads * head_dim + n + m)
+    k = heads * head_dim
+    o = torch.randn(m, heads, head_dim, generator=gen).mul(2).to(dtype).to(DEVICE)
+    proj = torch.randn(m, heads * (head_dim + 8) + 5, generator=gen).mul(2).to(dtype).to(DEVICE)
+    z = proj[:, 5:].view(m, heads, head_dim + 8)[..., 8:]  # strided rows and heads, unit columns
+    norm_w = (1 + 0.2 * torch.randn(head_dim, generator=gen)).to(dtype).to(DEVICE)
+    w = torch.randn(n + 5, k, generator=gen).to(dtype).to(DEVICE)[2 : 2 + n]
+    got = triton_linear.gemv_gated_norm(o, z, norm_w, 1e-6, w)
+    assert got.shape == (m, n) and got.dtype == dtype
+    normed = norm_ref.gated_rms_norm(o.cpu(), z.cpu(), norm_w.cpu(), 1e-6).to(DEVICE)
+    want = F.linear(normed.reshape(m, k).double(), w.double())
+    unfused = triton_linear.gemv(gated_rms_norm(o, z, norm_w, 1e-6).reshape(m, k), w)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(got, unfused, rtol=1e-5, atol=1e-5)
+    else:  # a variance 1 fp32 ulp apart may round a normed element the other way: a bf16 step at most
+        torch.testing.assert_close(got.double(), want, rtol=2**-7, atol=2e-2)
+        torch.testing.assert_close(got.float(), unfused.float(), rtol=2**-7, atol=2e-2)
+
+
+def test_gemv_gated_norm_refuses_what_it_cannot_normalise_naming_it():
+    x, w = torch.zeros(1, 2, 24, device=DEVICE), torch.zeros(4, 48, device=DEVICE)
+    with pytest.raises(ValueError, match="head dim must be a power of two <= 256, got 24"):
+        triton_linear.gemv_gated_norm(x, x, torch.zeros(24, device=DEVICE), 1e-6, w)
+    x = torch.zeros(1, 2, 16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"norm_weight must be \(16,\)"):
+        triton_linear.gemv_gated_norm(x, x, torch.zeros(8, device=DEVICE), 1e-6, w[:, :32])
+
+
+def test_op_boundary_normalises_inside_the_gemvs_rows_only(monkeypatch):
+    calls = []
+    monkeypatch.setattr(
+        triton_linear, "gemv_gated_norm", lambda x, z, nw, eps, w: calls.append(("fused", *x.shape)) or None
+    )
+    monkeypatch.setattr(
+        triton_linear, "gemv", lambda x, w: calls.append(("gemv", *x.shape)) or F.linear(x, w)
+    )
+    w = torch.randn(8, 64, dtype=torch.bfloat16)
+    x = torch.randn(2, 4, 16, dtype=torch.bfloat16)
+    z, nw = torch.randn(2, 4, 16, dtype=torch.bfloat16), torch.randn(16, dtype=torch.bfloat16)
+    want = F.linear(ops._norm_ref.gated_rms_norm(x, z, nw, 1e-6).reshape(2, 64), w)
+    assert torch.equal(ops.gated_norm_linear(x, z, nw, 1e-6, w), want)  # the reference path
+    monkeypatch.setattr(ops, "use_kernels", lambda t: True)
+    monkeypatch.setattr("deltaserve.ops.triton.norm.gated_rms_norm", ops._norm_ref.gated_rms_norm)
+    ops.gated_norm_linear(x[:1], z[:1], nw, 1e-6, w)
+    assert calls == [("gemv", 1, 64)]  # DELTASERVE_FUSED_GEMV unset: the norm kernel, then the GEMV
+    calls.clear()
+    monkeypatch.setattr(ops, "FUSED_GEMV", True)
+    ops.gated_norm_linear(x[:1], z[:1], nw, 1e-6, w)
+    ops.gated_norm_linear(x, z, nw, 1e-6, w)  # two rows: the norm kernel, then cuBLAS
+    odd = torch.randn(1, 4, 12, dtype=torch.bfloat16)  # a head dim not a power of two: the two kernels
+    ops.gated_norm_linear(
+        odd, odd, torch.randn(12, dtype=torch.bfloat16), 1e-6, torch.randn(8, 48).bfloat16()
+    )
+    assert calls == [("fused", 1, 4, 16), ("gemv", 1, 48)]

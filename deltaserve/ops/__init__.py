@@ -30,6 +30,10 @@ SKINNY_GEMM = os.environ.get("DELTASERVE_SKINNY_GEMM", "0") == "1"
 GEMV_ROWS = int(os.environ.get("DELTASERVE_GEMV_ROWS", "1"))
 if not 1 <= GEMV_ROWS <= 4:
     raise ValueError(f"DELTASERVE_GEMV_ROWS must be 1..4, got {GEMV_ROWS}")
+# DELTASERVE_FUSED_GEMV=1 moves the op before a GEMV row's projection into the GEMV (silu_and_mul_linear,
+# sigmoid_gated_linear, gated_norm_linear: 80 fewer kernels per batch-1 decode step at the 4B shape).
+# Off by default until it has been through the GPU gate and measured against the two kernels on an H200.
+FUSED_GEMV = os.environ.get("DELTASERVE_FUSED_GEMV", "0") == "1"
 # DELTASERVE_MOE_GROUPED_FROM=N: routed-expert calls averaging N or more rows per expert (T * k / E) take
 # torch's grouped GEMM (ops/triton/moe_grouped.py) where it is supported, the Triton kernels otherwise;
 # 0 (the default) keeps the Triton kernels everywhere: on an H200 at the 35B-A3B's expert shape the
@@ -74,9 +78,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def silu_and_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """linear(silu_and_mul(gate_up), weight): a SwiGLU MLP's down projection. The GEMV's rows (see
-    linear) compute the activation inside the GEMV, with the same bits as the two ops."""
-    if _streams_weights(gate_up, weight) and 1 <= gate_up.shape[0] <= GEMV_ROWS:
+    """linear(silu_and_mul(gate_up), weight): a SwiGLU MLP's down projection. With FUSED_GEMV the GEMV's
+    rows (see linear) compute the activation inside the GEMV, with the same bits as the two ops."""
+    if FUSED_GEMV and _streams_weights(gate_up, weight) and 1 <= gate_up.shape[0] <= GEMV_ROWS:
         from deltaserve.ops.triton.linear import gemv_swiglu
 
         return gemv_swiglu(gate_up, weight)
@@ -85,13 +89,37 @@ def silu_and_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Te
 
 def sigmoid_gated_linear(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """linear(x * sigmoid(gate), weight) with x [T, H * D] and gate [T, H, D] (any row and head strides):
-    gated attention's output projection. The GEMV's rows (see linear) gate inside the GEMV, rounded as
-    the two ops round."""
-    if _streams_weights(x, weight) and 1 <= x.shape[0] <= GEMV_ROWS and gate.stride(-1) == 1:
+    gated attention's output projection. With FUSED_GEMV the GEMV's rows (see linear) gate inside the
+    GEMV, rounded as the two ops round."""
+    if FUSED_GEMV and _streams_weights(x, weight) and 1 <= x.shape[0] <= GEMV_ROWS and gate.stride(-1) == 1:
         from deltaserve.ops.triton.linear import gemv_sigmoid_gated
 
         return gemv_sigmoid_gated(x, gate, weight)
     return linear(x * torch.sigmoid(gate.reshape(x.shape)), weight)
+
+
+def gated_norm_linear(
+    x: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor
+) -> torch.Tensor:
+    """linear(gated_rms_norm(x, z, norm_weight, eps) as [T, H * D], weight) with x, z [T, H, D]: a Gated
+    DeltaNet layer's output projection. With FUSED_GEMV the GEMV's rows (see linear) normalise inside
+    the GEMV."""
+    tokens, heads, head_dim = x.shape
+    if (
+        FUSED_GEMV
+        and _streams_weights(x.reshape(tokens, heads * head_dim), weight)
+        and 1 <= tokens <= GEMV_ROWS
+    ):
+        from deltaserve.ops.triton.linear import GATED_NORM_MAX_HEAD_DIM, gemv_gated_norm
+
+        if (
+            z.stride(-1) == 1
+            and z.dtype == norm_weight.dtype == x.dtype
+            and not head_dim & (head_dim - 1)
+            and head_dim <= GATED_NORM_MAX_HEAD_DIM
+        ):
+            return gemv_gated_norm(x, z, norm_weight, eps, weight)
+    return linear(gated_rms_norm(x, z, norm_weight, eps).reshape(tokens, heads * head_dim), weight)
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

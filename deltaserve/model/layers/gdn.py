@@ -12,7 +12,7 @@ from torch import nn
 from deltaserve.config import ModelConfig
 from deltaserve.model.layers.parallel import SINGLE, TensorParallel
 from deltaserve.model.layers.params import WeightRequirement, new_param, single, stacked
-from deltaserve.ops import causal_conv1d_split, gated_delta_rule, gated_rms_norm, linear
+from deltaserve.ops import causal_conv1d_split, gated_delta_rule, gated_norm_linear, linear
 from deltaserve.ops.batch import ForwardBatch
 
 
@@ -87,5 +87,5 @@ class GatedDeltaNet(nn.Module):
             ssm_state,
             batch,
         )
-        out = gated_rms_norm(out, z.reshape(tokens, self.num_v_heads, self.head_v_dim), self.norm, self.eps)
-        return linear(out.reshape(tokens, self.value_dim), self.out_proj)
+        z = z.reshape(tokens, self.num_v_heads, self.head_v_dim)
+        return gated_norm_linear(out, z, self.norm, self.eps, self.out_proj)

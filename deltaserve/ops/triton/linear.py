@@ -35,14 +35,16 @@ from deltaserve.ops.triton.activation import _INTERPRETER, exp_f32, round_to, si
 # (few rows per program for the narrow N = 2560 projections, wider for N >= 10k).
 _CONFIGS = [(4, 1024, 8), (4, 512, 4), (8, 256, 4), (8, 512, 4), (16, 512, 8), (32, 256, 8)]
 _INTERPRETER_BLOCKS = (8, 64)
+GATED_NORM_MAX_HEAD_DIM = min(k for _, k, _ in _CONFIGS)  # every tuned K block holds whole heads
 
 
 GEMV_MAX_ROWS = 4  # rows streamed together (a K = 3 verify row has 4 tokens)
 
 
-# What the GEMV reads as x (its MODE): a plain row, a SwiGLU MLP's [gate | up] row, or an attention
-# output row with its per-head sigmoid gate (Qwen3.5's gated attention: o_proj(attn * sigmoid(gate))).
-PLAIN, SWIGLU, SIGMOID_GATE = 0, 1, 2
+# What the GEMV reads as x (its MODE): a plain row, a SwiGLU MLP's [gate | up] row, an attention output
+# row with its per-head sigmoid gate (Qwen3.5's gated attention: o_proj(attn * sigmoid(gate))), or a
+# Gated DeltaNet output row with its per-head gated RMSNorm (out_proj(norm(o) * w * silu(z))).
+PLAIN, SWIGLU, SIGMOID_GATE, GATED_NORM = 0, 1, 2, 3
 
 
 @triton.jit
@@ -52,11 +54,27 @@ def sigmoid_f32(x):
 
 
 @triton.jit
-def _load_x(x_row_ptr, g_row_ptr, cols, col_ok, K, stride_gh, MODE: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """x[cols] in fp32, rounded as the unfused ops round it, so the fused GEMV has their bits.
-    SWIGLU: the row holds gate | up (2K wide); x = silu(gate) * up as the silu_and_mul kernel rounds it.
-    SIGMOID_GATE: x = row * sigmoid(gate), the gate of column c at g_row_ptr + (c // HEAD_DIM) *
-    stride_gh + c % HEAD_DIM; the sigmoid rounded to the dtype, then the product, as torch rounds them."""
+def _load_x(
+    x_row_ptr,
+    g_row_ptr,
+    nw_ptr,
+    eps,
+    cols,
+    col_ok,
+    K,
+    stride_gh,
+    MODE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """x[cols] in fp32, rounded as the unfused ops round it. The gate of column c (SIGMOID_GATE's, or
+    GATED_NORM's z) is at g_row_ptr + (c // HEAD_DIM) * stride_gh + c % HEAD_DIM.
+    SWIGLU: the row holds gate | up (2K wide); x = silu(gate) * up as the silu_and_mul kernel rounds it
+    (the same bits). SIGMOID_GATE: x = row * sigmoid(gate), the sigmoid rounded to the dtype, then the
+    product, as torch rounds them (the same bits). GATED_NORM: per head (HEAD_DIM columns, whole heads
+    in a block), RMSNorm of the row times the norm weight nw, times silu(z), rounded at the steps where
+    the gated_rms_norm kernel rounds; its sum of squares may add in another order (the last fp32 bit of
+    the variance)."""
     if MODE == 1:
         gate = tl.load(x_row_ptr + cols, mask=col_ok, other=0.0)
         up = tl.load(x_row_ptr + K + cols, mask=col_ok, other=0.0)
@@ -68,15 +86,38 @@ def _load_x(x_row_ptr, g_row_ptr, cols, col_ok, K, stride_gh, MODE: tl.constexpr
         gate = tl.load(gate_at, mask=col_ok, other=0.0)
         sig = round_to(sigmoid_f32(gate.to(tl.float32)), x.dtype)
         return round_to(x.to(tl.float32) * sig.to(tl.float32), x.dtype).to(tl.float32)
+    elif MODE == 3:
+        x_raw = tl.load(x_row_ptr + cols, mask=col_ok, other=0.0)
+        x = tl.reshape(x_raw.to(tl.float32), (BLOCK_K // HEAD_DIM, HEAD_DIM))
+        var = tl.div_rn(tl.sum(x * x, axis=1), HEAD_DIM * 1.0)
+        rstd = tl.div_rn(1.0, tl.sqrt_rn(var + eps))
+        normed = tl.reshape(round_to(x * rstd[:, None], x_raw.dtype), (BLOCK_K,))
+        nw = tl.load(nw_ptr + cols % HEAD_DIM).to(tl.float32)
+        y = round_to(normed.to(tl.float32) * nw, x_raw.dtype)
+        z = tl.load(g_row_ptr + (cols // HEAD_DIM) * stride_gh + cols % HEAD_DIM, mask=col_ok, other=0.0)
+        return round_to(y.to(tl.float32) * silu_f32(z.to(tl.float32)), x_raw.dtype).to(tl.float32)
     else:
         return tl.load(x_row_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
 
 
 @triton.jit
 def _row_product(
-    acc, w, x_row_ptr, g_row_ptr, cols, col_ok, K, stride_gh, MODE: tl.constexpr, HEAD_DIM: tl.constexpr
+    acc,
+    w,
+    x_row_ptr,
+    g_row_ptr,
+    nw_ptr,
+    eps,
+    cols,
+    col_ok,
+    K,
+    stride_gh,
+    MODE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
-    return acc + w * _load_x(x_row_ptr, g_row_ptr, cols, col_ok, K, stride_gh, MODE, HEAD_DIM)[None, :]
+    x = _load_x(x_row_ptr, g_row_ptr, nw_ptr, eps, cols, col_ok, K, stride_gh, MODE, HEAD_DIM, BLOCK_K)
+    return acc + w * x[None, :]
 
 
 @triton.jit
@@ -90,6 +131,8 @@ def _gemv_kernel(
     w_ptr,
     out_ptr,
     g_ptr,
+    nw_ptr,
+    eps,
     N,
     K,
     stride_xm,
@@ -116,10 +159,24 @@ def _gemv_kernel(
         cols = k0 + tl.arange(0, BLOCK_K)
         col_ok = cols < K
         w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-        acc0 = _row_product(acc0, w, x_ptr, g_ptr, cols, col_ok, K, stride_gh, MODE, HEAD_DIM)
+        acc0 = _row_product(
+            acc0, w, x_ptr, g_ptr, nw_ptr, eps, cols, col_ok, K, stride_gh, MODE, HEAD_DIM, BLOCK_K
+        )
         if ROWS > 1:
             acc1 = _row_product(
-                acc1, w, x_ptr + stride_xm, g_ptr + stride_gm, cols, col_ok, K, stride_gh, MODE, HEAD_DIM
+                acc1,
+                w,
+                x_ptr + stride_xm,
+                g_ptr + stride_gm,
+                nw_ptr,
+                eps,
+                cols,
+                col_ok,
+                K,
+                stride_gh,
+                MODE,
+                HEAD_DIM,
+                BLOCK_K,
             )
         if ROWS > 2:
             acc2 = _row_product(
@@ -127,12 +184,15 @@ def _gemv_kernel(
                 w,
                 x_ptr + 2 * stride_xm,
                 g_ptr + 2 * stride_gm,
+                nw_ptr,
+                eps,
                 cols,
                 col_ok,
                 K,
                 stride_gh,
                 MODE,
                 HEAD_DIM,
+                BLOCK_K,
             )
         if ROWS > 3:
             acc3 = _row_product(
@@ -140,12 +200,15 @@ def _gemv_kernel(
                 w,
                 x_ptr + 3 * stride_xm,
                 g_ptr + 3 * stride_gm,
+                nw_ptr,
+                eps,
                 cols,
                 col_ok,
                 K,
                 stride_gh,
                 MODE,
                 HEAD_DIM,
+                BLOCK_K,
             )
     _store_row(out_ptr, acc0, rows, row_ok)
     if ROWS > 1:
@@ -304,12 +367,52 @@ def gemv_sigmoid_gated(
     return _launch_gemv(x, weight, out, SIGMOID_GATE, gate)
 
 
+def gemv_gated_norm(
+    x: torch.Tensor,
+    z: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """gemv(gated_rms_norm(x, z, norm_weight, eps) as [M, H * D], weight) in one kernel: x [M, H, D]
+    (heads adjacent, unit column stride), z [M, H, D] (unit column stride; any row and head strides),
+    norm_weight [D], weight [N, H * D]. The normed row is never written (out_proj of a Gated DeltaNet
+    layer at batch-1 decode). D must be a power of two up to GATED_NORM_MAX_HEAD_DIM (whole heads in
+    every K block)."""
+    if (
+        x.dim() != 3
+        or z.shape != x.shape
+        or x.stride(2) != 1
+        or z.stride(2) != 1
+        or x.stride(1) != x.shape[2]
+    ):
+        raise ValueError(
+            f"x and z must be (M, H, D) of one shape with unit column strides and x's heads adjacent, got "
+            f"{tuple(x.shape)} strides {x.stride()} and {tuple(z.shape)} strides {z.stride()}"
+        )
+    m, heads, head_dim = x.shape
+    if head_dim & (head_dim - 1) or head_dim > GATED_NORM_MAX_HEAD_DIM:
+        raise ValueError(f"the head dim must be a power of two <= {GATED_NORM_MAX_HEAD_DIM}, got {head_dim}")
+    if norm_weight.shape != (head_dim,) or norm_weight.dtype != x.dtype or z.dtype != x.dtype:
+        raise ValueError(
+            f"norm_weight must be ({head_dim},) and z, norm_weight of x's dtype {x.dtype}, got "
+            f"{tuple(norm_weight.shape)} {norm_weight.dtype} and z {z.dtype}"
+        )
+    rows = x.as_strided((m, heads * head_dim), (x.stride(0), 1))
+    _check_operands(rows, weight, max_rows=GEMV_MAX_ROWS)
+    return _launch_gemv(rows, weight, out, GATED_NORM, z, norm_weight.contiguous(), eps)
+
+
 def _launch_gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
     out: torch.Tensor | None,
     mode: int,
     gate: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
 ) -> torch.Tensor:
     m, (n, k) = x.shape[0], weight.shape
     if out is None:
@@ -321,9 +424,25 @@ def _launch_gemv(
     g, stride_gm, stride_gh, head_dim = (
         (x, 0, 0, 1) if gate is None else (gate, *gate.stride()[:2], gate.shape[2])
     )
-    args = (x, weight, out, g, n, k, x.stride(0), weight.stride(0), out.stride(0), stride_gm, stride_gh)
+    nw = x if norm_weight is None else norm_weight
+    args = (
+        x,
+        weight,
+        out,
+        g,
+        nw,
+        eps,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        stride_gm,
+        stride_gh,
+    )
     if _INTERPRETER:
         block_n, block_k = _INTERPRETER_BLOCKS
+        block_k = max(block_k, head_dim)
         _gemv_kernel[(triton.cdiv(n, block_n),)](
             *args, ROWS=m, MODE=mode, HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_K=block_k
         )
