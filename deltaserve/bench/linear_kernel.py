@@ -6,6 +6,9 @@ triton.testing.do_bench; the bandwidth is the weight's bytes over the time. Ever
 against F.linear first (one bf16 rounding apart).
 
 python3 -m deltaserve.bench.linear_kernel   (needs CUDA; docs/benchmarks/2026-12-02-h200-gemv-rows.md)
+
+With --fused: the three GEMV fusions of one decode row (DELTASERVE_FUSED_GEMV) against the kernels they
+replace, inside CUDA graphs as a decode step runs them (the per-kernel gaps included), per layer call.
 """
 
 from __future__ import annotations
@@ -16,7 +19,16 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
-from deltaserve.ops.triton.linear import GEMV_MAX_ROWS, gemv, skinny_gemm
+from deltaserve.ops.triton.activation import silu_and_mul
+from deltaserve.ops.triton.linear import (
+    GEMV_MAX_ROWS,
+    gemv,
+    gemv_gated_norm,
+    gemv_sigmoid_gated,
+    gemv_swiglu,
+    skinny_gemm,
+)
+from deltaserve.ops.triton.norm import gated_rms_norm
 
 DEV = torch.device("cuda")
 DTYPE = torch.bfloat16
@@ -42,10 +54,78 @@ def time_ms(fn, weights: list[torch.Tensor]) -> float:
     return triton.testing.do_bench(step, warmup=50, rep=300, return_mode="median")
 
 
+def graph_ms(fn, weights: list[torch.Tensor], reps: int = 200) -> float:
+    """Median ms of one fn(w) call, replayed in a CUDA graph that calls it once per weight copy."""
+    for w in weights:  # compiles and tunes outside the capture
+        fn(w)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in weights:
+            fn(w)
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / len(weights))
+    return sorted(times)[len(times) // 2]
+
+
+def fused_main() -> None:
+    """gemv_swiglu, gemv_sigmoid_gated and gemv_gated_norm at the 4B shape against their unfused pairs."""
+    hidden, inter, eps = 2560, 9216, 1e-6
+    weights = {
+        k: [torch.randn(hidden, k, device=DEV, dtype=DTYPE) * 0.02 for _ in range(COPIES)]
+        for k in (inter, 4096)
+    }
+    gate_up = torch.randn(1, 2 * inter, device=DEV, dtype=DTYPE)
+    q_gate = torch.randn(1, 16, 512, device=DEV, dtype=DTYPE)  # attention: 16 heads x [query | gate] of 256
+    attn, gate = torch.randn(1, 4096, device=DEV, dtype=DTYPE), q_gate[..., 256:]
+    o = torch.randn(1, 32, 128, device=DEV, dtype=DTYPE)  # GDN: 32 value heads of 128
+    z = torch.randn(1, 2 * 4096, device=DEV, dtype=DTYPE)[:, 4096:].view(1, 32, 128)
+    norm_w = torch.randn(128, device=DEV, dtype=DTYPE) * 0.2 + 1
+    pairs = [
+        (
+            "mlp down + SwiGLU",
+            inter,
+            lambda w: gemv(silu_and_mul(gate_up), w),
+            lambda w: gemv_swiglu(gate_up, w),
+        ),
+        (
+            "attn o_proj + gate",
+            4096,
+            lambda w: gemv(attn * torch.sigmoid(gate.reshape(1, -1)), w),
+            lambda w: gemv_sigmoid_gated(attn, gate, w),
+        ),
+        (
+            "gdn out_proj + norm",
+            4096,
+            lambda w: gemv(gated_rms_norm(o, z, norm_w, eps).reshape(1, -1), w),
+            lambda w: gemv_gated_norm(o, z, norm_w, eps, w),
+        ),
+    ]
+    print(f"{'layer op':<22}{'unfused ms':>12}{'fused ms':>10}{'saved us':>10}  same bits")
+    for name, k, unfused, fused in pairs:
+        ws = weights[k]
+        same = torch.equal(unfused(ws[0]), fused(ws[0]))
+        torch.testing.assert_close(fused(ws[0]).float(), unfused(ws[0]).float(), rtol=2**-7, atol=2e-2)
+        t_unfused, t_fused = graph_ms(unfused, ws), graph_ms(fused, ws)
+        print(f"{name:<22}{t_unfused:>12.4f}{t_fused:>10.4f}{(t_unfused - t_fused) * 1e3:>10.1f}  {same}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default=",".join(str(m) for m in range(1, GEMV_MAX_ROWS + 1)))
+    parser.add_argument(
+        "--fused", action="store_true", help="the GEMV fusions against the kernels they replace"
+    )
     args = parser.parse_args()
+    if args.fused:
+        fused_main()
+        return
     rows_list = [int(m) for m in args.rows.split(",")]
     torch.manual_seed(0)
     print(
