@@ -101,26 +101,6 @@ def _load_x(
 
 
 @triton.jit
-def _row_product(
-    acc,
-    w,
-    x_row_ptr,
-    g_row_ptr,
-    nw_ptr,
-    eps,
-    cols,
-    col_ok,
-    K,
-    stride_gh,
-    MODE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    x = _load_x(x_row_ptr, g_row_ptr, nw_ptr, eps, cols, col_ok, K, stride_gh, MODE, HEAD_DIM, BLOCK_K)
-    return acc + w * x[None, :]
-
-
-@triton.jit
 def _store_row(out_row_ptr, acc, rows, row_ok):
     tl.store(out_row_ptr + rows, round_to(tl.sum(acc, axis=1), out_row_ptr.dtype.element_ty), mask=row_ok)
 
@@ -151,23 +131,18 @@ def _gemv_kernel(
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
-    acc0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    accs = ()
+    for _ in tl.static_range(ROWS):
+        accs = accs + (tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32),)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         col_ok = cols < K
         w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-        acc0 = _row_product(
-            acc0, w, x_ptr, g_ptr, nw_ptr, eps, cols, col_ok, K, stride_gh, MODE, HEAD_DIM, BLOCK_K
-        )
-        if ROWS > 1:
-            acc1 = _row_product(
-                acc1,
-                w,
-                x_ptr + stride_xm,
-                g_ptr + stride_gm,
+        summed = ()
+        for r in tl.static_range(ROWS):
+            x = _load_x(
+                x_ptr + r * stride_xm,
+                g_ptr + r * stride_gm,
                 nw_ptr,
                 eps,
                 cols,
@@ -178,45 +153,10 @@ def _gemv_kernel(
                 HEAD_DIM,
                 BLOCK_K,
             )
-        if ROWS > 2:
-            acc2 = _row_product(
-                acc2,
-                w,
-                x_ptr + 2 * stride_xm,
-                g_ptr + 2 * stride_gm,
-                nw_ptr,
-                eps,
-                cols,
-                col_ok,
-                K,
-                stride_gh,
-                MODE,
-                HEAD_DIM,
-                BLOCK_K,
-            )
-        if ROWS > 3:
-            acc3 = _row_product(
-                acc3,
-                w,
-                x_ptr + 3 * stride_xm,
-                g_ptr + 3 * stride_gm,
-                nw_ptr,
-                eps,
-                cols,
-                col_ok,
-                K,
-                stride_gh,
-                MODE,
-                HEAD_DIM,
-                BLOCK_K,
-            )
-    _store_row(out_ptr, acc0, rows, row_ok)
-    if ROWS > 1:
-        _store_row(out_ptr + stride_om, acc1, rows, row_ok)
-    if ROWS > 2:
-        _store_row(out_ptr + 2 * stride_om, acc2, rows, row_ok)
-    if ROWS > 3:
-        _store_row(out_ptr + 3 * stride_om, acc3, rows, row_ok)
+            summed = summed + (accs[r] + w * x[None, :],)
+        accs = summed
+    for r in tl.static_range(ROWS):
+        _store_row(out_ptr + r * stride_om, accs[r], rows, row_ok)
 
 
 _gemv_tuned = triton.autotune(
