@@ -21,7 +21,7 @@ from deltaserve.bench.matrix import (
     record_stem,
     unique_stem,
 )
-from deltaserve.bench.matrix_env import gpu_slug
+from deltaserve.bench.matrix_env import engine_variables, gpu_slug
 from deltaserve.bench.matrix_plan import GROUPS, Stream, select_cells
 from deltaserve.bench.matrix_report import StreamSummary, render_markdown, summary_json
 from deltaserve.bench.matrix_server import ServerProcess
@@ -266,6 +266,7 @@ def test_markdown_puts_the_floor_and_previous_record_beside_each_number(tmp_path
     assert "| commit | `0123456789ab` |" in md
     assert "| server flags | `--load-format dummy --served-model-name 4b-shape` |" in md
     assert "| server start -> HTTP ready | 31.2 s |" in md
+    assert "| DELTASERVE_ variables | none |" in md
     assert "| completed / failed | 20 / 0 (all cells) |" in md
     # Median TPOT 3.05 ms against the 1.95 ms floor: 1.56x.
     assert (
@@ -282,6 +283,22 @@ def test_markdown_puts_the_floor_and_previous_record_beside_each_number(tmp_path
         line.startswith("python3 -m deltaserve.bench.serve ") and "--result-dir $RAW" in line for line in md
     )
     assert not record_ok(record)
+
+
+def test_a_records_deltaserve_variables_are_stated_and_prefix_its_commands(tmp_path):
+    """An A/B through a DELTASERVE_* switch: the record says which side it is, and its commands rerun it."""
+    assert engine_variables(
+        {"DELTASERVE_FUSED_GEMV": "1", "DELTASERVE_CACHE_DIR": "/x", "PATH": "/bin", "DELTASERVE_A": "x y"}
+    ) == {"DELTASERVE_A": "x y", "DELTASERVE_FUSED_GEMV": "1"}
+    _, record = _record(tmp_path, "decode-4b", "1-256-c1")
+    record["environment"] = ENV | {"variables": {"DELTASERVE_FUSED_GEMV": "1"}}
+    md = render_markdown(json.loads(json.dumps(record))).splitlines()
+    assert "| DELTASERVE_ variables | `DELTASERVE_FUSED_GEMV=1` |" in md
+    assert (
+        "DELTASERVE_FUSED_GEMV=1 python3 -m deltaserve.cli bench matrix --group decode-4b --cells 1-256-c1"
+        in md
+    )
+    assert any(line.startswith("DELTASERVE_FUSED_GEMV=1 python3 -m deltaserve.cli serve ") for line in md)
 
 
 def _one_cell(plan: Plan, group: str, cell: str, bench_json: dict[str, Any]) -> dict[str, Any]:

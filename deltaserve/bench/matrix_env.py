@@ -7,10 +7,12 @@ initialises CUDA (the server it starts owns the GPU).
 from __future__ import annotations
 
 import json
+import os
 import platform
 import re
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +54,18 @@ def probe_environment(python: str = sys.executable) -> dict[str, Any]:
     env["python"] = platform.python_version()
     env["platform"] = platform.platform()
     env |= git_commit()
+    env["variables"] = engine_variables(os.environ)
     return env
+
+
+# The cache directory is where a machine keeps its kernels, not a setting of the run.
+_NOT_SETTINGS = ("DELTASERVE_CACHE_DIR",)
+
+
+def engine_variables(environ: Mapping[str, str]) -> dict[str, str]:
+    """The DELTASERVE_* variables the server inherits (switches such as DELTASERVE_FUSED_GEMV or
+    DELTASERVE_ITL_DEBUG): an A/B run through one of them is told apart by its record."""
+    return {k: environ[k] for k in sorted(environ) if k.startswith("DELTASERVE_") and k not in _NOT_SETTINGS}
 
 
 def nvidia_smi_field(field: str) -> str | None:

@@ -8,6 +8,7 @@ Latencies are `bench serve`'s (vLLM's definitions), as mean / median / p99 / max
 from __future__ import annotations
 
 import dataclasses
+import shlex
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,6 +144,7 @@ def _header_table(record: dict[str, Any]) -> list[str]:
             f"{record['model']} (`make-tiny --preset {record['preset']}`), random weights (`--load-format dummy`)",
         ),
         ("server flags", f"`{' '.join(server['flags'])}`"),
+        ("DELTASERVE_ variables", f"`{_variables(env)}`" if env.get("variables") else "none"),
         ("server start -> HTTP ready", _seconds(server.get("ready_s"))),
         ("group wall time", f"{_seconds(record.get('wall_s'))} (expected ~{record['expected_wall_s']} s)"),
     ]
@@ -307,12 +309,18 @@ def _turn_sections(record: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _variables(env: dict[str, Any]) -> str:
+    """The run's DELTASERVE_* variables as a shell prefix (`A=1 B=2`), or ''."""
+    return " ".join(f"{k}={shlex.quote(v)}" for k, v in (env.get("variables") or {}).items())
+
+
 def _reproduce_section(record: dict[str, Any]) -> list[str]:
+    prefix = _variables(record["environment"])
     lines = [
         "## Reproduce",
         "",
         "```bash",
-        record["command"],
+        f"{prefix} {record['command']}" if prefix else record["command"],
         "```",
         "",
         "It runs, in order (`$MODEL_DIR`: the shape config make-tiny writes; `$RAW`: the raw results "
@@ -320,7 +328,7 @@ def _reproduce_section(record: dict[str, Any]) -> list[str]:
         "",
         "```bash",
         record["make_tiny_command"],
-        record["server"]["command"] + " &",
+        (f"{prefix} " if prefix else "") + record["server"]["command"] + " &",
     ]
     for cell in record["cells"]:
         for stream in cell["streams"]:
