@@ -1,7 +1,8 @@
 """Continuous-batching scheduler: the entry point, load publishing and the main loop.
 
 Request types and the chunk vocabulary live in request.py, what the scheduler owns in state.py, step
-drivers in steps.py, token dispatch in dispatch.py, where a request dies (retire, failure, pruning,
+drivers in steps.py (a step's rows in rows.py, a speculative step's plan in spec_plan.py), token
+dispatch in dispatch.py, where a request dies (retire, failure, pruning,
 shutdown fan-out) in lifecycle.py, submission checks in validation.py, per-step ITL telemetry in
 telemetry.py and pure policy in plan.py.
 One tick, in this fixed order:

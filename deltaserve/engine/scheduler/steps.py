@@ -1,7 +1,8 @@
 """Step drivers: admission, batch prefill, overlap launch, unified prefill+decode, pure decode (with
 decode-ahead), and chunk taking (take_prefill_chunks; the chunk vocabulary itself is in request.py).
 Token dispatch and retirement (a result's tokens to its requests, chunks promoted or requeued) are in
-dispatch.py.
+dispatch.py; what each request puts into a step's forward (its row, pages reserved, and the sampling of
+its position) in rows.py; a speculative step's plan (who verifies, who drafts) in spec_plan.py.
 
 Every step is ONE backend forward over a flattened batch: decode rows first, then prefill chunks. A
 chunk that reaches the end of its request's tokens samples the request's next token there ("promote");
@@ -34,12 +35,10 @@ a request that a plain step advanced (the guard at 0 drafts, an async prefill) d
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 from deltaserve.cache.manager import CacheWork, PrefixHit
-from deltaserve.engine.sampler import SamplingRow, uses_penalties
 from deltaserve.engine.scheduler import dispatch, lifecycle, prefix, telemetry
 from deltaserve.engine.scheduler.plan import (
     AdmissionCapacity,
@@ -59,15 +58,20 @@ from deltaserve.engine.scheduler.plan import (
     step_token_budget,
 )
 from deltaserve.engine.scheduler.request import LaunchedStep, Phase, Request, ScheduledChunk
+from deltaserve.engine.scheduler.rows import (
+    chunk_row,
+    decode_row,
+    needs_output_on_host,
+    speculative_chunk_row,
+    speculative_decode_rows,
+)
+from deltaserve.engine.scheduler.spec_plan import SpeculativePlan, draft_count, plan_speculation
 from deltaserve.engine.scheduler.state import SchedulerState
 from deltaserve.engine.step import (
-    PlannedRow,
-    PromptScoring,
     StepPlan,
     StepResult,
     TokenFeed,
 )
-from deltaserve.sampling_params import SamplingParams
 
 # ---- admission ---------------------------------------------------------------------------------
 
@@ -166,31 +170,6 @@ def _log_step(label: str, decode: list[Request], chunks: list[ScheduledChunk], s
     telemetry.log_itl_step(label, prefill_tokens, len(chunks), len(decode), started, time.monotonic())
 
 
-@dataclass(slots=True)
-class SpeculativePlan:
-    """A step's speculation: `num_drafts` proposals for each drafting row after the step; the decoders
-    that verify (id -> their drafts this step) and that draft; lookahead pages still free for chunks."""
-
-    num_drafts: int
-    verify: dict[int, int] = field(default_factory=dict)
-    drafting: set[int] = field(default_factory=set)
-    free_pages: int = 0
-
-    def chunk_drafts(self, sched: SchedulerState, c: ScheduledChunk) -> bool:
-        """A completing chunk drafts when its request may and its lookahead pages are free."""
-        req = c.request
-        if not c.completes or not _may_speculate(req):
-            return False
-        end = c.start + c.length
-        need = sched.cache.pages_needed(req.seq, end + self.num_drafts - 1) - sched.cache.pages_needed(
-            req.seq, end
-        )
-        if need > self.free_pages:
-            return False
-        self.free_pages -= need
-        return True
-
-
 def _plan_work(
     sched: SchedulerState,
 ) -> tuple[list[Request], list[ScheduledChunk], SpeculativePlan | None]:
@@ -199,7 +178,7 @@ def _plan_work(
     and free pages; a lone prompt beside decoders, with nothing queued behind it, in even chunks)."""
     decode_pages = _ensure_decode_pages(sched)
     decode = list(sched.running)
-    spec = _plan_speculation(sched, decode, sched.cache.kv.num_free - decode_pages)
+    spec = plan_speculation(sched, decode, sched.cache.kv.num_free - decode_pages)
     if spec is not None:
         decode_pages = sched.cache.kv.num_free - spec.free_pages
     if sched.inflight is not None or not sched.prefilling:
@@ -248,55 +227,6 @@ def _prefill_backlog(sched: SchedulerState) -> int:
 
 def _chunk_pages(sched: SchedulerState, chunks: list[ScheduledChunk]) -> int:
     return sum(sched.cache.pages_needed(c.request.seq, c.start + c.length) for c in chunks)
-
-
-def _may_speculate(req: Request) -> bool:
-    """Verify rows sample without a grammar (its state cannot fork per draft); a request drafts only
-    while the MTP head's K/V covers its whole sequence (Request.mtp_gaps)."""
-    return req.grammar is None and not req.mtp_gaps
-
-
-def _draft_count(sched: SchedulerState, decode: list[Request]) -> int:
-    """The drafts per row of a step over `decode`: the guard's count at its size, or 0 (a plain step)
-    when no decoder and no prompt being prefilled may take part (no MTP pass for nothing, and the
-    step may be launched ahead)."""
-    guard = sched.guard
-    if guard is None:
-        return 0
-    k = guard.draft_length(max(1, len(decode)))
-    if k and not any(_may_speculate(r) for r in (*decode, *sched.prefilling)):
-        return 0
-    return k
-
-
-def _plan_speculation(
-    sched: SchedulerState, decode: list[Request], free_pages: int
-) -> SpeculativePlan | None:
-    """The guard's draft count for this step and which decoders verify k drafts, while the verify
-    scratch lasts and their pages (this step's tokens and the lookahead of the next proposals) are
-    free. None: a plain step."""
-    k = _draft_count(sched, decode)
-    if k == 0:
-        return None
-    cache = sched.cache
-    spec = SpeculativePlan(k, free_pages=free_pages)
-    max_verify = sched.config.speculative.max_batch
-    for req in decode:
-        if not _may_speculate(req):
-            continue
-        # Every verify row of a step verifies k drafts (padded when it has fewer proposals: they only
-        # cost rejections), so a step of verify rows has one shape; it accepts no more drafts than
-        # its request may still emit after the target's token.
-        verify = k if len(spec.verify) < max_verify else 0
-        base = req.num_computed + 1  # the decode page already ensured
-        need = cache.pages_needed(req.seq, base + verify + k - 1) - cache.pages_needed(req.seq, base)
-        if need > spec.free_pages:
-            continue
-        spec.free_pages -= need
-        if verify:
-            spec.verify[id(req)] = verify
-        spec.drafting.add(id(req))
-    return spec
 
 
 def _launch_work(
@@ -352,11 +282,11 @@ def _launch(
     before, after = cache.take_pending(), CacheWork()
     try:
         if spec is None:
-            decode_rows = [_decode_row(sched, r, pending) for r in decode]
-            chunk_rows = [_chunk_row(sched, c) for c in chunks]
+            decode_rows = [decode_row(sched, r, pending) for r in decode]
+            chunk_rows = [chunk_row(sched, c) for c in chunks]
         else:
-            decode_rows = _speculative_decode_rows(sched, decode, spec)
-            chunk_rows = [_speculative_chunk_row(sched, c, spec) for c in chunks]
+            decode_rows = speculative_decode_rows(sched, decode, spec)
+            chunk_rows = [speculative_chunk_row(sched, c, spec) for c in chunks]
         plan = StepPlan(
             decode=decode_rows,
             prefill=chunk_rows,
@@ -453,88 +383,11 @@ def apply_step(sched: SchedulerState, step: LaunchedStep, result: StepResult) ->
                 prefix.register_computed_pages(sched, req)
 
 
-def _decode_row(sched: SchedulerState, req: Request, pending: int) -> PlannedRow:
-    token = req.output_token_ids[-1] if pending == 0 else 0  # 0: a placeholder for the fed token
-    return _planned_row(sched, req, [token], _sampling_row(sched, req, pending), None)
-
-
-def _chunk_row(sched: SchedulerState, c: ScheduledChunk) -> PlannedRow:
-    """A chunk's share of the forward; it samples only when it feeds the request's last pending token."""
-    req = c.request
-    sampling = _sampling_row(sched, req) if c.completes else None
-    return _planned_row(sched, req, req.token_slice(c.start, c.length), sampling, _prompt_scoring(req, c))
-
-
-def _planned_row(
-    sched: SchedulerState,
-    req: Request,
-    tokens: list[int],
-    sampling: SamplingRow | None,
-    scoring: PromptScoring | None,
-    lookahead: int = 0,
-) -> PlannedRow:
-    """`lookahead`: positions past the row's tokens it also holds pages for (the MTP's proposals)."""
-    seq = req.seq
-    sched.cache.reserve(seq, seq.num_computed + len(tokens) + lookahead)
-    return PlannedRow(tokens, seq.num_computed, seq.pages, seq.slot, sampling, scoring)
-
-
-def _speculative_decode_rows(
-    sched: SchedulerState, decode: list[Request], spec: SpeculativePlan
-) -> list[PlannedRow]:
-    """Plain rows (drafting or not), then verify rows: the last token and `k` proposals, the GDN state
-    after each token but the last going to the row's share of the verify scratch slots."""
-    scratch = sched.cache.scratch_slots
-    per_row = sched.config.speculative.num_speculative_tokens
-    rows: list[PlannedRow] = []
-    verified = 0
-    for req in decode:
-        drafts = id(req) in spec.drafting
-        k = spec.verify.get(id(req), 0)
-        last = req.output_token_ids[-1]
-        proposals = (req.draft_tokens + [last] * k)[:k]
-        tokens = [req.output_token_ids[-1], *proposals]
-        row = _planned_row(
-            sched, req, tokens, _sampling_row(sched, req), None, spec.num_drafts - 1 if drafts else 0
-        )
-        row.drafts = drafts
-        req.num_proposed = 0
-        if k:
-            row.accept_limit = min(k, req.max_tokens - len(req.output_token_ids) - 1)
-            req.num_proposed = min(row.accept_limit, len(req.draft_tokens))
-            start = scratch.start + verified * per_row
-            row.state_after = list(range(start, start + k))
-            row.draft_sampling = [_sampling_row(sched, req, drafts=proposals[:j]) for j in range(1, k + 1)]
-            verified += 1
-        rows.append(row)
-    return rows
-
-
-def _speculative_chunk_row(sched: SchedulerState, c: ScheduledChunk, spec: SpeculativePlan) -> PlannedRow:
-    """A chunk in a speculative step: the MTP head reads the token after its last one (the next prompt
-    token, or the sampled one), and a completing chunk proposes drafts when it may."""
-    req = c.request
-    drafts = spec.chunk_drafts(sched, c)
-    sampling = _sampling_row(sched, req) if c.completes else None
-    row = _planned_row(
-        sched,
-        req,
-        req.token_slice(c.start, c.length),
-        sampling,
-        _prompt_scoring(req, c),
-        spec.num_drafts - 1 if drafts else 0,
-    )
-    row.drafts = drafts
-    if not c.completes:
-        row.mtp_next_token = req.token_slice(c.start + c.length, 1)[0]
-    return row
-
-
 def _may_decode_ahead(sched: SchedulerState, decode: list[Request]) -> bool:
     """Launching ahead needs no host knowledge of the token in flight: penalties count output tokens
     on the host, a bad word of several tokens is matched against them and a grammar's next mask needs the
     sampled token, so a step with such a row runs synchronously."""
-    return sched.config.decode_ahead and not any(_needs_output_on_host(r.params) or r.grammar for r in decode)
+    return sched.config.decode_ahead and not any(needs_output_on_host(r.params) or r.grammar for r in decode)
 
 
 def _may_launch_ahead(sched: SchedulerState, decode: list[Request], chunks: list[ScheduledChunk]) -> bool:
@@ -593,7 +446,7 @@ def _launch_following(sched: SchedulerState, ahead: LaunchedStep) -> LaunchedSte
     follow = [r for r in sched.running if len(r.output_token_ids) + 1 < r.max_tokens]
     if not _may_decode_ahead(sched, follow):
         return None
-    if _draft_count(sched, follow) > 0:
+    if draft_count(sched, follow) > 0:
         return None  # the next step speculates: it is planned once these tokens are known
     cache = sched.cache
     free = cache.kv.num_free - sum(cache.pages_needed(r.seq, r.num_computed + 1) for r in follow)
@@ -616,19 +469,6 @@ def _launch_following(sched: SchedulerState, ahead: LaunchedStep) -> LaunchedSte
 def finish_decode_ahead(sched: SchedulerState, ahead: LaunchedStep) -> None:
     """Reads the step's tokens and dispatches them to its requests that are still running."""
     _apply(sched, ahead, _wait(sched, ahead))
-
-
-def _prompt_scoring(req: Request, c: ScheduledChunk) -> PromptScoring | None:
-    """The chunk's prompt positions that score the next prompt token, when prompt logprobs were asked
-    for and not yet sent (a recomputed request scores nothing again)."""
-    if req.prompt_logprobs is None or req.prompt_logprobs_sent:
-        return None
-    prompt = req.prompt_token_ids
-    end = min(c.start + c.length, len(prompt) - 1)
-    if end <= c.start:
-        return None
-    assert len(req.prompt_logprobs) == c.start + 1, "prompt logprobs are scored chunk by chunk, in order"
-    return PromptScoring(list(prompt[c.start + 1 : end + 1]), req.params.prompt_logprobs)
 
 
 def launch_overlap_step(sched: SchedulerState, chunks: list[ScheduledChunk]) -> None:
@@ -678,38 +518,6 @@ def take_prefill_chunks(sched: SchedulerState, budget: int, free_pages: int) -> 
 def _forced_acceptance(sched: SchedulerState) -> bool:
     source = sched.benchmark_drafts
     return source is not None and source.forces_acceptance
-
-
-def _sampling_row(
-    sched: SchedulerState, req: Request, pending: int = 0, drafts: list[int] | None = None
-) -> SamplingRow:
-    """`pending`: tokens already sampled for the request but not yet on the host (decode-ahead).
-    `drafts`: a verify row's proposals before the sampled position, taken as already output."""
-    params = req.params
-    outputs = req.output_token_ids if not drafts else [*req.output_token_ids, *drafts]
-    step = len(outputs) + pending
-    suppressed: tuple[int, ...] = ()
-    if step < params.min_tokens:
-        eos = () if params.ignore_eos else sched.config.eos_token_ids
-        suppressed = tuple(eos) + tuple(params.stop_token_ids or ())
-    if params.bad_words_token_ids:
-        suppressed += bad_word_ends(params.bad_words_token_ids, outputs)
-    return SamplingRow(params, req.seed, step, req.prompt_token_ids, outputs, suppressed, req.grammar)
-
-
-def bad_word_ends(words: list[list[int]], outputs: list[int]) -> tuple[int, ...]:
-    """The tokens that would complete a bad word after `outputs`: a one-token word's always, a longer
-    word's last when the output ends with the rest of it."""
-    return tuple(
-        w[-1]
-        for w in words
-        if len(w) == 1 or (len(outputs) >= len(w) - 1 and outputs[len(outputs) - len(w) + 1 :] == w[:-1])
-    )
-
-
-def _needs_output_on_host(params: SamplingParams) -> bool:
-    """Penalties count output tokens and a bad word of several tokens is matched against them."""
-    return uses_penalties(params) or any(len(w) > 1 for w in params.bad_words_token_ids or ())
 
 
 # ---- preemption ----------------------------------------------------------------------------------
