@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from deltaserve.errors import RequestValidationError, UnsupportedRequestError
@@ -231,6 +231,27 @@ class SamplingParams:
         for tok in self.logit_bias or {}:
             if not 0 <= tok < vocab_size:
                 raise _invalid("logit_bias", f"keyed by token ids in [0, {vocab_size})", tok)
+
+    def validate_samplable(self, eos_token_ids: Sequence[int]) -> None:
+        """allowed_token_ids leaves a token to sample: one that no one-token bad word forbids, and while
+        min_tokens holds them back, other than the end-of-sequence (unless ignore_eos) and stop ids. A
+        row with every token forbidden has no distribution to draw from."""
+        if not self.allowed_token_ids:
+            return
+        allowed = set(self.allowed_token_ids)
+        banned = {w[0] for w in self.bad_words_token_ids or () if len(w) == 1}
+        if allowed <= banned:
+            raise _invalid(
+                "allowed_token_ids", "an id that bad_words does not forbid", self.allowed_token_ids
+            )
+        held_back = banned | set(self.stop_token_ids or ()) | set(() if self.ignore_eos else eos_token_ids)
+        if self.min_tokens and allowed <= held_back:
+            raise _invalid(
+                "allowed_token_ids",
+                f"an id other than the end-of-sequence, stop and bad-word ids that min_tokens "
+                f"({self.min_tokens}) holds back",
+                self.allowed_token_ids,
+            )
 
     def per_choice(self, n: int) -> list[SamplingParams]:
         """The engine requests of `n` choices (the engine runs one completion per request): the same

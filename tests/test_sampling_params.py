@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -111,6 +112,32 @@ def test_min_tokens_above_max_tokens_is_rejected() -> None:
         SamplingParams(min_tokens=6, max_tokens=5).validate()
     assert err.value.field == "min_tokens"
     assert "max_tokens (5)" in str(err.value) and "got 6" in str(err.value)
+
+
+def test_allowed_token_ids_must_leave_a_token_that_nothing_forbids() -> None:
+    """Every allowed id forbidden (a one-token bad word, or held back by min_tokens) leaves the sampler
+    no distribution: refused by name, with the ids."""
+    eos = (9, 10)
+    SamplingParams(allowed_token_ids=[5, 6], bad_words_token_ids=[[5], [1, 6]]).validate_samplable(eos)
+    SamplingParams(
+        allowed_token_ids=[9, 7], min_tokens=2, stop_token_ids=[7], ignore_eos=True
+    ).validate_samplable(eos)
+    SamplingParams(allowed_token_ids=[9]).validate_samplable(eos)  # no min_tokens: eos may end it
+    refused = [
+        (SamplingParams(allowed_token_ids=[5, 6], bad_words_token_ids=[[5], [6]]), "that bad_words does not"),
+        (SamplingParams(allowed_token_ids=[9, 10], min_tokens=1), "min_tokens (1) holds back"),
+        (
+            SamplingParams(
+                allowed_token_ids=[9, 7, 5], min_tokens=3, stop_token_ids=[7], bad_words_token_ids=[[5]]
+            ),
+            "end-of-sequence, stop and bad-word ids",
+        ),
+    ]
+    for params, expected in refused:
+        with pytest.raises(RequestValidationError, match=re.escape(expected)) as err:
+            params.validate_samplable(eos)
+        assert err.value.field == "allowed_token_ids"
+        assert str(err.value).endswith(f"got {params.allowed_token_ids}")
 
 
 def test_n_above_one_is_unsupported() -> None:

@@ -470,3 +470,8 @@ def test_bad_words_are_never_completed(server: ServerProcess, client: openai.Ope
     assert set(banned.choices[0].token_ids) == {london}  # type: ignore[attr-defined]
     refused = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "bad_words": [""]}, timeout=60)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "bad_words"
+    nothing_left = {"prompt": "x", "allowed_token_ids": [paris], "bad_words": ["Paris"]}
+    refused = httpx.post(f"{server.url}/v1/completions", json=nothing_left, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "allowed_token_ids", (
+        refused.text
+    )

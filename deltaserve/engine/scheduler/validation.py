@@ -35,6 +35,7 @@ def _submission_problem(sched: SchedulerState, req: Request) -> tuple[str, str] 
     try:
         req.params.validate()
         req.params.validate_token_ids(sched.config.vocab_size)
+        req.params.validate_samplable(sched.config.eos_token_ids)
     except RequestValidationError as err:
         return err.field, err.message
     prompt = req.prompt_token_ids
