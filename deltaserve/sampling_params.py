@@ -232,20 +232,31 @@ class SamplingParams:
             if not 0 <= tok < vocab_size:
                 raise _invalid("logit_bias", f"keyed by token ids in [0, {vocab_size})", tok)
 
+    def suppressed_ids(
+        self, step: int, outputs: Sequence[int], eos_token_ids: Sequence[int]
+    ) -> tuple[int, ...]:
+        """The ids that may not be sampled at output index `step` after `outputs`: the end-of-sequence
+        (unless ignore_eos) and stop ids while min_tokens holds them back, and the ids that would
+        complete a bad word."""
+        suppressed: tuple[int, ...] = ()
+        if step < self.min_tokens:
+            suppressed = tuple(() if self.ignore_eos else eos_token_ids) + tuple(self.stop_token_ids or ())
+        if self.bad_words_token_ids:
+            suppressed += bad_word_ends(self.bad_words_token_ids, outputs)
+        return suppressed
+
     def validate_samplable(self, eos_token_ids: Sequence[int]) -> None:
         """allowed_token_ids leaves a token to sample: one that no one-token bad word forbids, and while
-        min_tokens holds them back, other than the end-of-sequence (unless ignore_eos) and stop ids. A
-        row with every token forbidden has no distribution to draw from."""
+        min_tokens holds them back, other than the end-of-sequence and stop ids. A row with every token
+        forbidden has no distribution to draw from."""
         if not self.allowed_token_ids:
             return
         allowed = set(self.allowed_token_ids)
-        banned = {w[0] for w in self.bad_words_token_ids or () if len(w) == 1}
-        if allowed <= banned:
+        if allowed <= set(self.suppressed_ids(self.min_tokens, (), eos_token_ids)):
             raise _invalid(
                 "allowed_token_ids", "an id that bad_words does not forbid", self.allowed_token_ids
             )
-        held_back = banned | set(self.stop_token_ids or ()) | set(() if self.ignore_eos else eos_token_ids)
-        if self.min_tokens and allowed <= held_back:
+        if allowed <= set(self.suppressed_ids(0, (), eos_token_ids)):
             raise _invalid(
                 "allowed_token_ids",
                 f"an id other than the end-of-sequence, stop and bad-word ids that min_tokens "
@@ -312,6 +323,17 @@ class SamplingParams:
                 raise RequestValidationError(
                     "logit_bias", f"logit_bias[{tok}] must be a number in [-100, 100], got {bias!r}"
                 )
+
+
+def bad_word_ends(words: list[list[int]], outputs: Sequence[int]) -> tuple[int, ...]:
+    """The tokens that would complete a bad word after `outputs`: a one-token word's always, a longer
+    word's last when the output ends with the rest of it."""
+    return tuple(
+        w[-1]
+        for w in words
+        if len(w) == 1
+        or (len(outputs) >= len(w) - 1 and list(outputs[len(outputs) - len(w) + 1 :]) == w[:-1])
+    )
 
 
 def bad_word_sequences(words: list[str], encode: Callable[[str], list[int]]) -> list[list[int]]:

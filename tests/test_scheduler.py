@@ -689,7 +689,7 @@ def test_an_async_prefills_cache_work_settles_only_once_it_has_been_waited_for(m
 
 
 def test_bad_word_ends_are_the_tokens_that_would_complete_a_bad_word():
-    from deltaserve.engine.scheduler.rows import bad_word_ends
+    from deltaserve.sampling_params import bad_word_ends
 
     words = [[5], [7, 8], [1, 2, 3]]
     assert bad_word_ends(words, []) == (5,)

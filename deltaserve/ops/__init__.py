@@ -105,19 +105,11 @@ def gated_norm_linear(
     DeltaNet layer's output projection. With FUSED_GEMV the GEMV's rows (see linear) normalise inside
     the GEMV."""
     tokens, heads, head_dim = x.shape
-    if (
-        FUSED_GEMV
-        and _streams_weights(x.reshape(tokens, heads * head_dim), weight)
-        and 1 <= tokens <= GEMV_ROWS
-    ):
-        from deltaserve.ops.triton.linear import GATED_NORM_MAX_HEAD_DIM, gemv_gated_norm
+    if FUSED_GEMV and 1 <= tokens <= GEMV_ROWS and use_kernels(x):
+        from deltaserve.ops.triton.linear import gated_norm_problem, gemv_gated_norm
 
-        if (
-            z.stride(-1) == 1
-            and z.dtype == norm_weight.dtype == x.dtype
-            and not head_dim & (head_dim - 1)
-            and head_dim <= GATED_NORM_MAX_HEAD_DIM
-        ):
+        # x.flatten(1) is a view once gated_norm_problem has found its heads adjacent
+        if gated_norm_problem(x, z, norm_weight) is None and _streams_weights(x.flatten(1), weight):
             return gemv_gated_norm(x, z, norm_weight, eps, weight)
     return linear(gated_rms_norm(x, z, norm_weight, eps).reshape(tokens, heads * head_dim), weight)
 

@@ -98,23 +98,8 @@ def sampling_row(
     params = req.params
     outputs = req.output_token_ids if not drafts else [*req.output_token_ids, *drafts]
     step = len(outputs) + pending
-    suppressed: tuple[int, ...] = ()
-    if step < params.min_tokens:
-        eos = () if params.ignore_eos else sched.config.eos_token_ids
-        suppressed = tuple(eos) + tuple(params.stop_token_ids or ())
-    if params.bad_words_token_ids:
-        suppressed += bad_word_ends(params.bad_words_token_ids, outputs)
+    suppressed = params.suppressed_ids(step, outputs, sched.config.eos_token_ids)
     return SamplingRow(params, req.seed, step, req.prompt_token_ids, outputs, suppressed, req.grammar)
-
-
-def bad_word_ends(words: list[list[int]], outputs: list[int]) -> tuple[int, ...]:
-    """The tokens that would complete a bad word after `outputs`: a one-token word's always, a longer
-    word's last when the output ends with the rest of it."""
-    return tuple(
-        w[-1]
-        for w in words
-        if len(w) == 1 or (len(outputs) >= len(w) - 1 and outputs[len(outputs) - len(w) + 1 :] == w[:-1])
-    )
 
 
 def needs_output_on_host(params: SamplingParams) -> bool:

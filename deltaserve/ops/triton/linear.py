@@ -307,6 +307,30 @@ def gemv_sigmoid_gated(
     return _launch_gemv(x, weight, out, SIGMOID_GATE, gate)
 
 
+def gated_norm_problem(x: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor) -> str | None:
+    """Why gemv_gated_norm cannot take these operands, or None."""
+    if (
+        x.dim() != 3
+        or z.shape != x.shape
+        or x.stride(2) != 1
+        or z.stride(2) != 1
+        or x.stride(1) != x.shape[2]
+    ):
+        return (
+            f"x and z must be (M, H, D) of one shape with unit column strides and x's heads adjacent, got "
+            f"{tuple(x.shape)} strides {x.stride()} and {tuple(z.shape)} strides {z.stride()}"
+        )
+    head_dim = x.shape[2]
+    if head_dim & (head_dim - 1) or head_dim > GATED_NORM_MAX_HEAD_DIM:
+        return f"the head dim must be a power of two <= {GATED_NORM_MAX_HEAD_DIM}, got {head_dim}"
+    if norm_weight.shape != (head_dim,) or norm_weight.dtype != x.dtype or z.dtype != x.dtype:
+        return (
+            f"norm_weight must be ({head_dim},) and z, norm_weight of x's dtype {x.dtype}, got "
+            f"{tuple(norm_weight.shape)} {norm_weight.dtype} and z {z.dtype}"
+        )
+    return None
+
+
 def gemv_gated_norm(
     x: torch.Tensor,
     z: torch.Tensor,
@@ -321,25 +345,10 @@ def gemv_gated_norm(
     norm_weight [D], weight [N, H * D]. The normed row is never written (out_proj of a Gated DeltaNet
     layer at batch-1 decode). D must be a power of two up to GATED_NORM_MAX_HEAD_DIM (whole heads in
     every K block)."""
-    if (
-        x.dim() != 3
-        or z.shape != x.shape
-        or x.stride(2) != 1
-        or z.stride(2) != 1
-        or x.stride(1) != x.shape[2]
-    ):
-        raise ValueError(
-            f"x and z must be (M, H, D) of one shape with unit column strides and x's heads adjacent, got "
-            f"{tuple(x.shape)} strides {x.stride()} and {tuple(z.shape)} strides {z.stride()}"
-        )
+    problem = gated_norm_problem(x, z, norm_weight)
+    if problem is not None:
+        raise ValueError(problem)
     m, heads, head_dim = x.shape
-    if head_dim & (head_dim - 1) or head_dim > GATED_NORM_MAX_HEAD_DIM:
-        raise ValueError(f"the head dim must be a power of two <= {GATED_NORM_MAX_HEAD_DIM}, got {head_dim}")
-    if norm_weight.shape != (head_dim,) or norm_weight.dtype != x.dtype or z.dtype != x.dtype:
-        raise ValueError(
-            f"norm_weight must be ({head_dim},) and z, norm_weight of x's dtype {x.dtype}, got "
-            f"{tuple(norm_weight.shape)} {norm_weight.dtype} and z {z.dtype}"
-        )
     rows = x.as_strided((m, heads * head_dim), (x.stride(0), 1))
     _check_operands(rows, weight, max_rows=GEMV_MAX_ROWS)
     return _launch_gemv(rows, weight, out, GATED_NORM, z, norm_weight.contiguous(), eps)
