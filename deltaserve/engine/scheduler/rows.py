@@ -53,7 +53,7 @@ def speculative_decode_rows(
         k = spec.verify.get(id(req), 0)
         last = req.output_token_ids[-1]
         proposals = (req.draft_tokens + [last] * k)[:k]
-        tokens = [req.output_token_ids[-1], *proposals]
+        tokens = [last, *proposals]
         row = planned_row(
             sched, req, tokens, sampling_row(sched, req), None, spec.num_drafts - 1 if drafts else 0
         )
