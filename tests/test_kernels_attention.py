@@ -226,6 +226,33 @@ def test_kernel_reads_lengths_only_from_device_tensors() -> None:
         check_attention(case, num_splits=2, kernel_batch=without_host_lengths(case.batch))
 
 
+def as_prefill_graph_batch(batch: ForwardBatch) -> ForwardBatch:
+    """The batch as a prefill graph lays it out: every row a varlen sequence (num_decodes 0), the
+    count of leading decode rows in a device tensor, no host lengths a replay could refresh."""
+    count = torch.tensor([batch.num_decodes], dtype=torch.int32, device=batch.input_ids.device)
+    return dataclasses.replace(without_host_lengths(batch), num_decodes=0, graph_decodes=count)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_graph_batch_attends_its_decode_rows_as_decode_rows(dtype: torch.dtype) -> None:
+    """With the decode rows counted on the device, a prefill graph's batch gets the bits of the same
+    rows launched eagerly (decode programs, split and merged), and the reference's values; the decode
+    programs past the count leave the prefill rows to the prefill programs."""
+    for rows in (
+        [(40, 1), (3, 1), (70, 1), (0, 9), (33, 30)],  # decode rows and chunks
+        [(40, 1), (17, 1), (70, 1)],  # decode rows only
+        [(0, 9), (33, 30), (5, 1)],  # no leading decode row; a one-token chunk last
+    ):
+        case = make_case(rows, num_heads=6, num_kv_heads=2, head_dim=32, page_size=16, dtype=dtype, salt=2)
+        graph_batch = as_prefill_graph_batch(case.batch)
+        check_attention(case, num_splits=2, kernel_batch=graph_batch)
+        eager = tri.paged_attention(case.q, case.k_cache, case.v_cache, case.batch, case.scale, num_splits=2)
+        graphed = tri.paged_attention(
+            case.q, case.k_cache, case.v_cache, graph_batch, case.scale, num_splits=2
+        )
+        assert torch.equal(graphed, eager), rows
+
+
 def test_default_split_count_follows_shapes_only() -> None:
     cpu = torch.device("cpu")  # off CUDA the rule assumes 8 SMs: it aims at 16 programs
     assert tri.decode_num_splits(0, 4, 32768, cpu) == 1

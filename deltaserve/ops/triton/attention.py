@@ -22,6 +22,9 @@ in two (axis 1 is the kv head in both):
     over query_start_loc, so no host-built tile map is needed (the vLLM unified-attention scheme).
     KV blocks below the tile's first query position run without masks; the rest run causally masked.
     Programs take the tiles in reverse order (the last prefill program the first tile).
+  * a prefill graph's batch counts its leading decode rows on the device (DEVICE_COUNT): the grid has
+    decode programs for every row that could be one, those past the count return at once, and the
+    prefill programs read the count as their first sequence.
 Kernel variants are selected by constexpr flags (has decode rows / has prefill rows / split), so a
 pure-decode batch compiles no prefill code (lower register use, higher occupancy). Per-step integers
 are never specialised on (`do_not_specialize`): a new batch size never triggers a JIT compile.
@@ -532,6 +535,7 @@ def _paged_attention_kernel(
     qsl_ptr,
     seq_lens_ptr,
     bt_ptr,
+    count_ptr,
     stride_qt,
     stride_qh,
     stride_kp,
@@ -558,15 +562,23 @@ def _paged_attention_kernel(
     HAS_DECODE: tl.constexpr,
     HAS_PREFILL: tl.constexpr,
     SPLIT: tl.constexpr,
+    DEVICE_COUNT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
+    # The first num_decodes * num_splits programs are decode programs. With DEVICE_COUNT (a prefill
+    # graph's batch) num_decodes is room for decode rows and count_ptr holds how many lead the batch:
+    # the decode programs past them do nothing, and the prefill programs start at that sequence.
     decode_programs = num_decodes * num_splits
+    if DEVICE_COUNT:
+        live_decodes = tl.load(count_ptr)
+    else:
+        live_decodes = num_decodes
     # Nested ifs on purpose: the outer constexpr test removes the branch at compile time; `and` with a
     # runtime operand would keep it as (dead) runtime code.
     if HAS_DECODE:  # noqa: SIM102
-        if pid < decode_programs:
+        if pid < live_decodes * num_splits:
             _decode_program(
                 pid, kvh, q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
                 qsl_ptr, seq_lens_ptr, bt_ptr, stride_qt, stride_qh, stride_kp, stride_ks, stride_kh,
@@ -580,7 +592,7 @@ def _paged_attention_kernel(
             _prefill_program(
                 tl.num_programs(0) - 1 - pid, kvh, q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
                 qsl_ptr, seq_lens_ptr, bt_ptr, stride_qt, stride_qh, stride_kp, stride_ks, stride_kh,
-                stride_vp, stride_vs, stride_vh, stride_ot, stride_oh, stride_bt, num_decodes, num_seqs,
+                stride_vp, stride_vs, stride_vh, stride_ot, stride_oh, stride_bt, live_decodes, num_seqs,
                 qk_scale, GROUP, HEAD_DIM, PAGE_SIZE, PREFILL_M, PREFILL_N, DOT_PRECISION,
             )  # fmt: skip
 
@@ -591,15 +603,41 @@ def _merge_splits_kernel(
     part_out_ptr,
     part_lse_ptr,
     qsl_ptr,
+    count_ptr,
     stride_ot,
     stride_oh,
     num_splits,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     MAX_SPLITS: tl.constexpr,
+    DEVICE_COUNT: tl.constexpr,
 ):
-    """out[row, head] = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M); empty splits have lse = -inf."""
+    """out[row, head] = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M); empty splits have lse = -inf.
+    With DEVICE_COUNT only the rows below the count at count_ptr (the others were not decoded)."""
     row = tl.program_id(0).to(tl.int64)
+    if DEVICE_COUNT:
+        if row < tl.load(count_ptr):
+            _merge_row(out_ptr, part_out_ptr, part_lse_ptr, qsl_ptr, stride_ot, stride_oh, num_splits, row,
+                       NUM_HEADS, HEAD_DIM, MAX_SPLITS)  # fmt: skip
+    else:
+        _merge_row(out_ptr, part_out_ptr, part_lse_ptr, qsl_ptr, stride_ot, stride_oh, num_splits, row,
+                   NUM_HEADS, HEAD_DIM, MAX_SPLITS)  # fmt: skip
+
+
+@triton.jit
+def _merge_row(
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    qsl_ptr,
+    stride_ot,
+    stride_oh,
+    num_splits,
+    row,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
+):
     head = tl.program_id(1)
     part = (row * NUM_HEADS + head) * num_splits
     offs_s = tl.arange(0, MAX_SPLITS)
@@ -634,14 +672,26 @@ def paged_attention(
     Reads no host data but `batch.num_decodes` and shapes, and never syncs: CUDA-graph capturable.
     `num_splits` overrides the decode split count, which otherwise follows from the decode rows, kv
     heads, the block table's capacity (block_tables.shape[1] * page_size, the fixed max-context bound)
-    and the SM count."""
+    and the SM count.
+
+    A prefill graph's batch (`batch.graph_decodes`: every row a varlen sequence, the count of leading
+    decode rows on the device) gets decode programs for as many rows as it has sequences or tokens,
+    the fewer; those past the count do nothing, and every sequence after them is a prefill row. So its
+    decode rows are attended as an eager step's are (split, 16-row tiles), not as one-token prefill
+    tiles."""
     tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     _check_attention_inputs(q, k_cache, v_cache, batch)
     num_seqs = batch.query_start_loc.shape[0] - 1
-    num_decodes = batch.num_decodes
-    num_prefills = num_seqs - num_decodes
+    device_count = batch.graph_decodes
+    if device_count is not None:
+        _check(batch.num_decodes == 0, f"num_decodes {batch.num_decodes} with graph_decodes, expected 0")
+        num_decodes = min(num_seqs, tokens)  # room; the live count is read on the device
+        num_prefills = num_seqs  # any sequence past the live decode rows
+    else:
+        num_decodes = batch.num_decodes
+        num_prefills = num_seqs - num_decodes
     out = _output(out, q)
     if tokens == 0:
         return out
@@ -661,9 +711,11 @@ def paged_attention(
     else:
         tiles = _TILES_16BIT_DECODE if num_prefills == 0 else _TILES_16BIT_MIXED
     # Decode rows hold one token each, so prefill rows hold tokens - num_decodes; each prefill
-    # sequence gets at most one tile more than it needs (see the module docstring).
+    # sequence gets at most one tile more than it needs (see the module docstring). With a device count
+    # the tiles are counted for none of the rows being decode rows, the most they can need.
     block_q = tiles.prefill_m // group
-    prefill_programs = (tokens - num_decodes) // block_q + num_prefills if num_prefills > 0 else 0
+    prefill_tokens = tokens if device_count is not None else tokens - num_decodes
+    prefill_programs = prefill_tokens // block_q + num_prefills if num_prefills > 0 else 0
     grid = (num_decodes * num_splits + prefill_programs, num_kv_heads)
     _paged_attention_kernel[grid](
         q,
@@ -675,6 +727,7 @@ def paged_attention(
         batch.query_start_loc,
         batch.seq_lens,
         batch.block_tables,
+        batch.query_start_loc if device_count is None else device_count,  # read only with DEVICE_COUNT
         q.stride(0),
         q.stride(1),
         *k_cache.stride()[:3],
@@ -697,6 +750,7 @@ def paged_attention(
         HAS_DECODE=num_decodes > 0,
         HAS_PREFILL=num_prefills > 0,
         SPLIT=split,
+        DEVICE_COUNT=device_count is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
@@ -707,12 +761,14 @@ def paged_attention(
             part_out,
             part_lse,
             batch.query_start_loc,
+            batch.query_start_loc if device_count is None else device_count,
             out.stride(0),
             out.stride(1),
             num_splits,
             NUM_HEADS=num_heads,
             HEAD_DIM=head_dim,
             MAX_SPLITS=MAX_SPLITS,
+            DEVICE_COUNT=device_count is not None,
             num_warps=2,
         )
     return out
