@@ -68,3 +68,15 @@ def test_two_steps_in_flight_with_drifting_sizes_settle_on_two_buffers_per_dtype
         pool.give_back(pool.take(120 + step, torch.int64), copies[-1])  # an upload: its copy pending
         pool.give_back(pool.take(3 * step + 1, torch.float32))  # a download read: nothing pending
     assert pool.allocated == 3  # two int64 buffers in rotation, one float32 one never pending
+
+
+def test_a_buffer_first_taken_under_inference_mode_takes_writes_outside_it():
+    pool = PinnedBuffers(allocate=lambda n, dtype: torch.empty(n, dtype=dtype))
+    with torch.inference_mode():
+        buf = pool.take(10, torch.int64)
+        buf[:3].copy_(torch.arange(3))
+    pool.give_back(buf)
+    again = pool.take(10, torch.int64)
+    assert again is buf
+    again[:3].copy_(torch.arange(3, 6))  # an inference tensor would refuse this in-place write
+    assert again[:3].tolist() == [3, 4, 5]

@@ -58,7 +58,10 @@ class PinnedBuffers:
                     del free[i]
                     return buf
             self.allocated += 1
-        return self._allocate(capacity, dtype)
+        # A plain tensor even when first taken under inference mode: the pool outlives the mode, and
+        # an inference tensor refuses in-place writes outside it.
+        with torch.inference_mode(False):
+            return self._allocate(capacity, dtype)
 
     def give_back(self, buf: torch.Tensor, done: CopyDone | None = None) -> None:
         """Returns a buffer from `take`; `done` marks the end of the last copy that reads it (None:
