@@ -32,7 +32,9 @@ if not 1 <= GEMV_ROWS <= 4:
     raise ValueError(f"DELTASERVE_GEMV_ROWS must be 1..4, got {GEMV_ROWS}")
 # DELTASERVE_FUSED_GEMV=1 moves the op before a GEMV row's projection into the GEMV (silu_and_mul_linear,
 # sigmoid_gated_linear, gated_norm_linear: 80 fewer kernels per batch-1 decode step at the 4B shape).
-# Off by default until it has been through the GPU gate and measured against the two kernels on an H200.
+# Off by default: on an H200 it measured no faster (4B c1 TPOT 3.064 ms against 3.056 unfused; the
+# SwiGLU GEMV loses 1.9 us per layer to what the other two save; docs/benchmarks/
+# 2026-12-04-h200-c1-fusions-graph-attention.md).
 FUSED_GEMV = os.environ.get("DELTASERVE_FUSED_GEMV", "0") == "1"
 # DELTASERVE_MOE_GROUPED_FROM=N: routed-expert calls averaging N or more rows per expert (T * k / E) take
 # torch's grouped GEMM (ops/triton/moe_grouped.py) where it is supported, the Triton kernels otherwise;
