@@ -226,18 +226,34 @@ def test_kernel_reads_lengths_only_from_device_tensors() -> None:
         check_attention(case, num_splits=2, kernel_batch=without_host_lengths(case.batch))
 
 
-def as_prefill_graph_batch(batch: ForwardBatch) -> ForwardBatch:
+def as_prefill_graph_batch(batch: ForwardBatch, padding_seqs: int = 3) -> ForwardBatch:
     """The batch as a prefill graph lays it out: every row a varlen sequence (num_decodes 0), the
-    count of leading decode rows in a device tensor, no host lengths a replay could refresh."""
-    count = torch.tensor([batch.num_decodes], dtype=torch.int32, device=batch.input_ids.device)
-    return dataclasses.replace(without_host_lengths(batch), num_decodes=0, graph_decodes=count)
+    count of leading decode rows in a device tensor, then `padding_seqs` empty sequences (they start
+    and end at the last token, on page 0), no host lengths a replay could refresh."""
+    device = batch.input_ids.device
+    count = torch.tensor([batch.num_decodes], dtype=torch.int32, device=device)
+    qsl = batch.query_start_loc
+    return dataclasses.replace(
+        without_host_lengths(batch),
+        query_start_loc=torch.cat([qsl, qsl[-1:].repeat(padding_seqs)]),
+        context_lens=torch.cat([batch.context_lens, batch.context_lens.new_zeros(padding_seqs)]),
+        seq_lens=torch.cat([batch.seq_lens, batch.seq_lens.new_zeros(padding_seqs)]),
+        block_tables=torch.cat(
+            [batch.block_tables, batch.block_tables.new_zeros(padding_seqs, batch.block_tables.shape[1])]
+        ),
+        state_slots=torch.cat([batch.state_slots, batch.state_slots.new_zeros(padding_seqs)]),
+        num_decodes=0,
+        graph_decodes=count,
+        graph_chunks=len(batch.query_lens_host) - batch.num_decodes,
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_prefill_graph_batch_attends_its_decode_rows_as_decode_rows(dtype: torch.dtype) -> None:
     """With the decode rows counted on the device, a prefill graph's batch gets the bits of the same
     rows launched eagerly (decode programs, split and merged), and the reference's values; the decode
-    programs past the count leave the prefill rows to the prefill programs."""
+    programs past the count leave the prefill rows to the prefill programs, and the prefill tiles
+    counted for the chunk rows alone cover them (empty padding sequences follow, as in a graph)."""
     for rows in (
         [(40, 1), (3, 1), (70, 1), (0, 9), (33, 30)],  # decode rows and chunks
         [(40, 1), (17, 1), (70, 1)],  # decode rows only

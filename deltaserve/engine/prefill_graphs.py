@@ -335,6 +335,7 @@ def graph_batch(
         context_lens_host=context_lens_host or (0,) * seqs,
         gdn_prefill_index=index,
         graph_decodes=inputs.decode_count,
+        graph_chunks=inputs.fla_cu_seqlens.shape[0] - 3,  # fla's list: P + 2 sequences
     )
 
 

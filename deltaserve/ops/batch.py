@@ -58,6 +58,9 @@ class ForwardBatch:
     # context > 0). Every op but the GPU GDN runs them as varlen sequences (num_decodes stays 0); the
     # GDN layers run them through their decode kernel (deltaserve/ops/triton/gdn.py).
     graph_decodes: torch.Tensor | None = None
+    # Prefill graphs only: at most this many sequences after the decode rows hold tokens (the graph's
+    # chunk bucket); the ones after them are empty padding. Set with graph_decodes.
+    graph_chunks: int | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -24,7 +24,8 @@ in two (axis 1 is the kv head in both):
     Programs take the tiles in reverse order (the last prefill program the first tile).
   * a prefill graph's batch counts its leading decode rows on the device (DEVICE_COUNT): the grid has
     decode programs for every row that could be one, those past the count return at once, and the
-    prefill programs read the count as their first sequence.
+    prefill programs read the count as their first sequence; prefill tiles are counted for the graph's
+    chunk rows only (ForwardBatch.graph_chunks), not for its empty padding sequences.
 Kernel variants are selected by constexpr flags (has decode rows / has prefill rows / split), so a
 pure-decode batch compiles no prefill code (lower register use, higher occupancy). Per-step integers
 are never specialised on (`do_not_specialize`): a new batch size never triggers a JIT compile.
@@ -687,8 +688,9 @@ def paged_attention(
     device_count = batch.graph_decodes
     if device_count is not None:
         _check(batch.num_decodes == 0, f"num_decodes {batch.num_decodes} with graph_decodes, expected 0")
+        _check(batch.graph_chunks is not None, "graph_decodes without graph_chunks")
         num_decodes = min(num_seqs, tokens)  # room; the live count is read on the device
-        num_prefills = num_seqs  # any sequence past the live decode rows
+        num_prefills = min(num_seqs, batch.graph_chunks)  # those after them are empty padding
     else:
         num_decodes = batch.num_decodes
         num_prefills = num_seqs - num_decodes
@@ -712,7 +714,8 @@ def paged_attention(
         tiles = _TILES_16BIT_DECODE if num_prefills == 0 else _TILES_16BIT_MIXED
     # Decode rows hold one token each, so prefill rows hold tokens - num_decodes; each prefill
     # sequence gets at most one tile more than it needs (see the module docstring). With a device count
-    # the tiles are counted for none of the rows being decode rows, the most they can need.
+    # the tiles are counted for none of the rows being decode rows, the most they can need; the empty
+    # padding sequences after the chunks would start past them and get none.
     block_q = tiles.prefill_m // group
     prefill_tokens = tokens if device_count is not None else tokens - num_decodes
     prefill_programs = prefill_tokens // block_q + num_prefills if num_prefills > 0 else 0
