@@ -198,11 +198,13 @@ def test_padded_batch_through_the_reference_model_equals_the_rows_unpadded():
     k_p, v_p, conv_p, ssm_p = after_padded
     live_pages, live_slots = [3, 4, 5, 6, 7, 8, 9, 10], [1, 2, 3, 4]
     # Pools are [layers, pages or slots, ...]. The padded forward's GEMMs have more rows, so they may
-    # add in another order (4e-6 seen with AVX2 kernels): fp32 noise, far below any indexing error.
-    torch.testing.assert_close(k_p[:, live_pages], k_e[:, live_pages], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(v_p[:, live_pages], v_e[:, live_pages], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(conv_p[:, live_slots], conv_e[:, live_slots], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(ssm_p[:, live_slots], ssm_e[:, live_slots], atol=1e-5, rtol=1e-5)
+    # add in another order, and the difference grows through the layers (1.8e-5 on a 0.55 key in the
+    # second layer with AVX2 kernels): fp32 noise, orders of magnitude below any indexing error.
+    fp32_noise = {"atol": 1e-4, "rtol": 1e-4}
+    torch.testing.assert_close(k_p[:, live_pages], k_e[:, live_pages], **fp32_noise)
+    torch.testing.assert_close(v_p[:, live_pages], v_e[:, live_pages], **fp32_noise)
+    torch.testing.assert_close(conv_p[:, live_slots], conv_e[:, live_slots], **fp32_noise)
+    torch.testing.assert_close(ssm_p[:, live_slots], ssm_e[:, live_slots], **fp32_noise)
     # Everything else the padded forward touched is the reserved page and slot.
     others = [p for p in range(16) if p not in live_pages and p != DUMMY_PAGE]
     k0, v0, conv0, ssm0 = before
