@@ -161,7 +161,7 @@ def test_op_boundary_fuses_the_swiglu_into_the_gemvs_rows_only(monkeypatch):
     ops.silu_and_mul_linear(torch.randn(1, 32, dtype=torch.bfloat16), w)
     assert calls == [("gemv", 1, 16)]  # DELTASERVE_FUSED_GEMV unset: the activation kernel, then the GEMV
     calls.clear()
-    monkeypatch.setattr(ops, "FUSED_GEMV", True)
+    monkeypatch.setattr(ops, "FUSED_GEMV", frozenset({"swiglu"}))
     for m in (1, 2):
         ops.silu_and_mul_linear(torch.randn(m, 32, dtype=torch.bfloat16), w)
     ops.silu_and_mul_linear(torch.randn(1, 32), w.float())  # fp32: the two ops, cuBLAS
@@ -221,7 +221,7 @@ def test_op_boundary_gates_inside_the_gemvs_rows_only(monkeypatch):
     ops.sigmoid_gated_linear(x[:1], gate[:1], w)
     assert calls == [("gemv", 1, 32)]  # DELTASERVE_FUSED_GEMV unset: torch's ops, then the GEMV
     calls.clear()
-    monkeypatch.setattr(ops, "FUSED_GEMV", True)
+    monkeypatch.setattr(ops, "FUSED_GEMV", frozenset({"gate"}))
     ops.sigmoid_gated_linear(x[:1], gate[:1], w)
     ops.sigmoid_gated_linear(x, gate, w)  # two rows: torch's ops, then cuBLAS
     assert calls == [("fused", 1, 32)]
@@ -282,7 +282,7 @@ def test_op_boundary_normalises_inside_the_gemvs_rows_only(monkeypatch):
     ops.gated_norm_linear(x[:1], z[:1], nw, 1e-6, w)
     assert calls == [("gemv", 1, 64)]  # DELTASERVE_FUSED_GEMV unset: the norm kernel, then the GEMV
     calls.clear()
-    monkeypatch.setattr(ops, "FUSED_GEMV", True)
+    monkeypatch.setattr(ops, "FUSED_GEMV", frozenset({"norm"}))
     ops.gated_norm_linear(x[:1], z[:1], nw, 1e-6, w)
     ops.gated_norm_linear(x, z, nw, 1e-6, w)  # two rows: the norm kernel, then cuBLAS
     odd = torch.randn(1, 4, 12, dtype=torch.bfloat16)  # a head dim not a power of two: the two kernels
@@ -290,3 +290,11 @@ def test_op_boundary_normalises_inside_the_gemvs_rows_only(monkeypatch):
         odd, odd, torch.randn(12, dtype=torch.bfloat16), 1e-6, torch.randn(8, 48).bfloat16()
     )
     assert calls == [("fused", 1, 4, 16), ("gemv", 1, 48)]
+
+
+def test_fused_gemv_variable_names_the_fusions_or_all_of_them():
+    assert ops.parse_gemv_fusions("") == ops.parse_gemv_fusions("0") == frozenset()
+    assert ops.parse_gemv_fusions("1") == ops.parse_gemv_fusions("all") == {"swiglu", "gate", "norm"}
+    assert ops.parse_gemv_fusions(" gate, norm ") == {"gate", "norm"}
+    with pytest.raises(ValueError, match=r"unknown fusion\(s\) 'silu'.*swiglu, gate, norm, got 'gate,silu'"):
+        ops.parse_gemv_fusions("gate,silu")

@@ -30,12 +30,33 @@ SKINNY_GEMM = os.environ.get("DELTASERVE_SKINNY_GEMM", "0") == "1"
 GEMV_ROWS = int(os.environ.get("DELTASERVE_GEMV_ROWS", "1"))
 if not 1 <= GEMV_ROWS <= 4:
     raise ValueError(f"DELTASERVE_GEMV_ROWS must be 1..4, got {GEMV_ROWS}")
-# DELTASERVE_FUSED_GEMV=1 moves the op before a GEMV row's projection into the GEMV (silu_and_mul_linear,
-# sigmoid_gated_linear, gated_norm_linear: 80 fewer kernels per batch-1 decode step at the 4B shape).
-# Off by default: on an H200 it measured no faster (4B c1 TPOT 3.064 ms against 3.056 unfused; the
-# SwiGLU GEMV loses 1.9 us per layer to what the other two save; docs/benchmarks/
+# DELTASERVE_FUSED_GEMV moves the op before a GEMV row's projection into the GEMV: "swiglu"
+# (silu_and_mul_linear), "gate" (sigmoid_gated_linear), "norm" (gated_norm_linear), as a comma list, or
+# "1" for all three (80 fewer kernels per batch-1 decode step at the 4B shape). Off by default: on an
+# H200 all three measured no faster (4B c1 TPOT 3.064 ms against 3.056 unfused): the SwiGLU GEMV loses
+# 1.9 us per layer, "gate" and "norm" save 2.1 and 0.3 us (docs/benchmarks/
 # 2026-12-04-h200-c1-fusions-graph-attention.md).
-FUSED_GEMV = os.environ.get("DELTASERVE_FUSED_GEMV", "0") == "1"
+GEMV_FUSIONS = ("swiglu", "gate", "norm")
+
+
+def parse_gemv_fusions(text: str) -> frozenset[str]:
+    """DELTASERVE_FUSED_GEMV's value: "" or "0" none, "1" or "all" every fusion, else a comma list."""
+    text = text.strip().lower()
+    if text in ("", "0"):
+        return frozenset()
+    if text in ("1", "all"):
+        return frozenset(GEMV_FUSIONS)
+    names = frozenset(name.strip() for name in text.split(","))
+    unknown = sorted(names - set(GEMV_FUSIONS))
+    if unknown:
+        raise ValueError(
+            f"DELTASERVE_FUSED_GEMV: unknown fusion(s) {', '.join(map(repr, unknown))}; expected 0, 1, all "
+            f"or a comma list of {', '.join(GEMV_FUSIONS)}, got {text!r}"
+        )
+    return names
+
+
+FUSED_GEMV = parse_gemv_fusions(os.environ.get("DELTASERVE_FUSED_GEMV", ""))
 # DELTASERVE_MOE_GROUPED_FROM=N: routed-expert calls averaging N or more rows per expert (T * k / E) take
 # torch's grouped GEMM (ops/triton/moe_grouped.py) where it is supported, the Triton kernels otherwise;
 # 0 (the default) keeps the Triton kernels everywhere: on an H200 at the 35B-A3B's expert shape the
@@ -80,9 +101,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def silu_and_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """linear(silu_and_mul(gate_up), weight): a SwiGLU MLP's down projection. With FUSED_GEMV the GEMV's
-    rows (see linear) compute the activation inside the GEMV, with the same bits as the two ops."""
-    if FUSED_GEMV and _streams_weights(gate_up, weight) and 1 <= gate_up.shape[0] <= GEMV_ROWS:
+    """linear(silu_and_mul(gate_up), weight): a SwiGLU MLP's down projection. With the "swiglu" fusion
+    (FUSED_GEMV) the GEMV's rows (see linear) compute the activation inside the GEMV, with the same bits as the two ops."""
+    if "swiglu" in FUSED_GEMV and _streams_weights(gate_up, weight) and 1 <= gate_up.shape[0] <= GEMV_ROWS:
         from deltaserve.ops.triton.linear import gemv_swiglu
 
         return gemv_swiglu(gate_up, weight)
@@ -91,9 +112,14 @@ def silu_and_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Te
 
 def sigmoid_gated_linear(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """linear(x * sigmoid(gate), weight) with x [T, H * D] and gate [T, H, D] (any row and head strides):
-    gated attention's output projection. With FUSED_GEMV the GEMV's rows (see linear) gate inside the
+    gated attention's output projection. With the "gate" fusion the GEMV's rows (see linear) gate inside the
     GEMV, rounded as the two ops round."""
-    if FUSED_GEMV and _streams_weights(x, weight) and 1 <= x.shape[0] <= GEMV_ROWS and gate.stride(-1) == 1:
+    if (
+        "gate" in FUSED_GEMV
+        and _streams_weights(x, weight)
+        and 1 <= x.shape[0] <= GEMV_ROWS
+        and gate.stride(-1) == 1
+    ):
         from deltaserve.ops.triton.linear import gemv_sigmoid_gated
 
         return gemv_sigmoid_gated(x, gate, weight)
@@ -104,10 +130,10 @@ def gated_norm_linear(
     x: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor
 ) -> torch.Tensor:
     """linear(gated_rms_norm(x, z, norm_weight, eps) as [T, H * D], weight) with x, z [T, H, D]: a Gated
-    DeltaNet layer's output projection. With FUSED_GEMV the GEMV's rows (see linear) normalise inside
+    DeltaNet layer's output projection. With the "norm" fusion the GEMV's rows (see linear) normalise inside
     the GEMV."""
     tokens, heads, head_dim = x.shape
-    if FUSED_GEMV and 1 <= tokens <= GEMV_ROWS and use_kernels(x):
+    if "norm" in FUSED_GEMV and 1 <= tokens <= GEMV_ROWS and use_kernels(x):
         from deltaserve.ops.triton.linear import gated_norm_problem, gemv_gated_norm
 
         # x.flatten(1) is a view once gated_norm_problem has found its heads adjacent
