@@ -617,43 +617,25 @@ def _merge_splits_kernel(
     With DEVICE_COUNT only the rows below the count at count_ptr (the others were not decoded)."""
     row = tl.program_id(0).to(tl.int64)
     if DEVICE_COUNT:
-        if row < tl.load(count_ptr):
-            _merge_row(out_ptr, part_out_ptr, part_lse_ptr, qsl_ptr, stride_ot, stride_oh, num_splits, row,
-                       NUM_HEADS, HEAD_DIM, MAX_SPLITS)  # fmt: skip
+        live_rows = tl.load(count_ptr).to(tl.int64)
     else:
-        _merge_row(out_ptr, part_out_ptr, part_lse_ptr, qsl_ptr, stride_ot, stride_oh, num_splits, row,
-                   NUM_HEADS, HEAD_DIM, MAX_SPLITS)  # fmt: skip
-
-
-@triton.jit
-def _merge_row(
-    out_ptr,
-    part_out_ptr,
-    part_lse_ptr,
-    qsl_ptr,
-    stride_ot,
-    stride_oh,
-    num_splits,
-    row,
-    NUM_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    MAX_SPLITS: tl.constexpr,
-):
-    head = tl.program_id(1)
-    part = (row * NUM_HEADS + head) * num_splits
-    offs_s = tl.arange(0, MAX_SPLITS)
-    offs_d = tl.arange(0, HEAD_DIM)
-    lse = tl.load(part_lse_ptr + part + offs_s, mask=offs_s < num_splits, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)  # a row without keys yields zeros, not NaN
-    denom = tl.sum(tl.exp2(lse - m), 0)
-    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
-    for s in range(0, num_splits):
-        w = tl.exp2(tl.load(part_lse_ptr + part + s) - m)
-        acc += w * tl.load(part_out_ptr + (part + s) * HEAD_DIM + offs_d)
-    o = acc / tl.where(denom > 0.0, denom, 1.0)
-    token = tl.load(qsl_ptr + row).to(tl.int64)
-    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
+        live_rows = tl.num_programs(0).to(tl.int64)
+    if row < live_rows:
+        head = tl.program_id(1)
+        part = (row * NUM_HEADS + head) * num_splits
+        offs_s = tl.arange(0, MAX_SPLITS)
+        offs_d = tl.arange(0, HEAD_DIM)
+        lse = tl.load(part_lse_ptr + part + offs_s, mask=offs_s < num_splits, other=float("-inf"))
+        m = tl.max(lse, 0)
+        m = tl.where(m == float("-inf"), 0.0, m)  # a row without keys yields zeros, not NaN
+        denom = tl.sum(tl.exp2(lse - m), 0)
+        acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+        for s in range(0, num_splits):
+            w = tl.exp2(tl.load(part_lse_ptr + part + s) - m)
+            acc += w * tl.load(part_out_ptr + (part + s) * HEAD_DIM + offs_d)
+        o = acc / tl.where(denom > 0.0, denom, 1.0)
+        token = tl.load(qsl_ptr + row).to(tl.int64)
+        tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
 
 
 def paged_attention(
