@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.ops.triton.pdl import gdc_enter, launch_options
+
 # Decided at import, as Triton decides at decoration time whether kernels run in the interpreter.
 _INTERPRETER: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 if not _INTERPRETER:
@@ -63,7 +65,9 @@ def _silu_and_mul_kernel(
     stride_in_row,
     stride_out_row,
     BLOCK_I: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    gdc_enter(USE_GDC)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     mask = cols < inter
@@ -95,6 +99,13 @@ def silu_and_mul(gate_up: torch.Tensor, *, out: torch.Tensor | None = None) -> t
         return out
     grid = (num_rows, triton.cdiv(inter, _BLOCK_I))
     _silu_and_mul_kernel[grid](
-        rows, out, inter, rows.stride(0), inter, BLOCK_I=_BLOCK_I, num_warps=_NUM_WARPS
+        rows,
+        out,
+        inter,
+        rows.stride(0),
+        inter,
+        BLOCK_I=_BLOCK_I,
+        num_warps=_NUM_WARPS,
+        **launch_options(out.device),
     )
     return out

@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from deltaserve.ops.batch import ForwardBatch
+from deltaserve.ops.triton.pdl import gdc_enter, launch_options
 
 
 class _Tiles(NamedTuple):
@@ -159,7 +160,9 @@ def _qk_norm_rope_write_kv_kernel(
     HEAD_DIM: tl.constexpr,
     ROTARY_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    gdc_enter(USE_GDC)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     half: tl.constexpr = ROTARY_DIM // 2
@@ -261,6 +264,7 @@ def qk_norm_rope_write_kv(
         ROTARY_DIM=rotary_dim,
         PAGE_SIZE=page_size,
         num_warps=2,
+        **launch_options(q.device),
     )
     return q_out
 
@@ -565,7 +569,9 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr,
     DEVICE_COUNT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    gdc_enter(USE_GDC)
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     # The first num_decodes * num_splits programs are decode programs. With DEVICE_COUNT (a prefill
@@ -612,9 +618,11 @@ def _merge_splits_kernel(
     HEAD_DIM: tl.constexpr,
     MAX_SPLITS: tl.constexpr,
     DEVICE_COUNT: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
     """out[row, head] = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M); empty splits have lse = -inf.
     With DEVICE_COUNT only the rows below the count at count_ptr (the others were not decoded)."""
+    gdc_enter(USE_GDC)
     row = tl.program_id(0).to(tl.int64)
     if DEVICE_COUNT:
         live_rows = tl.load(count_ptr).to(tl.int64)
@@ -739,6 +747,7 @@ def paged_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
+        **launch_options(q.device),
     )
     if split:
         _merge_splits_kernel[(num_decodes, num_heads)](
@@ -755,6 +764,7 @@ def paged_attention(
             MAX_SPLITS=MAX_SPLITS,
             DEVICE_COUNT=device_count is not None,
             num_warps=2,
+            **launch_options(q.device),
         )
     return out
 

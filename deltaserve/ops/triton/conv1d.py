@@ -49,6 +49,7 @@ import triton.language as tl
 
 from deltaserve.ops.batch import ForwardBatch
 from deltaserve.ops.triton.activation import round_to, silu_f32
+from deltaserve.ops.triton.pdl import gdc_enter, launch_options
 
 # The stream kernel's program: (tokens, channels, rows loaded per unrolled step, warps). The ROWS loads of
 # a step are issued together (memory-level parallelism; each 16 bytes per thread at 256 bf16 channels
@@ -436,10 +437,12 @@ def _conv1d_decode_kernel(
     stride_s_k,
     KW: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
     """One decode row (context > 0, one token) per program row: the window is the slot's KW-1 inputs
     then x; the slot shifts left by one and takes x. Each (row, channel) is read and written by one
     thread, so reading every column before the first write needs no barrier."""
+    gdc_enter(USE_GDC)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cols < channels
@@ -619,6 +622,7 @@ def _decode_rows(
         KW=width,
         BLOCK_C=_DECODE_BLOCK_C,
         num_warps=_DECODE_NUM_WARPS,
+        **launch_options(x.device),
     )
 
 

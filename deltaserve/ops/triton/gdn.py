@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from deltaserve.ops.batch import ForwardBatch, fla_chunk_list, to_device
+from deltaserve.ops.triton.pdl import gdc_enter, launch_options
 
 
 @triton.jit
@@ -114,10 +115,12 @@ def _gdn_decode_kernel(
     DV: tl.constexpr,
     BV: tl.constexpr,
     COUNTED_PROGRAMS: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
     """Without a count (COUNTED_PROGRAMS == 0) one row per program; with one, COUNTED_PROGRAMS row
     programs walk rows pid, pid + COUNTED_PROGRAMS, ... below count_ptr[0], so that a grid sized for
     the most rows a graph can hold costs few empty programs when it holds few (each costs a few ns)."""
+    gdc_enter(USE_GDC)
     hv = tl.program_id(1)
     vb = tl.program_id(2)
     if COUNTED_PROGRAMS == 0:
@@ -185,6 +188,7 @@ def gdn_decode(
         DV=dv,
         BV=block_v,
         COUNTED_PROGRAMS=0 if count is None else row_programs,
+        **launch_options(q.device),
     )
 
 

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from deltaserve.ops.triton.activation import _INTERPRETER, exp_f32, round_to, silu_f32
+from deltaserve.ops.triton.pdl import gdc_enter, launch_options
 
 # (BLOCK_N, BLOCK_K, warps): the winners of a sweep over 4..32 x 256..1024 x 4..8 at the 4B shapes
 # (few rows per program for the narrow N = 2560 projections, wider for N >= 10k).
@@ -125,9 +126,11 @@ def _gemv_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
     # Each weight tile is loaded once for all ROWS rows (1..4), each row with its own accumulator in the
     # same order, so a row's bits depend only on that row and W (and the block shape).
+    gdc_enter(USE_GDC)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
@@ -192,9 +195,11 @@ def _skinny_kernel(
     stride_om,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
     # Invariant: a row's result depends only on that row and W (the same tile order for every M), so
     # a token gets the same bits at any row of a 2..16-row batch.
+    gdc_enter(USE_GDC)
     rows_m = tl.arange(0, 16)
     rows_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = rows_m < M
@@ -245,10 +250,13 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             out.stride(0),
             BLOCK_N=block_n,
             BLOCK_K=block_k,
+            **launch_options(x.device),
         )
     else:
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-        _skinny_tuned[grid](x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0))
+        _skinny_tuned[grid](
+            x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), **launch_options(x.device)
+        )
     return out
 
 
@@ -393,9 +401,15 @@ def _launch_gemv(
         block_n, block_k = _INTERPRETER_BLOCKS
         block_k = max(block_k, head_dim)
         _gemv_kernel[(triton.cdiv(n, block_n),)](
-            *args, ROWS=m, MODE=mode, HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_K=block_k
+            *args,
+            ROWS=m,
+            MODE=mode,
+            HEAD_DIM=head_dim,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            **launch_options(x.device),
         )
     else:
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-        _gemv_tuned[grid](*args, ROWS=m, MODE=mode, HEAD_DIM=head_dim)
+        _gemv_tuned[grid](*args, ROWS=m, MODE=mode, HEAD_DIM=head_dim, **launch_options(x.device))
     return out

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from deltaserve.ops.triton.activation import round_to, silu_f32
+from deltaserve.ops.triton.pdl import gdc_enter, launch_options
 
 # A program's tile is about 4096 fp32 values (16 KiB): one row of a hidden state (N up to 5120 needs an
 # 8192-wide tile and 8 warps), 16 rows of q/k heads (256) or 32 of GDN heads (128). That keeps 32 values per
@@ -78,7 +79,9 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    gdc_enter(USE_GDC)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < n_cols
@@ -148,6 +151,7 @@ def rms_norm(
             BLOCK_R=block_r,
             BLOCK_N=block_n,
             num_warps=num_warps,
+            **launch_options(x.device),
         )
     return out if residual is None else (out, res_out)
 
@@ -170,7 +174,9 @@ def _gated_rms_norm_kernel(
     PROD_DTYPE: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    gdc_enter(USE_GDC)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_D)
     cmask = cols < head_dim
@@ -226,5 +232,6 @@ def gated_rms_norm(
             BLOCK_R=block_r,
             BLOCK_D=block_d,
             num_warps=num_warps,
+            **launch_options(x.device),
         )
     return out

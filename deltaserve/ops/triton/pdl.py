@@ -1,0 +1,56 @@
+"""Programmatic dependent launch (PDL, Hopper and later) for the kernels of a decode step.
+
+A kernel launched with PDL may be scheduled while the kernel before it on the stream is still running. Its
+first statement, `gdc_enter`, waits (griddepcontrol.wait) until that kernel has finished and its writes are
+visible, then lets the next PDL kernel be scheduled (griddepcontrol.launch_dependents). So the launch
+latency between two graph nodes overlaps the earlier kernel's tail instead of following it.
+
+Invariant: nothing in a kernel before `gdc_enter` reads or writes memory; the wait at the top makes the
+kernel's memory order the same as a plain launch's, so its results are bit for bit those of a plain launch.
+The wait is transitive: the earlier kernel itself ran past its own wait only after the one before it
+finished.
+
+`DELTASERVE_PDL=1` turns it on where the GPU supports it (compute capability 9.0 or later); off by default
+until an A/B on the batch-1 decode cell says it pays (docs/benchmarks/ holds the record). CUDA graphs keep
+the programmatic edges when a step is captured.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+ENABLED = os.environ.get("DELTASERVE_PDL", "0") == "1"
+
+
+@functools.cache
+def _capable(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Whether a kernel launched on `device` now goes out with PDL (pass it as both USE_GDC and
+    launch_pdl, see `launch_options`)."""
+    if not ENABLED or device.type != "cuda":
+        return False
+    return _capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def launch_options(device: torch.device) -> dict[str, bool]:
+    """Keyword arguments for a kernel with a USE_GDC parameter: the kernel's wait and the launch flag
+    always agree, and no launch option is passed when PDL is off (the interpreter knows none)."""
+    if use_pdl(device):
+        return {"USE_GDC": True, "launch_pdl": True}
+    return {"USE_GDC": False}
+
+
+@triton.jit
+def gdc_enter(USE_GDC: tl.constexpr):
+    """The first statement of a kernel with a USE_GDC parameter (see the module docstring)."""
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()

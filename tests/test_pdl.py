@@ -1,0 +1,76 @@
+"""Programmatic dependent launch (ops/triton/pdl.py): the switch and the kernels' invariant.
+
+A kernel launched with PDL may start while the kernel before it still runs, so every kernel that takes
+USE_GDC must wait (`gdc_enter`) before its first memory access: the wait is its first statement. The
+interpreter knows no launch option, so a CPU tensor never gets one, switch on or off. The results with PDL
+on equal those with it off bit for bit on the GPU (tests/gpu/test_pdl_gpu.py)."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+
+import pytest
+import torch
+
+from deltaserve.ops.triton import activation, attention, conv1d, gdn, linear, norm, pdl
+
+MODULES = (activation, attention, conv1d, gdn, linear, norm)
+# The kernels of a decode step: each takes USE_GDC.
+DECODE_KERNELS = {
+    "_silu_and_mul_kernel",
+    "_qk_norm_rope_write_kv_kernel",
+    "_paged_attention_kernel",
+    "_merge_splits_kernel",
+    "_conv1d_decode_kernel",
+    "_gdn_decode_kernel",
+    "_gemv_kernel",
+    "_skinny_kernel",
+    "_rms_norm_kernel",
+    "_gated_rms_norm_kernel",
+}
+
+
+def _kernels_taking_use_gdc() -> dict[str, ast.FunctionDef]:
+    found = {}
+    for module in MODULES:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(module)))
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and any(a.arg == "USE_GDC" for a in node.args.args):
+                found[node.name] = node
+    return found
+
+
+def _first_statement(fn: ast.FunctionDef) -> ast.stmt:
+    body = fn.body
+    if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]  # the docstring
+    return body[0]
+
+
+def test_every_decode_kernel_takes_use_gdc():
+    assert set(_kernels_taking_use_gdc()) == DECODE_KERNELS
+
+
+@pytest.mark.parametrize("name", sorted(DECODE_KERNELS))
+def test_a_kernel_waits_for_the_kernel_before_it_first(name):
+    first = _first_statement(_kernels_taking_use_gdc()[name])
+    assert ast.unparse(first) == "gdc_enter(USE_GDC)", f"{name} starts with {ast.unparse(first)!r}"
+
+
+def test_no_launch_option_on_the_cpu_whatever_the_switch(monkeypatch):
+    cpu = torch.device("cpu")
+    for enabled in (False, True):
+        monkeypatch.setattr(pdl, "ENABLED", enabled)
+        assert pdl.launch_options(cpu) == {"USE_GDC": False}
+        assert not pdl.use_pdl(cpu)
+
+
+def test_kernels_run_in_the_interpreter_with_the_switch_on(monkeypatch):
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    x = torch.randn(3, 2, 8)
+    w = torch.randn(8)
+    expected = norm.rms_norm(x, w, 1e-6)
+    monkeypatch.setattr(pdl, "ENABLED", False)
+    torch.testing.assert_close(norm.rms_norm(x, w, 1e-6), expected, rtol=0, atol=0)
