@@ -62,8 +62,8 @@ REFERENCES: dict[str, CellReference] = {
     ),
     "4b-shape:8192-1-c1": CellReference(
         floor=(Figure("TTFT", 87, "ms", metric="ttft_ms.median", approx=True),),
-        previous=(Figure("TTFT", 150, "ms"),),
-        note="floor: 69 TFLOP at 790 TFLOP/s",
+        previous=(Figure("TTFT", 138.8, "ms"),),
+        note="floor: 69 TFLOP at 790 TFLOP/s; the 2026-12-04 record (prefill-4b-tok: prompts tokenized in pieces)",
     ),
     "4b-shape:32768-1-c1": CellReference(previous=(Figure("TTFT", 0.76, "s"),)),
     "4b-shape:131072-1-c1": CellReference(previous=(Figure("TTFT", 6.0, "s"),)),
@@ -80,8 +80,8 @@ REFERENCES: dict[str, CellReference] = {
         note="published elsewhere: SGLang, 4B on one H200, 128 multi-turn clients, prefix hit rate 0.83"
     ),
     "9b-shape:1024-128-c512": CellReference(
-        previous=(Figure("total", 31.1e3, "tok/s", text="31.1k tok/s"), Figure("ITL p99", 71.2, "ms")),
-        note="the 2026-12-02 record (saturated-9b-logits-rows); 30.8k on 2026-12-01 with --max-num-seqs 512 --max-num-batched-tokens 8192; vLLM 0.17.1 on an H100: 29.8k "
+        previous=(Figure("total", 31.3e3, "tok/s", text="31.3k tok/s"), Figure("ITL p99", 74.1, "ms")),
+        note="the 2026-12-04 record (saturated-9b-attn; the GPU power-capped at ~1,665 MHz through the run); 30.8k on 2026-12-01 with --max-num-seqs 512 --max-num-batched-tokens 8192; vLLM 0.17.1 on an H100: 29.8k "
         "default, 34.5k tuned",
     ),
     "35b-a3b-shape:1024-128-c512": CellReference(
