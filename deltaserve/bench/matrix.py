@@ -29,6 +29,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from deltaserve.bench import gpu_clocks
 from deltaserve.bench.matrix_env import gpu_slug, nvidia_smi_field, probe_environment
 from deltaserve.bench.matrix_plan import GROUPS, Cell, Group, Stream, select_cells
 from deltaserve.bench.matrix_report import StreamSummary, render_markdown, summary_json
@@ -285,8 +286,12 @@ class GroupRun:
         logs = [raw / _file(cell, s, ".log") for s in cell.streams]
         cpu_before, started = tree_cpu_seconds(self.server.proc.pid), time.perf_counter()
         server_log_offset = self.server.log_size()
-        codes = _run_parallel(argvs, logs, cell.timeout_s)
+        gpu_csv = raw / f"{cell.name}.gpu.csv"
+        with gpu_clocks.sampled(gpu_csv):
+            codes = _run_parallel(argvs, logs, cell.timeout_s)
         cell_record["host_cpu"] = host_cpu(cpu_before, tree_cpu_seconds(self.server.proc.pid), started)
+        clocks = gpu_clocks.read_summary(gpu_csv)
+        cell_record["gpu_clocks"] = asdict(clocks) if clocks is not None else None
         for stream, stream_record, rc, log in zip(
             cell.streams, cell_record["streams"], codes, logs, strict=True
         ):
@@ -356,6 +361,7 @@ def initial_record(plan: Plan, environment: dict[str, Any], date: str) -> dict[s
                 "streams": streams,
                 "startup": None,
                 "host_cpu": None,
+                "gpu_clocks": None,
                 "floor": [asdict(f) | {"text": str(f)} for f in ref.floor],
                 "previous": [asdict(f) | {"text": str(f)} for f in ref.previous],
                 "note": ref.note,

@@ -195,6 +195,7 @@ def _results_section(record: dict[str, Any]) -> list[str]:
         *([""] if notes else []),
         *_worst_gap_section(record),
         *_host_cpu_section(record),
+        *_gpu_clocks_section(record),
     ]
 
 
@@ -258,6 +259,38 @@ def _host_cpu_section(record: dict[str, Any]) -> list[str]:
         "",
         "| cell | wall | API server | child processes | server µs per output token |",
         "|---|---|---|---|---|",
+        *rows,
+        "",
+    ]
+
+
+def _gpu_clocks_section(record: dict[str, Any]) -> list[str]:
+    """The SM clock and power of each cell's measured run (where nvidia-smi sampled them)."""
+    rows = []
+    for cell in record["cells"]:
+        gpu = cell.get("gpu_clocks")
+        if not gpu:
+            continue
+        of_max = f" of {gpu['sm_mhz_max']:.0f}" if gpu["sm_mhz_max"] else ""
+        power = "—" if gpu["power_w_median"] is None else f"{gpu['power_w_median']:.0f} W"
+        if gpu["power_w_median"] is not None and gpu["power_limit_w"]:
+            power += f" of {gpu['power_limit_w']:.0f} W"
+        rows.append(
+            f"| {cell['title']} | {gpu['busy_samples']} of {gpu['samples']} | {gpu['sm_mhz_median']:.0f}{of_max} MHz "
+            f"| {power} | {100 * gpu['power_capped_share']:.0f}% | {100 * gpu['thermal_share']:.0f}% |"
+        )
+    if not rows:
+        return []
+    return [
+        "## GPU clocks over each measured run",
+        "",
+        "`nvidia-smi` every 0.5 s beside the run, over the samples with the GPU at least 50% busy: the SM "
+        "clock's median against its maximum, the power drawn against the limit, and the share of samples the "
+        "driver throttled for power (software power cap) or heat. A power-capped run's steps are slower "
+        "than `bench forward`'s short bursts at the full clock.",
+        "",
+        "| cell | busy samples | SM clock, median | power, median | power-capped | thermal |",
+        "|---|---|---|---|---|---|",
         *rows,
         "",
     ]
