@@ -298,3 +298,40 @@ def test_fused_gemv_variable_names_the_fusions_or_all_of_them():
     assert ops.parse_gemv_fusions(" gate, norm ") == {"gate", "norm"}
     with pytest.raises(ValueError, match=r"unknown fusion\(s\) 'silu'.*swiglu, gate, norm, got 'gate,silu'"):
         ops.parse_gemv_fusions("gate,silu")
+
+
+@pytest.mark.parametrize(("n", "k", "m"), [(37, 200, 1), (130, 1000, 4), (8, 64, 1), (45, 96, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_gives_the_same_bits_with_its_weight_tiles_loaded_a_step_ahead(n, k, m, dtype, monkeypatch):
+    """DELTASERVE_GEMV_PREFETCH: each weight tile is loaded one step ahead (the first before the PDL wait),
+    the sums in the same order. Every mode of the GEMV, K on and off the block multiples."""
+    from deltaserve.ops.triton.activation import silu_and_mul
+
+    gen = torch.Generator().manual_seed(7 * n + k + m)
+    head_dim = 16
+    heads = -(-k // head_dim)
+    kk = heads * head_dim  # whole heads for the gated modes
+    x = torch.randn(m, k, generator=gen).to(dtype).to(DEVICE)
+    gate_up = torch.randn(m, 2 * k, generator=gen).mul(3).to(dtype).to(DEVICE)
+    xg = torch.randn(m, kk, generator=gen).to(dtype).to(DEVICE)
+    gate = torch.randn(m, heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    o = torch.randn(m, heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    norm_w = (1 + 0.2 * torch.randn(head_dim, generator=gen)).to(dtype).to(DEVICE)
+    w = torch.randn(n, k, generator=gen).to(dtype).to(DEVICE)
+    wg = torch.randn(n, kk, generator=gen).to(dtype).to(DEVICE)
+
+    def every_mode() -> list[torch.Tensor]:
+        return [
+            triton_linear.gemv(x, w),
+            triton_linear.gemv_swiglu(gate_up, w),
+            triton_linear.gemv(silu_and_mul(gate_up), w),
+            triton_linear.gemv_sigmoid_gated(xg, gate, wg),
+            triton_linear.gemv_gated_norm(o, gate, norm_w, 1e-6, wg),
+        ]
+
+    monkeypatch.setattr(triton_linear, "GEMV_PREFETCH", False)
+    plain = every_mode()
+    monkeypatch.setattr(triton_linear, "GEMV_PREFETCH", True)
+    ahead = every_mode()
+    for a, b in zip(plain, ahead, strict=True):
+        assert torch.equal(a, b)
