@@ -1,0 +1,112 @@
+"""Prefill tile shapes of the paged attention kernel on CUDA, at the 4B attention (16 query heads, 4 kv
+heads, head dim 256, bf16, page size 16).
+
+The kernel's 16-bit prefill tiles are fixed (`ops/triton/attention.py`: `_TILES_16BIT_MIXED`, 128 query rows
+x 32 keys, 8 warps, 2 stages). For each candidate (query rows, keys per block, warps, stages) this times
+one chunk from position 0, one after context, and a saturated unified step's composition, against the
+current tiles, and checks each output against the current tiles' (a tile shape changes the order of the
+softmax's sums: within bf16 rounding). A candidate that does not compile (shared memory, registers) is
+reported as such.
+
+python3 -m deltaserve.bench.attention_kernel [--quick]   (needs CUDA)
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton.testing
+
+from deltaserve.ops.batch import BatchRow, ForwardBatch, build_forward_batch
+from deltaserve.ops.triton import attention as tri
+
+DEV = torch.device("cuda")
+HEADS, KV_HEADS, HEAD_DIM, PAGE = 16, 4, 256, 16
+# (query rows, keys per block, warps, stages); the first is the kernel's current choice.
+CANDIDATES = [
+    (128, 32, 8, 2),
+    (128, 32, 8, 3),
+    (128, 64, 8, 1),
+    (128, 64, 8, 2),
+    (128, 16, 8, 3),
+    (128, 16, 8, 4),
+    (64, 32, 4, 2),
+    (64, 32, 4, 3),
+    (64, 64, 4, 2),
+    (64, 64, 8, 2),
+    (256, 32, 8, 1),
+]
+# (name, rows: (context, new tokens) per sequence, decode rows first)
+SHAPES = [
+    ("8192 from 0", [(0, 8192)]),
+    ("2048 after 6144", [(6144, 2048)]),
+    ("2048 from 0", [(0, 2048)]),
+    ("56 decode + 2 x 996", [(1100, 1)] * 56 + [(0, 996), (0, 996)]),
+]
+
+
+def make_case(rows: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, ForwardBatch]:
+    """q, k_cache, v_cache and the batch; pages handed out in order from page 1."""
+    batch_rows, next_page = [], 1
+    for context, n in rows:
+        count = -(-(context + n) // PAGE)
+        batch_rows.append(BatchRow([0] * n, context, list(range(next_page, next_page + count)), 0))
+        next_page += count
+    batch = build_forward_batch(batch_rows, PAGE, DEV)
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    shape = (next_page, PAGE, KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, generator=gen, device=DEV, dtype=torch.bfloat16)
+    v_cache = torch.randn(shape, generator=gen, device=DEV, dtype=torch.bfloat16)
+    q = torch.randn(batch.num_tokens, HEADS, HEAD_DIM, generator=gen, device=DEV, dtype=torch.bfloat16)
+    return q, k_cache, v_cache, batch
+
+
+def flops(rows: list[tuple[int, int]]) -> int:
+    """QK^T and PV: 4 * head_dim flops per (query head, visible key) pair."""
+    pairs = sum(n * context + n * (n + 1) // 2 for context, n in rows)
+    return 4 * HEADS * HEAD_DIM * pairs
+
+
+def time_tiles(tiles: tri._Tiles, case: tuple) -> tuple[float, torch.Tensor]:
+    """(ms per call, output) with `tiles` as the kernel's prefill tiles."""
+    q, k_cache, v_cache, batch = case
+    saved = tri._TILES_16BIT_MIXED
+    tri._TILES_16BIT_MIXED = tiles
+    try:
+        out = tri.paged_attention(q, k_cache, v_cache, batch, HEAD_DIM**-0.5)
+        ms = triton.testing.do_bench(lambda: tri.paged_attention(q, k_cache, v_cache, batch, HEAD_DIM**-0.5))
+    finally:
+        tri._TILES_16BIT_MIXED = saved
+    return ms, out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the first four candidates only")
+    args = parser.parse_args()
+    candidates = CANDIDATES[:4] if args.quick else CANDIDATES
+    base = tri._TILES_16BIT_MIXED
+    print(f"current tiles: {base}")
+    for name, rows in SHAPES:
+        case = make_case(rows)
+        base_ms, base_out = time_tiles(base, case)
+        print(f"{name}: current {base_ms * 1e3:8.1f} us {flops(rows) / base_ms / 1e9:6.0f} TFLOP/s")
+        for m, n, warps, stages in candidates[1:] if candidates[0] == tuple(base[1:]) else candidates:
+            tiles = base._replace(prefill_m=m, prefill_n=n, num_warps=warps, num_stages=stages)
+            label = f"  M={m:<3} N={n:<3} warps={warps} stages={stages}"
+            try:
+                ms, out = time_tiles(tiles, case)
+            except Exception as exc:  # noqa: BLE001 (a candidate that does not compile is a result)
+                print(f"{label}: n/a ({type(exc).__name__}: {str(exc).splitlines()[0][:80]})")
+                continue
+            diff = float((out.float() - base_out.float()).abs().max())
+            print(
+                f"{label}: {ms * 1e3:8.1f} us {flops(rows) / ms / 1e9:6.0f} TFLOP/s "
+                f"{base_ms / ms:5.2f}x  max |diff| {diff:.3g}"
+            )
+        del case
+
+
+if __name__ == "__main__":
+    main()
