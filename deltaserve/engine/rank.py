@@ -172,6 +172,12 @@ def _warm_up(
         report.seconds,
         report.peak_activation_bytes / 2**30,
     )
+    if report.fresh_attention_plans:
+        logger.info(
+            "fresh prefill attention: %d cuDNN plans built (lengths up to %d tokens)",
+            report.fresh_attention_plans,
+            cfg.largest_step_tokens,
+        )
     return report
 
 

@@ -19,7 +19,9 @@ from deltaserve.cache.kv_pages import DUMMY_PAGE
 from deltaserve.cache.state_slots import DUMMY_SLOT
 from deltaserve.engine.sampler import Sampler, SamplingRow
 from deltaserve.engine.step import sample_and_stage
+from deltaserve.model.layers.attention import GatedAttention
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
+from deltaserve.ops import fresh_attention
 from deltaserve.ops.batch import BatchRow, build_forward_batch
 from deltaserve.sampling_params import SamplingParams
 
@@ -52,6 +54,7 @@ def dummy_rows(num_seqs: int, tokens_each: int, page_size: int, *, context: int 
 class WarmupReport:
     peak_activation_bytes: int
     seconds: float
+    fresh_attention_plans: int = 0  # cuDNN plans built for fresh prefill chunks (DELTASERVE_FRESH_SDPA)
 
 
 @torch.inference_mode()
@@ -82,9 +85,29 @@ def warm_up(
         model.compute_logits(model(batch, cache.kv, cache.states))
     if sample:
         warm_sampler(Sampler(), model.logits_vocab_size, device, max_num_seqs)
+    fresh_plans = warm_fresh_attention(model, max_batched_tokens) if fresh_attention.ENABLED else 0
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - base
-    return WarmupReport(peak_activation_bytes=peak, seconds=time.monotonic() - started)
+    return WarmupReport(
+        peak_activation_bytes=peak, seconds=time.monotonic() - started, fresh_attention_plans=fresh_plans
+    )
+
+
+def warm_fresh_attention(model: Qwen35ForCausalLM, max_batched_tokens: int) -> int:
+    """Every padded length a fresh prefill chunk can take through cuDNN (ops/fresh_attention.py), at
+    this rank's attention geometry: the plans are built now, not on a request. The count."""
+    attention = next((m for m in model.modules() if isinstance(m, GatedAttention)), None)
+    if attention is None:
+        return 0
+    dtype = attention.qkv_proj.dtype
+    return fresh_attention.warm_plans(
+        attention.num_heads,
+        attention.num_kv_heads,
+        attention.head_dim,
+        dtype,
+        model.device,
+        max_batched_tokens,
+    )
 
 
 @torch.inference_mode()

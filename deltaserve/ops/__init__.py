@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from deltaserve.ops import activation as _activation_ref
 from deltaserve.ops import attention as _attention_ref
 from deltaserve.ops import conv1d as _conv1d_ref
+from deltaserve.ops import fresh_attention
 from deltaserve.ops import gdn as _gdn_ref
 from deltaserve.ops import moe as _moe_ref
 from deltaserve.ops import norm as _norm_ref
@@ -266,5 +267,10 @@ def paged_attention(
     if use_kernels(q):
         from deltaserve.ops.triton.attention import paged_attention as kernel
 
-        return kernel(q, k_cache, v_cache, batch, scale)
+        first = fresh_attention.fresh_tail(batch) if fresh_attention.ENABLED else None
+        if first is None:
+            return kernel(q, k_cache, v_cache, batch, scale)
+        out = kernel(q, k_cache, v_cache, batch, scale, seqs=first)
+        fresh_attention.attend_fresh(q, k_cache, v_cache, batch, scale, first, out)
+        return out
     return _attention_ref.paged_attention(q, k_cache, v_cache, batch, scale)

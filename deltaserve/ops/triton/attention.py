@@ -655,10 +655,12 @@ def paged_attention(
     *,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    seqs: int | None = None,
 ) -> torch.Tensor:
     """q: [T, heads, head_dim] for the batch's new tokens, whose K/V are already written. Returns
     [T, heads, head_dim] in q's dtype (written into `out` when given); softmax in fp32. Same
-    semantics as the torch reference.
+    semantics as the torch reference. With `seqs` (an eager batch, at least its decode rows) only the
+    first `seqs` sequences are attended: the rows of the others are left as they are in `out`.
 
     Reads no host data but `batch.num_decodes` and shapes, and never syncs: CUDA-graph capturable.
     `num_splits` overrides the decode split count, which otherwise follows from the decode rows, kv
@@ -679,10 +681,14 @@ def paged_attention(
     if device_count is not None:
         _check(batch.num_decodes == 0, f"num_decodes {batch.num_decodes} with graph_decodes, expected 0")
         _check(batch.graph_chunks is not None, "graph_decodes without graph_chunks")
+        _check(seqs is None, "seqs with a graph's batch (its host lists are the capture's)")
         num_decodes = min(num_seqs, tokens)  # room; the live count is read on the device
         num_prefills = min(num_seqs, batch.graph_chunks)  # those after them are empty padding
     else:
         num_decodes = batch.num_decodes
+        if seqs is not None:
+            _check(num_decodes <= seqs <= num_seqs, f"seqs {seqs} outside [{num_decodes}, {num_seqs}]")
+            num_seqs, tokens = seqs, sum(batch.query_lens_host[:seqs])
         num_prefills = num_seqs - num_decodes
     out = _output(out, q)
     if tokens == 0:
