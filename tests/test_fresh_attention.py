@@ -81,3 +81,10 @@ def test_warm_up_runs_every_bucket_up_to_the_step_budget(monkeypatch):
     assert lengths == [2048, 2560, 3072, 3584, 4096]
     assert fresh.warm_plans(4, 2, 32, torch.float32, DEVICE, max_tokens=4095) == 5  # 4095 pads to 4096
     assert fresh.warm_plans(4, 2, 32, torch.float32, DEVICE, max_tokens=2047) == 0  # no chunk takes the path
+
+
+def test_only_16bit_activations_take_the_path_and_only_when_switched_on(monkeypatch):
+    monkeypatch.setattr(fresh, "ENABLED", True)
+    assert fresh.applies(torch.bfloat16) and fresh.applies(torch.float16) and not fresh.applies(torch.float32)
+    monkeypatch.setattr(fresh, "ENABLED", False)
+    assert not fresh.applies(torch.bfloat16)

@@ -85,7 +85,7 @@ def warm_up(
         model.compute_logits(model(batch, cache.kv, cache.states))
     if sample:
         warm_sampler(Sampler(), model.logits_vocab_size, device, max_num_seqs)
-    fresh_plans = warm_fresh_attention(model, max_batched_tokens) if fresh_attention.ENABLED else 0
+    fresh_plans = warm_fresh_attention(model, max_batched_tokens)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - base
     return WarmupReport(
@@ -100,6 +100,8 @@ def warm_fresh_attention(model: Qwen35ForCausalLM, max_batched_tokens: int) -> i
     if attention is None:
         return 0
     dtype = attention.qkv_proj.dtype
+    if not fresh_attention.applies(dtype):
+        return 0
     return fresh_attention.warm_plans(
         attention.num_heads,
         attention.num_kv_heads,

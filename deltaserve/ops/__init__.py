@@ -267,7 +267,7 @@ def paged_attention(
     if use_kernels(q):
         from deltaserve.ops.triton.attention import paged_attention as kernel
 
-        first = fresh_attention.fresh_tail(batch) if fresh_attention.ENABLED else None
+        first = fresh_attention.fresh_tail(batch) if fresh_attention.applies(q.dtype) else None
         if first is None:
             return kernel(q, k_cache, v_cache, batch, scale)
         out = kernel(q, k_cache, v_cache, batch, scale, seqs=first)

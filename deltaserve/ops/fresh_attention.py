@@ -28,6 +28,12 @@ from deltaserve.ops.batch import ForwardBatch
 ENABLED = os.environ.get("DELTASERVE_FRESH_SDPA", "0") == "1"
 MIN_TOKENS = 2048  # shorter chunks stay on the paged kernel (their padding costs more than cuDNN saves)
 BUCKET = 512
+DTYPES = (torch.bfloat16, torch.float16)  # cuDNN's attention has no fp32 kernel
+
+
+def applies(dtype: torch.dtype) -> bool:
+    """Whether activations of `dtype` take the path (the switch is on and cuDNN has a kernel for them)."""
+    return ENABLED and dtype in DTYPES
 
 
 def bucket_length(tokens: int) -> int:
