@@ -21,12 +21,19 @@ def write_kv(
     v_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = v.to(v_cache.dtype)
 
 
+def sequence_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` positions of one sequence's keys or values, [length, kv_heads, head_dim],
+    gathered from its pages (`block_table`: its row of the batch's block tables)."""
+    page_size, num_kv_heads, head_dim = cache.shape[1:]
+    pages = block_table[: (length + page_size - 1) // page_size].long()
+    return cache[pages].reshape(-1, num_kv_heads, head_dim)[:length]
+
+
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch, scale: float
 ) -> torch.Tensor:
     """q: [T, heads, head_dim] for the batch's new tokens, whose K/V are already written. Returns
     [T, heads, head_dim] in q's dtype; softmax in fp32."""
-    page_size = k_cache.shape[1]
     num_heads = q.shape[1]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -34,9 +41,8 @@ def paged_attention(
     start = 0
     for i, (n, ctx) in enumerate(zip(batch.query_lens_host, batch.context_lens_host, strict=True)):
         total = ctx + n
-        pages = batch.block_tables[i, : (total + page_size - 1) // page_size].long()
-        keys = k_cache[pages].reshape(-1, num_kv_heads, k_cache.shape[-1])[:total].float()
-        values = v_cache[pages].reshape(-1, num_kv_heads, v_cache.shape[-1])[:total].float()
+        keys = sequence_kv(k_cache, batch.block_tables[i], total).float()
+        values = sequence_kv(v_cache, batch.block_tables[i], total).float()
         keys = keys.repeat_interleave(group, dim=1)  # query head h reads kv head h // group
         values = values.repeat_interleave(group, dim=1)
         qi = q[start : start + n].float()

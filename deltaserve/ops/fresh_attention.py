@@ -23,6 +23,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from deltaserve.ops.attention import sequence_kv
 from deltaserve.ops.batch import ForwardBatch
 
 ENABLED = os.environ.get("DELTASERVE_FRESH_SDPA", "0") == "1"
@@ -90,20 +91,19 @@ def attend_fresh(
     out: torch.Tensor,
 ) -> None:
     """Writes out's rows of sequences first..num_seqs-1 (each with context 0, its K/V already in its pages)."""
-    page_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    num_kv_heads, head_dim = k_cache.shape[2:]
     start = sum(batch.query_lens_host[:first])
     with _backend(q.device):
         for i in range(first, batch.num_seqs):
             n = batch.query_lens_host[i]
             length = bucket_length(n)
-            pages = batch.block_tables[i, : -(-n // page_size)].long()
             padded = [
                 torch.zeros(length, heads, head_dim, dtype=q.dtype, device=q.device)
                 for heads in (q.shape[1], num_kv_heads, num_kv_heads)
             ]
             padded[0][:n] = q[start : start + n]
-            padded[1][:n] = k_cache[pages].reshape(-1, num_kv_heads, head_dim)[:n]
-            padded[2][:n] = v_cache[pages].reshape(-1, num_kv_heads, head_dim)[:n]
+            padded[1][:n] = sequence_kv(k_cache, batch.block_tables[i], n)
+            padded[2][:n] = sequence_kv(v_cache, batch.block_tables[i], n)
             out[start : start + n] = _dense(*padded, scale)[:n]
             start += n
 

@@ -662,7 +662,8 @@ def paged_attention(
     semantics as the torch reference. With `seqs` (an eager batch, at least its decode rows) only the
     first `seqs` sequences are attended: the rows of the others are left as they are in `out`.
 
-    Reads no host data but `batch.num_decodes` and shapes, and never syncs: CUDA-graph capturable.
+    Reads no host data but `batch.num_decodes`, shapes (and with `seqs` the host query lengths), and
+    never syncs: CUDA-graph capturable.
     `num_splits` overrides the decode split count, which otherwise follows from the decode rows, kv
     heads, the block table's capacity (block_tables.shape[1] * page_size, the fixed max-context bound)
     and the SM count.
