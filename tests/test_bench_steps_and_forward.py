@@ -103,7 +103,12 @@ def test_forward_shape_rows_spread_token_ids_over_the_vocabulary():
 
 def test_bench_forward_runs_on_cpu(capsys):
     args = argparse.Namespace(
-        shape=["1x1@0", "2x1@8+1x6@0"], num_iters=1, num_iters_warmup=0, output_json=None, kernels=0
+        shape=["1x1@0", "2x1@8+1x6@0"],
+        num_iters=1,
+        num_iters_warmup=0,
+        output_json=None,
+        kernels=0,
+        operators=0,
     )
     results = run_bench_forward(args, EngineConfig(device="cpu", max_model_len=256, max_num_seqs=4))
     assert [r.shape for r in results] == ["1x1@0", "2x1@8+1x6@0"]
@@ -121,7 +126,9 @@ def test_bench_forward_lists_where_a_forward_spends_its_time_without_starting_th
         raise AssertionError("bench forward started the scheduler")
 
     monkeypatch.setattr(EngineCore, "start", refuse)
-    args = argparse.Namespace(shape=["1x6@0"], num_iters=2, num_iters_warmup=0, output_json=None, kernels=3)
+    args = argparse.Namespace(
+        shape=["1x6@0"], num_iters=2, num_iters_warmup=0, output_json=None, kernels=3, operators=0
+    )
     (result,) = run_bench_forward(args, EngineConfig(device="cpu", max_model_len=256, max_num_seqs=4))
     kernels = result.kernels
     assert len(kernels) > 3 and sum(k.share for k in kernels) == pytest.approx(1.0)
@@ -131,3 +138,19 @@ def test_bench_forward_lists_where_a_forward_spends_its_time_without_starting_th
     out = capsys.readouterr().out
     assert "kernels of 1x6@0 (eager)" in out and f"({len(kernels) - 3} others)" in out
     assert "kernels of 1x6@0 (worker)" in out
+
+
+def test_bench_forward_names_the_operators_behind_the_time_with_their_input_shapes(capsys):
+    args = argparse.Namespace(
+        shape=["1x6@0"], num_iters=2, num_iters_warmup=0, output_json=None, kernels=0, operators=2
+    )
+    (result,) = run_bench_forward(args, EngineConfig(device="cpu", max_model_len=256, max_num_seqs=4))
+    operators = result.operators
+    assert len(operators) > 2 and sum(o.share for o in operators) == pytest.approx(1.0)
+    assert [o.us for o in operators] == sorted((o.us for o in operators), reverse=True)
+    assert all(o.name.startswith("aten::") or "::" in o.name for o in operators[:5])
+    # The tiny model's projections run on 6 token rows: some operator's recorded inputs say so.
+    assert any("[6, " in o.shapes for o in operators)
+    assert not result.kernels  # only what was asked for
+    out = capsys.readouterr().out
+    assert "operators of 1x6@0 (eager)" in out and f"({len(operators) - 2} others)" in out

@@ -13,7 +13,9 @@ vocabulary, so a MoE model's experts get the spread of load that text gives them
 - for each, the wall time (to the device's last kernel) and the host time (until the launch call
   returns). Host time close to wall time means the step is bound by launching, not by the GPU;
 - with `--kernels N`, the N kernels with the most device time of each path (kernel_table.py): the eager
-  forward's, then the worker's (inside its graph replays: what serving runs).
+  forward's, then the worker's (inside its graph replays: what serving runs);
+- with `--operators N`, the N torch operators of the eager forward whose kernels take the most device
+  time, with their input shapes (which tensor a copy kernel moved).
 """
 
 from __future__ import annotations
@@ -28,7 +30,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from deltaserve.bench.kernel_table import KernelTime, kernel_table_lines, profile_kernels
+from deltaserve.bench.kernel_table import (
+    KernelTime,
+    OperatorTime,
+    kernel_table_lines,
+    operator_table_lines,
+    profile_kernels,
+    profile_operators,
+)
 from deltaserve.engine_config import EngineConfig
 
 if TYPE_CHECKING:  # the engine (torch) is imported when the benchmark runs, not when the CLI parses
@@ -52,6 +61,7 @@ class ForwardCost:
     worker_host_ms: float
     kernels: list[KernelTime] = field(default_factory=list)  # with --kernels: the eager forward's
     worker_kernels: list[KernelTime] = field(default_factory=list)  # with --kernels: the worker path's
+    operators: list[OperatorTime] = field(default_factory=list)  # with --operators: the eager forward's
 
 
 def parse_shape(text: str) -> list[RowGroup]:
@@ -104,7 +114,9 @@ def _median_times(
     return statistics.median(walls), statistics.median(hosts)
 
 
-def measure(engine: EngineCore, shape: str, iters: int, warmup: int, kernels: bool = False) -> ForwardCost:
+def measure(
+    engine: EngineCore, shape: str, iters: int, warmup: int, kernels: bool = False, operators: bool = False
+) -> ForwardCost:
     import torch
 
     from deltaserve.ops.batch import build_forward_batch
@@ -135,7 +147,10 @@ def measure(engine: EngineCore, shape: str, iters: int, warmup: int, kernels: bo
         on_gpu = device.type == "cuda"
         table = profile_kernels(eager, sync, iters, on_gpu) if kernels else []
         worker_table = profile_kernels(through_worker, sync, iters, on_gpu) if kernels else []
-    return ForwardCost(shape, eager_wall, eager_host, worker_wall, worker_host, table, worker_table)
+        operator_table = profile_operators(eager, sync, iters, on_gpu) if operators else []
+    return ForwardCost(
+        shape, eager_wall, eager_host, worker_wall, worker_host, table, worker_table, operator_table
+    )
 
 
 def add_bench_forward_arguments(parser: argparse.ArgumentParser) -> None:
@@ -157,6 +172,14 @@ def add_bench_forward_arguments(parser: argparse.ArgumentParser) -> None:
         help="also profile each shape's eager forward and its worker path (graph replays) and list the "
         "N kernels of each with the most device time (CPU operators without a GPU)",
     )
+    parser.add_argument(
+        "--operators",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also list the N torch operators of each shape's eager forward whose kernels take the most "
+        "device time, with their input shapes",
+    )
 
 
 def run_bench_forward(args: argparse.Namespace, engine_config: EngineConfig) -> list[ForwardCost]:
@@ -170,7 +193,14 @@ def run_bench_forward(args: argparse.Namespace, engine_config: EngineConfig) -> 
     engine.wait_for_startup_work()
     try:
         results = [
-            measure(engine, s, args.num_iters, args.num_iters_warmup, kernels=args.kernels > 0)
+            measure(
+                engine,
+                s,
+                args.num_iters,
+                args.num_iters_warmup,
+                kernels=args.kernels > 0,
+                operators=args.operators > 0,
+            )
             for s in args.shape
         ]
     finally:
@@ -187,6 +217,8 @@ def run_bench_forward(args: argparse.Namespace, engine_config: EngineConfig) -> 
         if r.kernels:
             print("\n".join(kernel_table_lines(f"{r.shape} (eager)", r.kernels, args.kernels)))
             print("\n".join(kernel_table_lines(f"{r.shape} (worker)", r.worker_kernels, args.kernels)))
+        if r.operators:
+            print("\n".join(operator_table_lines(f"{r.shape} (eager)", r.operators, args.operators)))
     if args.output_json:
         Path(args.output_json).write_text(json.dumps([asdict(r) for r in results], indent=2))
     return results
