@@ -25,8 +25,6 @@ tunes (engine warm-up makes those calls before serving, and before CUDA-graph ca
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -42,10 +40,6 @@ GATED_NORM_MAX_HEAD_DIM = min(k for _, k, _ in _CONFIGS)  # every tuned K block 
 
 
 GEMV_MAX_ROWS = 4  # rows streamed together (a K = 3 verify row has 4 tokens)
-# DELTASERVE_GEMV_PREFETCH=1: the GEMV loads each weight tile one step ahead, its first before the PDL wait
-# (ops/triton/pdl.py), so a projection's first loads overlap the kernel before it. The same bits either way;
-# off until an A/B on the batch-1 cell (docs/benchmarks/2026-12-04-h200-pdl-power-cudnn.md, section 1).
-GEMV_PREFETCH = os.environ.get("DELTASERVE_GEMV_PREFETCH", "0") == "1"
 
 
 # What the GEMV reads as x (its MODE): a plain row, a SwiGLU MLP's [gate | up] row, an attention output
@@ -113,13 +107,6 @@ def _store_row(out_row_ptr, acc, rows, row_ok):
 
 
 @triton.jit
-def _weight_tile(w_rows, cols, row_ok, col_ok):
-    """A [BLOCK_N, BLOCK_K] tile of the weight in fp32. Weights are written by no kernel, so a kernel
-    launched with PDL may load a tile before it waits for the kernel before it."""
-    return tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-
-
-@triton.jit
 def _gemv_kernel(
     x_ptr,
     w_ptr,
@@ -139,29 +126,21 @@ def _gemv_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PREFETCH: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
     # Each weight tile is loaded once for all ROWS rows (1..4), each row with its own accumulator in the
-    # same order, so a row's bits depend only on that row and W (and the block shape). With PREFETCH each
-    # tile is loaded one step ahead, the first before the PDL wait; the sums and their order are the same.
+    # same order, so a row's bits depend only on that row and W (and the block shape).
+    gdc_enter(USE_GDC)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
-    if PREFETCH:
-        w_next = _weight_tile(w_rows, tl.arange(0, BLOCK_K), row_ok, tl.arange(0, BLOCK_K) < K)
-    gdc_enter(USE_GDC)
     accs = ()
     for _ in tl.static_range(ROWS):
         accs = accs + (tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32),)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         col_ok = cols < K
-        if PREFETCH:
-            w = w_next
-            w_next = _weight_tile(w_rows, cols + BLOCK_K, row_ok, cols + BLOCK_K < K)  # none past K
-        else:
-            w = _weight_tile(w_rows, cols, row_ok, col_ok)
+        w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
         summed = ()
         for r in tl.static_range(ROWS):
             x = _load_x(
@@ -428,12 +407,9 @@ def _launch_gemv(
             HEAD_DIM=head_dim,
             BLOCK_N=block_n,
             BLOCK_K=block_k,
-            PREFETCH=GEMV_PREFETCH,
             **launch_options(x.device),
         )
     else:
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-        _gemv_tuned[grid](
-            *args, ROWS=m, MODE=mode, HEAD_DIM=head_dim, PREFETCH=GEMV_PREFETCH, **launch_options(x.device)
-        )
+        _gemv_tuned[grid](*args, ROWS=m, MODE=mode, HEAD_DIM=head_dim, **launch_options(x.device))
     return out
