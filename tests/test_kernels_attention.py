@@ -425,3 +425,24 @@ def test_negative_slot_writes_nothing_but_still_returns_q() -> None:
     assert written.tolist() == [int(case.slot_mapping[0])]
     assert torch.isfinite(v_cache).all(dim=(-2, -1)).view(-1).nonzero().view(-1).tolist() == written.tolist()
     assert torch.isfinite(q_out).all()
+
+
+def test_prefill_tiles_take_the_64_key_blocks_only_where_shared_memory_holds_them() -> None:
+    """Head dim 256, 16-bit: the 64-key tiles need (128 + 2 stages x 2 x 64) x 256 x 2 B = 192 KiB,
+    the 32-key fallback (128 + 2 x 2 x 32) x 256 x 2 B = 128 KiB."""
+    assert tri.prefill_smem_bytes(tri._TILES_16BIT_MIXED, 256) == 196608
+    assert tri.prefill_smem_bytes(tri._TILES_16BIT_MIXED_SMALL_SMEM, 256) == 131072
+    h100_optin, a100_optin = 232448, 166912  # 227 KiB (sm_90), 163 KiB (sm_80)
+    assert tri.mixed_tiles(256, h100_optin).prefill_n == 64
+    assert tri.mixed_tiles(256, a100_optin).prefill_n == 32
+    assert tri.mixed_tiles(128, a100_optin).prefill_n == 64  # 96 KiB at head dim 128
+    assert tri.mixed_tiles(256, None).prefill_n == 64  # the interpreter has no limit
+
+
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32])
+def test_prefill_with_the_small_shared_memory_tiles_matches_reference(dtype, monkeypatch) -> None:
+    """The fallback tiles stay a tested path on GPUs where the 64-key blocks would not fit."""
+    monkeypatch.setattr(tri, "_TILES_16BIT_MIXED", tri._TILES_16BIT_MIXED_SMALL_SMEM)
+    rows = [(40, 1), (0, 37), (29, 21), (5, 70)]
+    case = make_case(rows, num_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=dtype)
+    check_attention(case)

@@ -2,7 +2,7 @@
 heads, head dim 256, bf16, page size 16).
 
 The kernel's 16-bit prefill tiles are fixed (`ops/triton/attention.py`: `_TILES_16BIT_MIXED`, 128 query rows
-x 32 keys, 8 warps, 2 stages). For each candidate (query rows, keys per block, warps, stages) this times
+x 64 keys, 8 warps, 2 stages, since this sweep's first run). For each candidate (query rows, keys per block, warps, stages) this times
 one chunk from position 0, one after context, and a saturated unified step's composition, against the
 current tiles, and checks each output against the current tiles' (a tile shape changes the order of the
 softmax's sums: within bf16 rounding). A candidate that does not compile (shared memory, registers) is
@@ -25,10 +25,10 @@ DEV = torch.device("cuda")
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 16, 4, 256, 16
 # (query rows, keys per block, warps, stages); the first is the kernel's current choice.
 CANDIDATES = [
+    (128, 64, 8, 2),
     (128, 32, 8, 2),
     (128, 32, 8, 3),
     (128, 64, 8, 1),
-    (128, 64, 8, 2),
     (128, 16, 8, 3),
     (128, 16, 8, 4),
     (64, 32, 4, 2),

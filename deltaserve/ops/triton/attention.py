@@ -59,11 +59,36 @@ class _Tiles(NamedTuple):
 # 16-bit activations. Pure decode is memory-bound: 4 warps (168 registers: three CTAs per SM), and 5
 # stages, which with the block-table indirection double-buffer the 2 x 32 x 256 K/V tiles (75 KiB).
 # With prefill rows: 128-row tiles (K/V reuse: 128 flops per byte of K/V, which keeps wgmma fed from L2)
-# x 32 keys, 8 warps (246-251 registers, no spills), 2 stages (128 KiB).
+# x 64 keys, 8 warps, 2 stages: 192 KiB at head dim 256. Timed on an H200 against ten other shapes
+# (`python3 -m deltaserve.bench.attention_kernel`): 1.52x the 32-key blocks on an 8192-token chunk,
+# 1.53x on 2048 tokens after 6144, 1.16x on a saturated unified step. A GPU with less shared memory
+# per block (sm_80: 163 KiB) gets the 32-key blocks (128 KiB).
 _TILES_16BIT_DECODE = _Tiles(decode_n=32, prefill_m=128, prefill_n=32, num_warps=4, num_stages=5)
-_TILES_16BIT_MIXED = _Tiles(decode_n=32, prefill_m=128, prefill_n=32, num_warps=8, num_stages=2)
+_TILES_16BIT_MIXED = _Tiles(decode_n=32, prefill_m=128, prefill_n=64, num_warps=8, num_stages=2)
+_TILES_16BIT_MIXED_SMALL_SMEM = _Tiles(decode_n=32, prefill_m=128, prefill_n=32, num_warps=8, num_stages=2)
 # fp32 (tests; IEEE dots are FMA loops): smaller tiles so that shared memory fits.
 _TILES_FP32 = _Tiles(decode_n=32, prefill_m=32, prefill_n=32, num_warps=8, num_stages=2)
+
+
+def prefill_smem_bytes(tiles: _Tiles, head_dim: int, itemsize: int = 2) -> int:
+    """Shared memory of a prefill tile: the query tile, and K and V blocks for each pipeline stage."""
+    return (tiles.prefill_m + 2 * tiles.num_stages * tiles.prefill_n) * head_dim * itemsize
+
+
+def mixed_tiles(head_dim: int, smem_per_block: int | None) -> _Tiles:
+    """The 16-bit tiles of a launch with prefill rows: the larger K/V blocks where they fit the device's
+    opt-in shared memory per block (None: no limit, as under the interpreter)."""
+    tiles = _TILES_16BIT_MIXED
+    if smem_per_block is not None and prefill_smem_bytes(tiles, head_dim) > smem_per_block:
+        return _TILES_16BIT_MIXED_SMALL_SMEM
+    return tiles
+
+
+@functools.cache
+def _smem_per_block(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
+
+
 # Split-K for decode: aim for about two programs per SM, never a split shorter than MIN_SPLIT_TOKENS
 # of the block-table capacity, never more than MAX_SPLITS (also the merge kernel's lse tile width).
 MIN_SPLIT_TOKENS = 256
@@ -708,7 +733,8 @@ def paged_attention(
     if q.dtype == torch.float32:
         tiles = _TILES_FP32
     else:
-        tiles = _TILES_16BIT_DECODE if num_prefills == 0 else _TILES_16BIT_MIXED
+        smem = _smem_per_block(q.device.index or 0) if q.device.type == "cuda" else None
+        tiles = _TILES_16BIT_DECODE if num_prefills == 0 else mixed_tiles(head_dim, smem)
     # Decode rows hold one token each, so prefill rows hold tokens - num_decodes; each prefill
     # sequence gets at most one tile more than it needs (see the module docstring). With a device count
     # the tiles are counted for none of the rows being decode rows, the most they can need; the empty
