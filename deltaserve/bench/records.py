@@ -65,7 +65,10 @@ REFERENCES: dict[str, CellReference] = {
         previous=(Figure("TTFT", 138.8, "ms"),),
         note="floor: 69 TFLOP at 790 TFLOP/s; the 2026-12-04 record (prefill-4b-tok: prompts tokenized in pieces)",
     ),
-    "4b-shape:32768-1-c1": CellReference(previous=(Figure("TTFT", 0.76, "s"),)),
+    "4b-shape:32768-1-c1": CellReference(
+        previous=(Figure("TTFT", 0.576, "s"),),
+        note="the 2026-12-04 record (prefill-4b-prefill-plain)",
+    ),
     "4b-shape:131072-1-c1": CellReference(previous=(Figure("TTFT", 6.0, "s"),)),
     "4b-shape:first-start": CellReference(previous=(Figure("HTTP ready", 18.3, "s"),)),
     "4b-shape:restart": CellReference(
