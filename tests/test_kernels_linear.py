@@ -227,6 +227,32 @@ def test_op_boundary_gates_inside_the_gemvs_rows_only(monkeypatch):
     assert calls == [("fused", 1, 32)]
 
 
+def test_attention_output_gate_reads_the_strided_gate_without_copying_it():
+    """The gate is every other head_dim slice of q_proj's output: sigmoid reads it where it lies and
+    writes the contiguous operand of the product (a copy of the gate first was 0.74 ms of an 8k-token
+    4B forward). Same bits as gating a contiguous copy."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    q_gate = torch.randn(7, 4, 2 * 16, dtype=torch.bfloat16)
+    x, gate = torch.randn(7, 4 * 16, dtype=torch.bfloat16), q_gate[..., 16:]
+    w = torch.randn(12, 64, dtype=torch.bfloat16)
+    with Recorder() as recorder:
+        got = ops.sigmoid_gated_linear(x, gate, w)
+    assert not any(
+        name.startswith(("aten.clone", "aten.copy_", "aten._unsafe_view")) for name in recorder.ops
+    )
+    assert torch.equal(got, F.linear(x * torch.sigmoid(gate.contiguous().reshape(7, 64)), w))
+
+
 @pytest.mark.parametrize(("heads", "head_dim", "n", "m"), [(3, 32, 37, 1), (4, 64, 130, 1), (2, 16, 45, 3)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gemv_gated_norm_matches_the_gated_norm_then_gemv(heads, head_dim, n, m, dtype):

@@ -124,7 +124,9 @@ def sigmoid_gated_linear(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tens
         from deltaserve.ops.triton.linear import gemv_sigmoid_gated
 
         return gemv_sigmoid_gated(x, gate, weight)
-    return linear(x * torch.sigmoid(gate.reshape(x.shape)), weight)
+    # sigmoid reads the strided gate and writes a contiguous [T, H, D]: no copy of the gate first
+    gated = x.reshape(gate.shape) * torch.sigmoid(gate)
+    return linear(gated.view(x.shape), weight)
 
 
 def gated_norm_linear(
