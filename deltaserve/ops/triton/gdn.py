@@ -409,9 +409,11 @@ def gated_delta_rule(
 ) -> torch.Tensor:
     """The GPU path of deltaserve.ops.gdn.gated_delta_rule (same signature and semantics): decode rows
     through the decode kernel, verify rows through the verify kernel, the rest through fla."""
+    nd = batch.num_decodes
+    if nd + batch.num_verify == 0 and batch.graph_decodes is None and batch.num_seqs:
+        return gdn_prefill(q, k, v, a, b, A_log, dt_bias, ssm_state, batch, 0)  # fla's o is every row's
     tokens = q.shape[0]
     out = torch.empty(tokens, v.shape[1], v.shape[2], dtype=v.dtype, device=v.device)
-    nd = batch.num_decodes
     if nd:
         gdn_decode(
             q[:nd],
