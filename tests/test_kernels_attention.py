@@ -427,6 +427,31 @@ def test_negative_slot_writes_nothing_but_still_returns_q() -> None:
     assert torch.isfinite(q_out).all()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_norm_rope_per_token_grid_gives_the_per_head_grids_bits(dtype, monkeypatch) -> None:
+    """From QK_NORM_TOKENS_PER_TOKEN_GRID tokens one program takes all of a token's heads (cos/sin once);
+    the outputs, the K/V written and the padding slot left alone are those of one program per head."""
+    case = make_projection_case(
+        [0, 5, 17, 4095, 32768, 200_003], num_heads=6, num_kv_heads=2, head_dim=64, rotary_dim=16, dtype=dtype
+    )
+    case.slot_mapping[2] = -1  # padding: writes nothing in either grid
+
+    def run() -> list[torch.Tensor]:
+        caches = [
+            torch.full(case.cache_shape, float("nan"), dtype=dtype, device=case.q.device) for _ in range(2)
+        ]
+        return [tri.qk_norm_rope_write_kv(*case.args(*caches)), *caches]
+
+    monkeypatch.setattr(tri, "QK_NORM_TOKENS_PER_TOKEN_GRID", 10**9)
+    per_head = run()
+    monkeypatch.setattr(tri, "QK_NORM_TOKENS_PER_TOKEN_GRID", 1)
+    per_token = run()
+    for a, b in zip(per_head, per_token, strict=True):
+        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+    written = int(torch.isfinite(per_token[1]).all(dim=(-2, -1)).sum())
+    assert written == 5  # six tokens, one padding slot
+
+
 def test_prefill_tiles_take_the_64_key_blocks_only_where_shared_memory_holds_them() -> None:
     """Head dim 256, 16-bit: the 64-key tiles need (128 + 2 stages x 2 x 64) x 256 x 2 B = 192 KiB,
     the 32-key fallback (128 + 2 x 2 x 32) x 256 x 2 B = 128 KiB."""
