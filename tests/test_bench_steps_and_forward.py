@@ -101,16 +101,20 @@ def test_forward_shape_rows_spread_token_ids_over_the_vocabulary():
     assert [r.token_ids for r in again] == [r.token_ids for r in rows]  # a fixed seed: runs compare
 
 
-def test_bench_forward_runs_on_cpu(capsys):
+def _bench_forward_on_cpu(*shapes: str, num_iters: int = 2, kernels: int = 0, operators: int = 0):
     args = argparse.Namespace(
-        shape=["1x1@0", "2x1@8+1x6@0"],
-        num_iters=1,
+        shape=list(shapes),
+        num_iters=num_iters,
         num_iters_warmup=0,
         output_json=None,
-        kernels=0,
-        operators=0,
+        kernels=kernels,
+        operators=operators,
     )
-    results = run_bench_forward(args, EngineConfig(device="cpu", max_model_len=256, max_num_seqs=4))
+    return run_bench_forward(args, EngineConfig(device="cpu", max_model_len=256, max_num_seqs=4))
+
+
+def test_bench_forward_runs_on_cpu(capsys):
+    results = _bench_forward_on_cpu("1x1@0", "2x1@8+1x6@0", num_iters=1)
     assert [r.shape for r in results] == ["1x1@0", "2x1@8+1x6@0"]
     assert all(r.eager_wall_ms >= r.eager_host_ms > 0 and r.worker_wall_ms > 0 for r in results)
     assert "2x1@8+1x6@0" in capsys.readouterr().out
@@ -126,10 +130,7 @@ def test_bench_forward_lists_where_a_forward_spends_its_time_without_starting_th
         raise AssertionError("bench forward started the scheduler")
 
     monkeypatch.setattr(EngineCore, "start", refuse)
-    args = argparse.Namespace(
-        shape=["1x6@0"], num_iters=2, num_iters_warmup=0, output_json=None, kernels=3, operators=0
-    )
-    (result,) = run_bench_forward(args, EngineConfig(device="cpu", max_model_len=256, max_num_seqs=4))
+    (result,) = _bench_forward_on_cpu("1x6@0", kernels=3)
     kernels = result.kernels
     assert len(kernels) > 3 and sum(k.share for k in kernels) == pytest.approx(1.0)
     assert [k.us for k in kernels] == sorted((k.us for k in kernels), reverse=True)
@@ -141,10 +142,7 @@ def test_bench_forward_lists_where_a_forward_spends_its_time_without_starting_th
 
 
 def test_bench_forward_names_the_operators_behind_the_time_with_their_input_shapes(capsys):
-    args = argparse.Namespace(
-        shape=["1x6@0"], num_iters=2, num_iters_warmup=0, output_json=None, kernels=0, operators=2
-    )
-    (result,) = run_bench_forward(args, EngineConfig(device="cpu", max_model_len=256, max_num_seqs=4))
+    (result,) = _bench_forward_on_cpu("1x6@0", operators=2)
     operators = result.operators
     assert len(operators) > 2 and sum(o.share for o in operators) == pytest.approx(1.0)
     assert [o.us for o in operators] == sorted((o.us for o in operators), reverse=True)
