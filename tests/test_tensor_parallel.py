@@ -19,13 +19,17 @@ from deltaserve.config import ModelConfig
 from deltaserve.engine.llm import LLM
 from deltaserve.engine.tp import (
     Cancel,
+    CaptureGraphs,
     Execute,
+    GraphsCaptured,
     RankGroup,
     RankReady,
     RankReply,
     RankStep,
     RankWorkers,
+    Stop,
     TensorParallelError,
+    _serve_steps,
 )
 from deltaserve.engine_config import EngineConfig
 from deltaserve.errors import ConfigError
@@ -251,6 +255,75 @@ def test_a_rank_that_fails_to_start_is_reported_with_its_own_reason() -> None:
     assert [type(msg).__name__ for _, msg in log] == ["Stop", "Stop"]
 
 
+class ScriptedRank:
+    """A rank's channel as the rank sees it: rank 0's messages from a script, the rank's replies kept."""
+
+    def __init__(self, *messages: object) -> None:
+        self.messages, self.sent = list(messages), []
+
+    def recv(self) -> object:
+        return self.messages.pop(0)
+
+    def send(self, obj: object) -> None:
+        self.sent.append(obj)
+
+
+class RecordingWorker:
+    def __init__(self) -> None:
+        self.graphs, self.runs, self.device = None, [], torch.device("cpu")
+
+    def run(self, rows, fed=None, *, logits, copies_before, copies_after, decode_graphs):
+        self.runs.append((logits, decode_graphs))
+        return None, None
+
+
+def test_a_rank_captures_its_decode_graphs_when_told_and_then_takes_rank_0s_path() -> None:
+    """Before the capture a rank never computes logits (eager, nothing to replay); with graphs it runs
+    with rank 0's `logits`, so it replays exactly where rank 0 replays and their all-reduces meet."""
+    captured = []
+
+    def capture(worker, command):
+        captured.append(command)
+        return "graphs"
+
+    channel = ScriptedRank(
+        RankStep(0, ROWS, logits=True),
+        Execute(0),
+        CaptureGraphs(max_num_seqs=8, max_model_len=256),
+        RankStep(1, ROWS, logits=True),
+        Execute(1),
+        RankStep(2, ROWS, logits=False, decode_graphs=False),
+        Execute(2),
+        Stop(),
+    )
+    worker = RecordingWorker()
+    _serve_steps(1, worker, channel, capture)
+    assert captured == [CaptureGraphs(8, 256)] and worker.graphs == "graphs"
+    assert worker.runs == [(False, True), (True, True), (False, False)]
+    assert channel.sent == [RankReply(1, 0), GraphsCaptured(1), RankReply(1, 1), RankReply(1, 2)]
+
+
+def test_a_rank_whose_capture_fails_reports_why_and_rank_0_names_it() -> None:
+    def capture(worker, command):
+        raise RuntimeError("CUDA error: out of memory")
+
+    channel = ScriptedRank(CaptureGraphs(8, 256), RankStep(0, ROWS), Execute(0))
+    _serve_steps(2, RecordingWorker(), channel, capture)
+    assert channel.sent == [GraphsCaptured(2, "RuntimeError: CUDA error: out of memory")]  # and it exited
+    log: list = []
+    workers = RankWorkers(
+        [], [FakeChannel(1, log, replies=(GraphsCaptured(1),)), FakeChannel(2, log, replies=channel.sent)]
+    )
+    workers.start_graph_capture(8, 256)
+    assert log == [(1, CaptureGraphs(8, 256)), (2, CaptureGraphs(8, 256))]
+    with pytest.raises(TensorParallelError, match="rank 2 failed to capture its decode graphs: RuntimeError"):
+        workers.wait_graphs()
+    failed = RankWorkers([], [FakeChannel(1, log, replies=(GraphsCaptured(1, "RuntimeError: boom"),))])
+    assert failed.startup_failures(wait_s=0.01) == [
+        "rank 1 failed to capture its decode graphs: RuntimeError: boom"
+    ]
+
+
 # ---- two ranks end to end (CPU processes over gloo) -------------------------------------------------
 
 
@@ -274,16 +347,19 @@ def _generate(model_dir: Path, tp: int) -> list:
 @pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
 def test_two_ranks_generate_what_one_rank_generates(checkpoints, preset, monkeypatch) -> None:
     fed_rows: list[int] = []
+    logits: list[bool] = []
     dispatch = RankGroup.dispatch
 
-    def recording(self, rows, copies_before=(), copies_after=(), fed=0):
+    def recording(self, rows, copies_before=(), copies_after=(), fed=0, **flags):
         fed_rows.append(fed)
-        return dispatch(self, rows, copies_before, copies_after, fed)
+        logits.append(flags["logits"])
+        return dispatch(self, rows, copies_before, copies_after, fed, **flags)
 
     monkeypatch.setattr(RankGroup, "dispatch", recording)
     one, two = _generate(checkpoints[preset], 1), _generate(checkpoints[preset], 2)
     # Decode-ahead ran: steps fed the previous step's tokens, which rank 1 got from rank 0's broadcast.
     assert any(n > 0 for n in fed_rows), fed_rows
+    assert any(logits), "every step reaches the ranks with rank 0's logits flag"
     scored = list(zip(one[3].prompt_logprobs[1:], two[3].prompt_logprobs[1:], strict=True))
     assert len(scored) == 89 and all(abs(x.logprob - y.logprob) < LOGPROB_TOL for x, y in scored)
     for a, b in zip([o.outputs[0] for o in one], [o.outputs[0] for o in two], strict=True):

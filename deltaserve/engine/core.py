@@ -14,9 +14,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from deltaserve.cache.device import DeviceCaches
 from deltaserve.cache.manager import CacheManager
 from deltaserve.cachedir import use_kernel_cache
 from deltaserve.config import ModelConfig
+from deltaserve.engine import tp
 from deltaserve.engine.backend import Backend
 from deltaserve.engine.cuda_graphs import CudaGraphRunner
 from deltaserve.engine.prefill_graphs import PrefillGraphRunner
@@ -140,23 +142,16 @@ class EngineCore:
         capacity_tokens = self.cache.kv.capacity * config.page_size
         max_model_len = self._resolve_max_model_len(capacity_tokens)
         graphs = None
-        if self.workers is not None:
+        if device.type == "cuda" and not config.enforce_eager and (self.workers is None or tp.GRAPHS):
+            graphs = self._capture_decode_graphs(caches, max_model_len)
+        elif self.workers is not None:
             logger.info(
-                "tensor parallel over %d ranks: eager (no decode graphs)",
+                "tensor parallel over %d ranks: eager (no decode graphs; DELTASERVE_TP_GRAPHS=1 on CUDA captures them)",
                 config.tensor_parallel_size,
-            )
-        elif device.type == "cuda" and not config.enforce_eager:
-            graphs = CudaGraphRunner(self.model, caches, config.max_num_seqs, max_model_len)
-            seconds = graphs.capture()
-            logger.info(
-                "captured %d decode graphs (batch buckets up to %d) in %.1f s",
-                len(graphs.buckets),
-                config.max_num_seqs,
-                seconds,
             )
         spec_graphs = None
         spec = config.speculative_config
-        if graphs is not None and spec is not None:
+        if graphs is not None and spec is not None:  # never with tensor parallelism (EngineConfig)
             spec_graphs = SpeculativeGraphs(
                 self.model,
                 caches,
@@ -173,7 +168,8 @@ class EngineCore:
                 seconds,
             )
         prefill_graphs = None
-        if graphs is not None and config.prefill_graph_tokens > 0:
+        # Not with tensor parallelism: a prefill graph is captured while idle, by rank 0 alone.
+        if graphs is not None and config.prefill_graph_tokens > 0 and self.workers is None:
             prefill_graphs = PrefillGraphRunner(
                 self.model,
                 caches,
@@ -201,7 +197,9 @@ class EngineCore:
                 overlap=config.prefill_overlap,
             )
             if self.workers is None
-            else Backend(self.model, caches, worker=TensorParallelWorker(self.model, caches, self.workers))
+            else Backend(
+                self.model, caches, worker=TensorParallelWorker(self.model, caches, self.workers, graphs)
+            )
         )
         self.scheduler_config = SchedulerConfig(
             max_model_len=max_model_len,
@@ -242,6 +240,35 @@ class EngineCore:
         )
         self.scheduler: Scheduler | None = None
         self.thread: threading.Thread | None = None
+
+    def _capture_decode_graphs(self, caches: DeviceCaches, max_model_len: int) -> CudaGraphRunner:
+        """Rank 0's decode graphs. With tensor parallelism every rank captures its own meanwhile, in
+        the same bucket order, so the warm-up forwards' all-reduces meet; a rank that fails names itself."""
+        config = self.config
+        graphs = CudaGraphRunner(self.model, caches, config.max_num_seqs, max_model_len)
+        workers = self.workers
+        if workers is not None:
+            workers.start_graph_capture(config.max_num_seqs, max_model_len)
+        try:
+            seconds = graphs.capture()
+            if workers is not None:
+                workers.wait_graphs()
+        except BaseException as exc:
+            if workers is None:
+                raise
+            reasons = workers.startup_failures()
+            workers.close(join_timeout_s=5.0)  # ranks still in a capture's collective never stop
+            if reasons:
+                raise TensorParallelError("; ".join(reasons)) from exc
+            raise
+        logger.info(
+            "captured %d decode graphs (batch buckets up to %d) in %.1f s%s",
+            len(graphs.buckets),
+            config.max_num_seqs,
+            seconds,
+            "" if workers is None else f" on each of {config.tensor_parallel_size} ranks",
+        )
+        return graphs
 
     def _resolve_max_model_len(self, capacity_tokens: int) -> int:
         limit = self.model_config.max_position_embeddings

@@ -14,10 +14,15 @@ is sharded). The forwards meet in their all-reduces, so every rank must run ever
   fatal path gives every request its one terminal and the rank processes are stopped. Never a hang:
   collectives time out (`DELTASERVE_TP_TIMEOUT_S`, also the reply deadline).
 
-Tensor parallelism runs eager (no decode graphs) and without prefill overlap. Decode-ahead runs: a step
-whose first rows are fed the previous step's tokens on rank 0's device says how many (`fed_rows`), and
-rank 0 broadcasts those tokens to every rank before the forward, device to device, so no rank waits for
-them on the host; the broadcast is the step's first collective on every rank.
+Tensor parallelism runs without prefill overlap and without prefill graphs. Decode graphs: with
+DELTASERVE_TP_GRAPHS=1 on CUDA every rank captures the decode graphs rank 0 captures, at the same time and
+in the same bucket order, so the warm-up forwards' all-reduces meet and each graph holds its NCCL
+all-reduces; a step's rows and rank 0's `logits` flag reach every rank, so every rank takes the same path
+(replay or eager) and the replays meet in their all-reduces. Off by default (eager) until shown on two
+GPUs (tests/gpu/test_tensor_parallel_gpu.py). Decode-ahead runs: a step whose first rows are fed the
+previous step's tokens on rank 0's device says how many (`fed_rows`), and rank 0 broadcasts those tokens
+to every rank before the forward, device to device, so no rank waits for them on the host; the
+broadcast is the step's first collective on every rank.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import multiprocessing as mp
 import os
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -41,6 +46,7 @@ import torch.distributed as dist
 from deltaserve.cache.copies import CacheCopy
 from deltaserve.cache.device import DeviceCaches
 from deltaserve.config import ModelConfig
+from deltaserve.engine.cuda_graphs import CudaGraphRunner
 from deltaserve.engine.rank import build_rank
 from deltaserve.engine.worker import ModelWorker
 from deltaserve.engine_config import EngineConfig
@@ -52,6 +58,7 @@ from deltaserve.ops.batch import BatchRow
 logger = logging.getLogger(__name__)
 
 TIMEOUT_S = float(os.environ.get("DELTASERVE_TP_TIMEOUT_S", "300"))
+GRAPHS = os.environ.get("DELTASERVE_TP_GRAPHS", "0") == "1"  # decode graphs on every rank (module docstring)
 JOIN_TIMEOUT_S = 30.0
 CHANNEL_ERRORS = (OSError, EOFError, ValueError)  # a closed or broken pipe, or a dead peer
 
@@ -70,6 +77,8 @@ class RankStep:
     copies_before: tuple[CacheCopy, ...] = ()  # the prefix cache's device copies, run on every rank
     copies_after: tuple[CacheCopy, ...] = ()
     fed_rows: int = 0  # the first rows' input tokens come from rank 0's broadcast, not from `rows`
+    logits: bool = False  # rank 0's: with decode graphs a rank takes rank 0's path (ModelWorker._forward)
+    decode_graphs: bool = True  # rank 0's ModelWorker.run argument
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,13 +108,27 @@ class RankReady:
 
 
 @dataclass(frozen=True, slots=True)
+class CaptureGraphs:
+    """Capture the decode graphs now, as rank 0 does (after every rank reported ready)."""
+
+    max_num_seqs: int
+    max_model_len: int
+
+
+@dataclass(frozen=True, slots=True)
+class GraphsCaptured:
+    rank: int
+    error: str | None = None  # set: the capture failed and the rank exits
+
+
+@dataclass(frozen=True, slots=True)
 class RankReply:
     rank: int
     step_id: int
     error: str | None = None
 
 
-_Startup = TypeVar("_Startup", RankStarted, RankReady)
+_Startup = TypeVar("_Startup", RankStarted, RankReady, GraphsCaptured)
 
 
 class Channel(Protocol):
@@ -140,13 +163,18 @@ class RankGroup:
         copies_before: Sequence[CacheCopy] = (),
         copies_after: Sequence[CacheCopy] = (),
         fed_rows: int = 0,
+        *,
+        logits: bool = False,
+        decode_graphs: bool = True,
     ) -> int:
         """Start gate: the step reaches every rank before any rank is released into it. Returns its id."""
         if self.poisoned is not None:
             raise TensorParallelError(self.poisoned)
         step_id = self._next_step
         self._next_step += 1
-        command = RankStep(step_id, rows, tuple(copies_before), tuple(copies_after), fed_rows)
+        command = RankStep(
+            step_id, rows, tuple(copies_before), tuple(copies_after), fed_rows, logits, decode_graphs
+        )
         for i, channel in enumerate(self.channels):
             try:
                 channel.send(command)
@@ -195,8 +223,14 @@ class TensorParallelWorker(ModelWorker):
     """Rank 0's forward path: every forward is first dispatched to the other ranks, run here in step
     with them, then their replies are checked."""
 
-    def __init__(self, model: Qwen35ForCausalLM, caches: DeviceCaches, workers: RankWorkers) -> None:
-        super().__init__(model, caches)
+    def __init__(
+        self,
+        model: Qwen35ForCausalLM,
+        caches: DeviceCaches,
+        workers: RankWorkers,
+        graphs: CudaGraphRunner | None = None,
+    ) -> None:
+        super().__init__(model, caches, graphs)
         self.workers = workers
 
     def run(
@@ -207,16 +241,24 @@ class TensorParallelWorker(ModelWorker):
         logits: bool = True,
         copies_before: Sequence[CacheCopy] = (),
         copies_after: Sequence[CacheCopy] = (),
-        decode_graphs: bool = True,  # ModelWorker.run's; tensor parallelism runs no graphs
+        decode_graphs: bool = True,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         group = self.workers.group
-        step_id = group.dispatch(rows, copies_before, copies_after, 0 if fed is None else fed.shape[0])
+        fed_rows = 0 if fed is None else fed.shape[0]
+        step_id = group.dispatch(
+            rows, copies_before, copies_after, fed_rows, logits=logits, decode_graphs=decode_graphs
+        )
         try:
             if fed is not None:
                 fed = fed.to(torch.int64).contiguous()
                 dist.broadcast(fed, src=0)
             out = super().run(
-                rows, fed, logits=logits, copies_before=copies_before, copies_after=copies_after
+                rows,
+                fed,
+                logits=logits,
+                copies_before=copies_before,
+                copies_after=copies_after,
+                decode_graphs=decode_graphs,
             )
         except Exception as exc:
             raise group.poison(f"rank 0 failed step {step_id}: {type(exc).__name__}: {exc}") from exc
@@ -311,6 +353,22 @@ class RankWorkers:
             if ready.error is not None:
                 raise TensorParallelError(f"rank {ready.rank} failed to start: {ready.error}")
 
+    def start_graph_capture(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Every rank starts capturing its decode graphs; rank 0 captures its own meanwhile."""
+        for i, channel in enumerate(self.channels):
+            try:
+                channel.send(CaptureGraphs(max_num_seqs, max_model_len))
+            except CHANNEL_ERRORS as exc:
+                raise TensorParallelError(f"rank {i + 1} could not take the graph capture ({exc!r})") from exc
+
+    def wait_graphs(self) -> None:
+        """Every rank captured its decode graphs (a failure names its rank)."""
+        for done in self._expect(GraphsCaptured):
+            if done.error is not None:
+                raise TensorParallelError(
+                    f"rank {done.rank} failed to capture its decode graphs: {done.error}"
+                )
+
     def _expect(self, kind: type[_Startup]) -> list[_Startup]:
         """One `kind` message from every rank, in rank order, before a shared deadline."""
         deadline = time.monotonic() + TIMEOUT_S
@@ -330,8 +388,9 @@ class RankWorkers:
         return got
 
     def startup_failures(self, wait_s: float = 2.0) -> list[str]:
-        """After a failed start: the reasons ranks reported (a rank that fails exits, so rank 0 often
-        sees only a transport error in a start-up collective; the rank's own reason is in its pipe)."""
+        """After a failed start (or graph capture): the reasons ranks reported (a rank that fails exits, so
+        rank 0 often sees only a transport error in a start-up collective; the rank's own reason is in
+        its pipe)."""
         deadline = time.monotonic() + wait_s
         reasons = []
         for i, channel in enumerate(self.channels):
@@ -340,6 +399,9 @@ class RankWorkers:
                     msg = channel.recv()
                     if isinstance(msg, RankReady) and msg.error is not None:
                         reasons.append(f"rank {i + 1} failed to start: {msg.error}")
+                        break
+                    if isinstance(msg, GraphsCaptured) and msg.error is not None:
+                        reasons.append(f"rank {i + 1} failed to capture its decode graphs: {msg.error}")
                         break
         return reasons
 
@@ -394,8 +456,20 @@ def run_rank(spec: RankSpec, channel: Connection) -> None:
             dist.destroy_process_group()
 
 
+def capture_decode_graphs(worker: ModelWorker, command: CaptureGraphs) -> CudaGraphRunner:
+    graphs = CudaGraphRunner(worker.model, worker.caches, command.max_num_seqs, command.max_model_len)
+    seconds = graphs.capture()
+    logger.info("captured %d decode graphs in %.1f s", len(graphs.buckets), seconds)
+    return graphs
+
+
 @torch.inference_mode()
-def _serve_steps(rank: int, worker: ModelWorker, channel: Connection) -> None:
+def _serve_steps(
+    rank: int,
+    worker: ModelWorker,
+    channel: Connection,
+    capture: Callable[[ModelWorker, CaptureGraphs], CudaGraphRunner] = capture_decode_graphs,
+) -> None:
     pending: RankStep | None = None
     while True:
         try:
@@ -409,6 +483,16 @@ def _serve_steps(rank: int, worker: ModelWorker, channel: Connection) -> None:
             pending = msg
         elif isinstance(msg, Cancel):
             pending = None
+        elif isinstance(msg, CaptureGraphs):
+            error = None
+            try:
+                worker.graphs = capture(worker, msg)
+            except Exception as exc:
+                logger.exception("rank %d failed to capture its decode graphs", rank)
+                error = f"{type(exc).__name__}: {exc}"
+            channel.send(GraphsCaptured(rank, error))
+            if error is not None:
+                return
         elif isinstance(msg, Execute):
             if pending is None or pending.step_id != msg.step_id:
                 channel.send(RankReply(rank, msg.step_id, f"released into step {msg.step_id} it never got"))
@@ -419,12 +503,15 @@ def _serve_steps(rank: int, worker: ModelWorker, channel: Connection) -> None:
                 if pending.fed_rows:
                     fed = torch.empty(pending.fed_rows, dtype=torch.int64, device=worker.device)
                     dist.broadcast(fed, src=0)
-                worker.run(  # rank 0 alone computes logits and samples
+                # Rank 0 alone samples. A rank with decode graphs takes rank 0's `logits` so that it
+                # replays where rank 0 replays (the graphs hold the LM head; its logits are dropped).
+                worker.run(
                     pending.rows,
                     fed,
-                    logits=False,
+                    logits=pending.logits and worker.graphs is not None,
                     copies_before=pending.copies_before,
                     copies_after=pending.copies_after,
+                    decode_graphs=pending.decode_graphs,
                 )
             except Exception as exc:
                 logger.exception("rank %d failed step %d", rank, msg.step_id)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from deltaserve.engine import tp as tp_module
 from deltaserve.engine.llm import LLM
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.tiny import make_tiny
@@ -14,7 +15,9 @@ from deltaserve.tiny import make_tiny
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 
 
-def _generate(model_dir: str, tp: int, load_format: str = "auto") -> list:
+def _generate(
+    model_dir: str, tp: int, load_format: str = "auto", graphs_on_rank_0: list | None = None
+) -> list:
     prompts = [
         {"prompt_token_ids": list(range(1000 + 7 * i, 1000 + 7 * i + n))} for i, n in enumerate((3, 40, 90))
     ]
@@ -29,6 +32,8 @@ def _generate(model_dir: str, tp: int, load_format: str = "auto") -> list:
         max_model_len=4096,
     ) as llm:
         outs = llm.generate(prompts, params)
+        if graphs_on_rank_0 is not None:
+            graphs_on_rank_0.append(llm.engine.backend.worker.graphs)
     assert all(o.error is None for o in outs), [o.error for o in outs]
     return [o.outputs[0] for o in outs]
 
@@ -39,6 +44,24 @@ def test_two_gpus_generate_what_one_generates(tmp_path, preset) -> None:
     model_dir = str(make_tiny(tmp_path / preset, preset, weights=not dummy))
     load_format = "dummy" if dummy else "auto"
     one, two = _generate(model_dir, 1, load_format), _generate(model_dir, 2, load_format)
+    for a, b in zip(one, two, strict=True):
+        assert a.token_ids == b.token_ids
+        for x, y in zip(a.logprobs, b.logprobs, strict=True):
+            assert abs(x.logprob - y.logprob) < 1e-3
+
+
+@pytest.mark.parametrize("preset", ["tiny", "0.8b-shape"])
+def test_two_gpus_with_decode_graphs_generate_what_one_generates(tmp_path, preset, monkeypatch) -> None:
+    """DELTASERVE_TP_GRAPHS=1: every rank captures decode graphs that hold its NCCL all-reduces, and the
+    decode steps replay them on both GPUs in step."""
+    monkeypatch.setattr(tp_module, "GRAPHS", True)
+    dummy = preset == "0.8b-shape"
+    model_dir = str(make_tiny(tmp_path / preset, preset, weights=not dummy))
+    load_format = "dummy" if dummy else "auto"
+    graphs: list = []
+    one = _generate(model_dir, 1, load_format)
+    two = _generate(model_dir, 2, load_format, graphs_on_rank_0=graphs)
+    assert graphs[0] is not None and graphs[0].graphs  # rank 0 replayed from captured graphs
     for a, b in zip(one, two, strict=True):
         assert a.token_ids == b.token_ids
         for x, y in zip(a.logprobs, b.logprobs, strict=True):
