@@ -20,7 +20,7 @@ from multiprocessing.connection import Connection
 import zmq
 
 from deltaserve.engine.core import EngineInfo, resolve_model_dir
-from deltaserve.engine.process import EngineLaunch, launch_engine_process, set_process_name
+from deltaserve.engine.process import EngineLaunch, launch_engine_process
 from deltaserve.engine.protocol import (
     HEARTBEAT_INTERVAL_S,
     AbortRequest,
@@ -34,6 +34,7 @@ from deltaserve.engine.protocol import (
     decode_client_message,
     encode_engine_message,
 )
+from deltaserve.process_name import set_process_name
 from deltaserve.tokenizer import Tokenizer
 
 # Ordinary English: one or two tokens a word, as a chat answer streams.

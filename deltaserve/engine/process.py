@@ -39,6 +39,7 @@ from deltaserve.engine_config import EngineConfig
 from deltaserve.errors import ConfigError
 from deltaserve.heap import freeze_startup_heap
 from deltaserve.process_clock import since_start_note
+from deltaserve.process_name import set_process_name
 
 if TYPE_CHECKING:
     from deltaserve.engine.core import EngineCore
@@ -47,15 +48,6 @@ logger = logging.getLogger(__name__)
 
 PARENT_POLL_S = 0.1
 ENGINE_PROCESS_NAME = "dserve-engine"  # what ps and top show (Linux keeps 15 characters)
-
-
-def set_process_name(name: str) -> None:
-    """Names this process for ps/top on Linux; a no-op elsewhere."""
-    try:
-        with open("/proc/self/comm", "w") as comm:
-            comm.write(name[:15])
-    except OSError:
-        pass
 
 
 @dataclass(slots=True)

@@ -34,8 +34,8 @@ _Key = tuple[object, ...]
 
 def _worker_main(model_dir: str, conn: Connection) -> None:
     """The worker: answers each specification with None (it compiles) or the error message."""
-    from deltaserve.engine.process import set_process_name
     from deltaserve.engine.structured import GrammarBackend, StructuredOutputError, grammar_vocabulary
+    from deltaserve.process_name import set_process_name
     from deltaserve.tokenizer import Tokenizer
 
     set_process_name("dserve-grammar")

@@ -1,0 +1,12 @@
+"""The name ps and top show for a deltaserve process (engine, tensor-parallel ranks, helpers)."""
+
+from __future__ import annotations
+
+
+def set_process_name(name: str) -> None:
+    """Names this process for ps/top on Linux; a no-op elsewhere."""
+    try:
+        with open("/proc/self/comm", "w") as comm:
+            comm.write(name[:15])
+    except OSError:
+        pass
