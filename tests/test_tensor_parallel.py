@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import save_file
 from scheduler_harness import LOGPROB_TOL
 from server_fixture import MODEL, running_server
+from tp_kill import kill_a_rank_mid_stream, rank_pids
 
 from deltaserve.config import ModelConfig
 from deltaserve.engine.llm import LLM
@@ -439,3 +440,15 @@ def test_serve_with_two_ranks_answers_and_exits_cleanly() -> None:
         assert server.terminate(60) == 0
     for pid in [engine, *map(int, ranks)]:
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
+def test_a_rank_killed_mid_stream_fails_the_request_and_the_server_exits_nonzero() -> None:
+    """Fail-stop as a client sees it: the stream ends with an error event naming the engine failure
+    within seconds (gloo reports the dead peer at once), and the server exits non-zero."""
+    with running_server("--tensor-parallel-size", "2") as server:
+        assert set(rank_pids(server)) == {"dserve-rank1"}  # ps names the rank
+        outcome = kill_a_rank_mid_stream(server)
+        assert outcome.tokens_before == 3 and outcome.done, outcome
+        assert outcome.error is not None and outcome.error["code"] in (500, 503), outcome
+        assert outcome.seconds < 30, outcome
+        assert server.proc.wait(60) != 0

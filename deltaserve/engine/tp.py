@@ -54,6 +54,7 @@ from deltaserve.errors import ConfigError
 from deltaserve.model.layers.parallel import TensorParallel
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
 from deltaserve.ops.batch import BatchRow
+from deltaserve.process_name import set_process_name
 
 logger = logging.getLogger(__name__)
 
@@ -433,6 +434,7 @@ def run_rank(spec: RankSpec, channel: Connection) -> None:
         level=os.environ.get("DELTASERVE_LOG_LEVEL", "INFO"),
         format=f"%(asctime)s rank{spec.rank} %(levelname)s %(message)s",
     )
+    set_process_name(f"dserve-rank{spec.rank}")
     channel.send(RankStarted(spec.rank))
     try:
         device_type = spec.config.resolved_device().type

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from server_fixture import running_server
+from tp_kill import kill_a_rank_mid_stream, rank_pids
 
 from deltaserve.engine import tp as tp_module
 from deltaserve.engine.llm import LLM
@@ -66,3 +68,21 @@ def test_two_gpus_with_decode_graphs_generate_what_one_generates(tmp_path, prese
         assert a.token_ids == b.token_ids
         for x, y in zip(a.logprobs, b.logprobs, strict=True):
             assert abs(x.logprob - y.logprob) < 1e-3
+
+
+@pytest.mark.parametrize("graphs", ["0", "1"])
+def test_a_rank_killed_mid_stream_on_gpus_fails_the_request_and_the_server_exits_nonzero(
+    monkeypatch, graphs
+) -> None:
+    """NCCL does not report a dead peer: rank 0 waits in its all-reduce until the collectives' timeout
+    (DELTASERVE_TP_TIMEOUT_S, lowered here), then the request ends with an error and the server exits
+    non-zero. Eager and with decode graphs on both ranks."""
+    monkeypatch.setenv("DELTASERVE_TP_TIMEOUT_S", "20")
+    monkeypatch.setenv("DELTASERVE_TP_GRAPHS", graphs)
+    with running_server("--device", "cuda", "--tensor-parallel-size", "2") as server:
+        assert set(rank_pids(server)) == {"dserve-rank1"}
+        outcome = kill_a_rank_mid_stream(server)
+        assert outcome.tokens_before == 3 and outcome.done, outcome
+        assert outcome.error is not None and outcome.error["code"] in (500, 503), outcome
+        assert outcome.seconds < 120, outcome
+        assert server.proc.wait(120) != 0
