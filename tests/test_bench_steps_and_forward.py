@@ -101,7 +101,9 @@ def test_forward_shape_rows_spread_token_ids_over_the_vocabulary():
     assert [r.token_ids for r in again] == [r.token_ids for r in rows]  # a fixed seed: runs compare
 
 
-def _bench_forward_on_cpu(*shapes: str, num_iters: int = 2, kernels: int = 0, operators: int = 0):
+def _bench_forward_on_cpu(
+    *shapes: str, num_iters: int = 2, kernels: int = 0, operators: int = 0, tp: int = 1
+):
     args = argparse.Namespace(
         shape=list(shapes),
         num_iters=num_iters,
@@ -110,7 +112,8 @@ def _bench_forward_on_cpu(*shapes: str, num_iters: int = 2, kernels: int = 0, op
         kernels=kernels,
         operators=operators,
     )
-    return run_bench_forward(args, EngineConfig(device="cpu", max_model_len=256, max_num_seqs=4))
+    config = EngineConfig(device="cpu", max_model_len=256, max_num_seqs=4, tensor_parallel_size=tp)
+    return run_bench_forward(args, config)
 
 
 def test_bench_forward_runs_on_cpu(capsys):
@@ -152,3 +155,11 @@ def test_bench_forward_names_the_operators_behind_the_time_with_their_input_shap
     assert not result.kernels  # only what was asked for
     out = capsys.readouterr().out
     assert "operators of 1x6@0 (eager)" in out and f"({len(operators) - 2} others)" in out
+
+
+def test_bench_forward_runs_every_rank_under_tensor_parallelism():
+    """Both paths go through rank 0's worker, so rank 1 runs each forward too (rank 0's model alone
+    would wait in its first all-reduce); the kernel tables then list the all-reduces."""
+    (result,) = _bench_forward_on_cpu("2x1@8+1x6@0", num_iters=1, kernels=40, tp=2)
+    assert result.eager_wall_ms > 0 and result.worker_wall_ms > 0
+    assert any("allreduce" in k.name for k in result.kernels), [k.name for k in result.kernels]

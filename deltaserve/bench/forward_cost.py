@@ -7,7 +7,8 @@ those of the kernels and the host work, not of any cached content; token ids are
 vocabulary, so a MoE model's experts get the spread of load that text gives them. For each shape, medians of
 `--num-iters` runs after `--num-iters-warmup`:
 
-- eager: the model's forward and logits, launched from Python;
+- eager: the model's forward and logits, launched from Python (with --tensor-parallel-size N through
+  rank 0's worker, so that every rank runs it: the kernel tables then show the all-reduces);
 - worker: the engine's forward path (a decode graph when every row has one token and fits one, else a
   prefill graph when the step fits one: its first run captures it, inside the warm-up iterations);
 - for each, the wall time (to the device's last kernel) and the host time (until the launch call
@@ -135,6 +136,8 @@ def measure(
             torch.cuda.synchronize(device)
 
     def eager() -> object:
+        if engine.workers is not None:  # rank 0's model alone would wait in its first all-reduce
+            return worker.run(rows, decode_graphs=False)  # the ranks run it too; no prefill graphs
         batch = build_forward_batch(rows, caches.page_size, device)
         return model.compute_logits(model(batch, caches.kv, caches.states))
 
