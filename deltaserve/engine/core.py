@@ -245,8 +245,11 @@ class EngineCore:
         """Rank 0's decode graphs. With tensor parallelism every rank captures its own meanwhile, in
         the same bucket order, so the warm-up forwards' all-reduces meet; a rank that fails names itself."""
         config = self.config
-        graphs = CudaGraphRunner(self.model, caches, config.max_num_seqs, max_model_len)
         workers = self.workers
+        mode = "global" if workers is None else tp.CAPTURE_ERROR_MODE
+        graphs = CudaGraphRunner(
+            self.model, caches, config.max_num_seqs, max_model_len, capture_error_mode=mode
+        )
         if workers is not None:
             workers.start_graph_capture(config.max_num_seqs, max_model_len)
         try:

@@ -106,10 +106,18 @@ class CudaGraphRunner:
     as usual."""
 
     def __init__(
-        self, model: Qwen35ForCausalLM, cache: DeviceCaches, max_num_seqs: int, max_model_len: int
+        self,
+        model: Qwen35ForCausalLM,
+        cache: DeviceCaches,
+        max_num_seqs: int,
+        max_model_len: int,
+        *,
+        capture_error_mode: str = "global",
     ) -> None:
+        """`capture_error_mode`: torch.cuda.graph's; "thread_local" under tensor parallelism (engine/tp.py)."""
         self.model = model
         self.cache = cache
+        self.capture_error_mode = capture_error_mode
         self.device = model.device
         self.buckets = graph_buckets(max_num_seqs)
         self.max_rows = self.buckets[-1]
@@ -171,7 +179,9 @@ class CudaGraphRunner:
                 for _ in range(2):  # compile/warm every kernel at this shape outside the capture
                     self.model.compute_logits(self.model(batch, self.cache.kv, self.cache.states))
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                with torch.cuda.graph(
+                    graph, pool=self.pool, stream=stream, capture_error_mode=self.capture_error_mode
+                ):
                     logits = self.model.compute_logits(self.model(batch, self.cache.kv, self.cache.states))
                 if self.pool is None:
                     self.pool = graph.pool()

@@ -60,6 +60,9 @@ logger = logging.getLogger(__name__)
 
 TIMEOUT_S = float(os.environ.get("DELTASERVE_TP_TIMEOUT_S", "300"))
 GRAPHS = os.environ.get("DELTASERVE_TP_GRAPHS", "0") == "1"  # decode graphs on every rank (module docstring)
+# A rank's NCCL watchdog thread queries the events of earlier collectives while the rank captures; in
+# the default ("global") mode such a call from another thread invalidates the capture.
+CAPTURE_ERROR_MODE = "thread_local"
 JOIN_TIMEOUT_S = 30.0
 CHANNEL_ERRORS = (OSError, EOFError, ValueError)  # a closed or broken pipe, or a dead peer
 
@@ -459,7 +462,13 @@ def run_rank(spec: RankSpec, channel: Connection) -> None:
 
 
 def capture_decode_graphs(worker: ModelWorker, command: CaptureGraphs) -> CudaGraphRunner:
-    graphs = CudaGraphRunner(worker.model, worker.caches, command.max_num_seqs, command.max_model_len)
+    graphs = CudaGraphRunner(
+        worker.model,
+        worker.caches,
+        command.max_num_seqs,
+        command.max_model_len,
+        capture_error_mode=CAPTURE_ERROR_MODE,
+    )
     seconds = graphs.capture()
     logger.info("captured %d decode graphs in %.1f s", len(graphs.buckets), seconds)
     return graphs
