@@ -12,6 +12,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Any
 
+from deltaserve.bench import gpu_clocks
 from deltaserve.bench.metrics import format_share
 
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -284,7 +285,8 @@ def _gpu_clocks_section(record: dict[str, Any]) -> list[str]:
     return [
         "## GPU clocks over each measured run",
         "",
-        "`nvidia-smi` every 0.5 s beside the run, over the samples with the GPU at least 50% busy: the SM "
+        f"`nvidia-smi` every {gpu_clocks.SAMPLE_MS / 1000:g} s beside the run, over the samples with the GPU at "
+        f"least {gpu_clocks.BUSY_UTILIZATION}% busy: the SM "
         "clock's median against its maximum, the power drawn against the limit, and the share of samples the "
         "driver throttled for power (software power cap) or heat. A power-capped run's steps are slower "
         "than `bench forward`'s short bursts at the full clock.",

@@ -130,12 +130,7 @@ class EngineCore:
             if self.workers is not None:
                 self.workers.wait_ready()
         except BaseException as exc:
-            if self.workers is None:
-                raise
-            reasons = self.workers.startup_failures()
-            self.workers.close(join_timeout_s=5.0)  # ranks still in a start-up collective never stop
-            if reasons:
-                raise TensorParallelError("; ".join(reasons)) from exc
+            self._fail_startup(exc)
             raise
         self.model, caches, device, dtype = rank.model, rank.caches, rank.device, rank.dtype
         self.cache = CacheManager.for_device(caches, scratch_slots=verify_scratch_slots(config))
@@ -257,12 +252,7 @@ class EngineCore:
             if workers is not None:
                 workers.wait_graphs()
         except BaseException as exc:
-            if workers is None:
-                raise
-            reasons = workers.startup_failures()
-            workers.close(join_timeout_s=5.0)  # ranks still in a capture's collective never stop
-            if reasons:
-                raise TensorParallelError("; ".join(reasons)) from exc
+            self._fail_startup(exc)
             raise
         logger.info(
             "captured %d decode graphs (batch buckets up to %d) in %.1f s%s",
@@ -272,6 +262,16 @@ class EngineCore:
             "" if workers is None else f" on each of {config.tensor_parallel_size} ranks",
         )
         return graphs
+
+    def _fail_startup(self, exc: BaseException) -> None:
+        """After a failed start-up step: the rank processes are stopped, and the reasons ranks reported
+        (rank 0 often sees only a transport error in a collective) replace `exc` where there are any."""
+        if self.workers is None:
+            return
+        reasons = self.workers.startup_failures()
+        self.workers.close(join_timeout_s=5.0)  # ranks still in a start-up collective never stop
+        if reasons:
+            raise TensorParallelError("; ".join(reasons)) from exc
 
     def _resolve_max_model_len(self, capacity_tokens: int) -> int:
         limit = self.model_config.max_position_embeddings

@@ -84,11 +84,6 @@ def mixed_tiles(head_dim: int, smem_per_block: int | None) -> _Tiles:
     return tiles
 
 
-@functools.cache
-def _smem_per_block(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
-
-
 # Split-K for decode: aim for about two programs per SM, never a split shorter than MIN_SPLIT_TOKENS
 # of the block-table capacity, never more than MAX_SPLITS (also the merge kernel's lse tile width).
 MIN_SPLIT_TOKENS = 256
@@ -106,12 +101,23 @@ def _sm_count(device: torch.device) -> int:
     # Off CUDA (the Triton interpreter) a nominal 8 SMs keeps the split rule exercised.
     if device.type != "cuda":
         return 8
-    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return _cuda_properties(_cuda_index(device)).multi_processor_count
+
+
+def _smem_per_block(device: torch.device) -> int | None:
+    """The opt-in shared memory per block; None off CUDA (the interpreter has no limit)."""
+    if device.type != "cuda":
+        return None
+    return _cuda_properties(_cuda_index(device)).shared_memory_per_block_optin
+
+
+def _cuda_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 @functools.cache
-def _cuda_sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+def _cuda_properties(device_index: int):  # noqa: ANN202 (torch's _CudaDeviceProperties)
+    return torch.cuda.get_device_properties(device_index)
 
 
 def decode_num_splits(num_decodes: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
@@ -205,23 +211,25 @@ def _qk_norm_rope_write_kv_kernel(
     cos, sin = _cos_sin(freqs)
     cos = cos.to(dtype).to(tl.float32)
     sin = sin.to(dtype).to(tl.float32)
-    slot = tl.load(slot_ptr + t)
-    page = slot // PAGE_SIZE
-    off = slot % PAGE_SIZE
     for h in range(first_head, tl.minimum(first_head + HEADS_PER_PROGRAM, NUM_HEADS + NUM_KV_HEADS)):
         if h < NUM_HEADS:
             src = q_ptr + t * stride_qt + h * stride_qh
             y = _norm_rope_row(src, q_w_ptr, cos, sin, eps, offs, partner, sign, is_rot, HEAD_DIM)
             tl.store(q_out_ptr + t * stride_ot + h * stride_oh + offs, y)
-        elif slot >= 0:  # a negative slot (vLLM's padding convention) writes nothing
+        else:
             kvh = h - NUM_HEADS
-            src = k_ptr + t * stride_kt + kvh * stride_kh
-            y = _norm_rope_row(src, k_w_ptr, cos, sin, eps, offs, partner, sign, is_rot, HEAD_DIM)
-            k_dst = k_cache_ptr + page * stride_kcp + off * stride_kcs + kvh * stride_kch
-            tl.store(k_dst + offs, y.to(k_cache_ptr.dtype.element_ty))
-            v = tl.load(v_ptr + t * stride_vt + kvh * stride_vh + offs)
-            v_dst = v_cache_ptr + page * stride_vcp + off * stride_vcs + kvh * stride_vch
-            tl.store(v_dst + offs, v.to(v_cache_ptr.dtype.element_ty))
+            slot = tl.load(slot_ptr + t)
+            # A negative slot (vLLM's padding convention) writes nothing.
+            if slot >= 0:
+                page = slot // PAGE_SIZE
+                off = slot % PAGE_SIZE
+                src = k_ptr + t * stride_kt + kvh * stride_kh
+                y = _norm_rope_row(src, k_w_ptr, cos, sin, eps, offs, partner, sign, is_rot, HEAD_DIM)
+                k_dst = k_cache_ptr + page * stride_kcp + off * stride_kcs + kvh * stride_kch
+                tl.store(k_dst + offs, y.to(k_cache_ptr.dtype.element_ty))
+                v = tl.load(v_ptr + t * stride_vt + kvh * stride_vh + offs)
+                v_dst = v_cache_ptr + page * stride_vcp + off * stride_vcs + kvh * stride_vch
+                tl.store(v_dst + offs, v.to(v_cache_ptr.dtype.element_ty))
 
 
 # From this many tokens one program takes all of a token's heads: its cos/sin are computed once instead
@@ -746,8 +754,7 @@ def paged_attention(
     if q.dtype == torch.float32:
         tiles = _TILES_FP32
     else:
-        smem = _smem_per_block(q.device.index or 0) if q.device.type == "cuda" else None
-        tiles = _TILES_16BIT_DECODE if num_prefills == 0 else mixed_tiles(head_dim, smem)
+        tiles = _TILES_16BIT_DECODE if num_prefills == 0 else mixed_tiles(head_dim, _smem_per_block(q.device))
     # Decode rows hold one token each, so prefill rows hold tokens - num_decodes; each prefill
     # sequence gets at most one tile more than it needs (see the module docstring). With a device count
     # the tiles are counted for none of the rows being decode rows, the most they can need; the empty
