@@ -62,12 +62,12 @@ REFERENCES: dict[str, CellReference] = {
     ),
     "4b-shape:8192-1-c1": CellReference(
         floor=(Figure("TTFT", 87, "ms", metric="ttft_ms.median", approx=True),),
-        previous=(Figure("TTFT", 138.8, "ms"),),
-        note="floor: 69 TFLOP at 790 TFLOP/s; the 2026-12-04 record (prefill-4b-tok: prompts tokenized in pieces)",
+        previous=(Figure("TTFT", 135.6, "ms"),),
+        note="floor: 69 TFLOP at 790 TFLOP/s; the 2026-12-04 record (prefill-4b-tiles-fixes: 128 x 64 attention tiles)",
     ),
     "4b-shape:32768-1-c1": CellReference(
-        previous=(Figure("TTFT", 0.576, "s"),),
-        note="the 2026-12-04 record (prefill-4b-prefill-plain)",
+        previous=(Figure("TTFT", 0.512, "s"),),
+        note="the 2026-12-04 record (prefill-4b-tiles-fixes)",
     ),
     "4b-shape:131072-1-c1": CellReference(previous=(Figure("TTFT", 6.0, "s"),)),
     "4b-shape:first-start": CellReference(previous=(Figure("HTTP ready", 18.3, "s"),)),
@@ -83,8 +83,8 @@ REFERENCES: dict[str, CellReference] = {
         note="published elsewhere: SGLang, 4B on one H200, 128 multi-turn clients, prefix hit rate 0.83"
     ),
     "9b-shape:1024-128-c512": CellReference(
-        previous=(Figure("total", 31.3e3, "tok/s", text="31.3k tok/s"), Figure("ITL p99", 74.1, "ms")),
-        note="the 2026-12-04 record (saturated-9b-attn; the GPU power-capped at ~1,665 MHz through the run); 30.8k on 2026-12-01 with --max-num-seqs 512 --max-num-batched-tokens 8192; vLLM 0.17.1 on an H100: 29.8k "
+        previous=(Figure("total", 31.7e3, "tok/s", text="31.7k tok/s"), Figure("ITL p99", 72.4, "ms")),
+        note="the 2026-12-04 record (saturated-9b-conv-tiles; the GPU power-capped at ~1,665 MHz through the run); 30.8k on 2026-12-01 with --max-num-seqs 512 --max-num-batched-tokens 8192; vLLM 0.17.1 on an H100: 29.8k "
         "default, 34.5k tuned",
     ),
     "35b-a3b-shape:1024-128-c512": CellReference(
