@@ -412,3 +412,45 @@ def test_silu_and_mul_matches_reference(dtype):
     gate_up = randn(gen, 13, 2 * 1100 + 16, dtype=dtype, scale=2.0)[:, 8 : 8 + 2 * 1100]
     got = triton_act.silu_and_mul(gate_up, out=poisoned(13, 1100, dtype=dtype))
     assert_matches(got, activation.silu_and_mul(gate_up))
+
+
+# Program shapes that do not divide the rows or columns, so each leaves a ragged last program.
+@pytest.mark.parametrize("launch", [(1, 1), (4, 2), (64, 8)])
+def test_norm_program_shapes_give_the_default_bits(launch):
+    gen = torch.Generator().manual_seed(30)
+    x, residual = randn(gen, 21, 160, dtype=torch.bfloat16), randn(gen, 21, 160, dtype=torch.bfloat16)
+    weight = randn(gen, 160, dtype=torch.bfloat16, scale=0.1)
+    want = triton_norm.rms_norm(x, weight, EPS, residual)
+    got = triton_norm.rms_norm(
+        x,
+        weight,
+        EPS,
+        residual,
+        out=poisoned(21, 160, dtype=torch.bfloat16),
+        residual_out=poisoned(21, 160, dtype=torch.bfloat16),
+        launch=launch,
+    )
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    x3, z = randn(gen, 23, 5, 128, dtype=torch.bfloat16), randn(gen, 23, 5, 128, dtype=torch.bfloat16)
+    gate_weight = randn(gen, 128, dtype=torch.bfloat16, scale=0.5) + 1.0
+    got = triton_norm.gated_rms_norm(
+        x3, z, gate_weight, EPS, out=poisoned(23, 5, 128, dtype=torch.bfloat16), launch=launch
+    )
+    assert torch.equal(got, triton_norm.gated_rms_norm(x3, z, gate_weight, EPS))
+
+
+@pytest.mark.parametrize("launch", [(128, 1), (512, 4)])
+def test_silu_and_mul_program_shapes_give_the_default_bits(launch):
+    gen = torch.Generator().manual_seed(31)
+    gate_up = randn(gen, 13, 2 * 1100, dtype=torch.bfloat16, scale=2.0)
+    got = triton_act.silu_and_mul(gate_up, out=poisoned(13, 1100, dtype=torch.bfloat16), launch=launch)
+    assert torch.equal(got, triton_act.silu_and_mul(gate_up))
+
+
+@pytest.mark.parametrize("launch", [(3, 4), (4, 32), (0, 4), (4,), [4, 4]])
+def test_program_shapes_that_are_not_powers_of_two_are_refused(launch):
+    x = torch.ones(4, 128, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"launch must be \(rows per program, warps\).*got"):
+        triton_norm.rms_norm(x, torch.zeros(128, dtype=torch.bfloat16, device=DEVICE), EPS, launch=launch)
+    with pytest.raises(ValueError, match=r"launch must be \(columns per program, warps\).*got"):
+        triton_act.silu_and_mul(torch.ones(4, 256, dtype=torch.bfloat16, device=DEVICE), launch=launch)

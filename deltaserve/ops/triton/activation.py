@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.ops.triton.launch_shape import program_shape
 from deltaserve.ops.triton.pdl import gdc_enter, launch_options
 
 # Decided at import, as Triton decides at decoration time whether kernels run in the interpreter.
@@ -79,9 +80,13 @@ def _silu_and_mul_kernel(
     tl.store(out_ptr + row * stride_out_row + cols, out, mask=mask)
 
 
-def silu_and_mul(gate_up: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+def silu_and_mul(
+    gate_up: torch.Tensor, *, out: torch.Tensor | None = None, launch: tuple[int, int] | None = None
+) -> torch.Tensor:
     """gate_up: [..., 2 * I] with the gate first (rows may be strided). Returns silu(gate) * up, [..., I],
-    written into `out` when given (contiguous, gate_up's dtype)."""
+    written into `out` when given (contiguous, gate_up's dtype). `launch`, a tuning knob: the program
+    shape, (columns per program, warps), powers of two with warps <= 16; None: the module default."""
+    block_i, num_warps = program_shape(launch, (_BLOCK_I, _NUM_WARPS), "columns")
     two_i = gate_up.shape[-1]
     if two_i % 2:
         raise ValueError(f"silu_and_mul needs an even last dim (gate | up), got {two_i}")
@@ -97,15 +102,15 @@ def silu_and_mul(gate_up: torch.Tensor, *, out: torch.Tensor | None = None) -> t
     num_rows = rows.shape[0]
     if num_rows == 0:
         return out
-    grid = (num_rows, triton.cdiv(inter, _BLOCK_I))
+    grid = (num_rows, triton.cdiv(inter, block_i))
     _silu_and_mul_kernel[grid](
         rows,
         out,
         inter,
         rows.stride(0),
         inter,
-        BLOCK_I=_BLOCK_I,
-        num_warps=_NUM_WARPS,
+        BLOCK_I=block_i,
+        num_warps=num_warps,
         **launch_options(out.device),
     )
     return out

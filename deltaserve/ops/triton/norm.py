@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from deltaserve.ops.triton.activation import round_to, silu_f32
+from deltaserve.ops.triton.launch_shape import program_shape
 from deltaserve.ops.triton.pdl import gdc_enter, launch_options
 
 # A program's tile is about 4096 fp32 values (16 KiB): one row of a hidden state (N up to 5120 needs an
@@ -45,10 +46,12 @@ def _rows_view(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-2], t.shape[-1])
 
 
-def _launch_shape(n_cols: int) -> tuple[int, int, int]:
+def _launch_shape(n_cols: int, launch: tuple[int, int] | None = None) -> tuple[int, int, int]:
+    """(rows per program, columns per program, warps). `launch`, a tuning knob, is (rows per program,
+    warps) (launch_shape.program_shape); None: about _TILE values per program."""
     block_n = triton.next_power_of_2(n_cols)
     block_r = max(1, _TILE // block_n)
-    num_warps = 8 if block_r * block_n > _TILE else 4
+    block_r, num_warps = program_shape(launch, (block_r, 8 if block_r * block_n > _TILE else 4), "rows")
     return block_r, block_n, num_warps
 
 
@@ -112,10 +115,12 @@ def rms_norm(
     *,
     out: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
+    launch: tuple[int, int] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Zero-centred RMSNorm over the last dim of x (any leading dims, rows may be strided). With
     `residual` (x's shape), first s = x + residual in their promoted dtype, and returns (normed, s).
-    `out` / `residual_out`, when given, receive the results (contiguous, x's shape)."""
+    `out` / `residual_out`, when given, receive the results (contiguous, x's shape). `launch`: the
+    program shape, (rows per program, warps); None: the module default."""
     n_cols = x.shape[-1]
     if weight.shape != (n_cols,):
         raise ValueError(f"rms_norm weight has shape {tuple(weight.shape)}, expected ({n_cols},)")
@@ -130,8 +135,8 @@ def rms_norm(
         r3 = _rows_view(residual)
         res_out = _check_out(residual_out, x, dtype, "residual_out")
     num_rows = x3.shape[0] * x3.shape[1]
+    block_r, block_n, num_warps = _launch_shape(n_cols, launch)
     if num_rows:
-        block_r, block_n, num_warps = _launch_shape(n_cols)
         _rms_norm_kernel[(triton.cdiv(num_rows, block_r),)](
             x3,
             r3,
@@ -198,10 +203,17 @@ def _gated_rms_norm_kernel(
 
 
 def gated_rms_norm(
-    x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Tensor | None = None
+    x: torch.Tensor,
+    z: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    out: torch.Tensor | None = None,
+    launch: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """x, z: [T, heads, D] (either may be a strided view with unit stride over D); weight: [D], plain (no
-    +1). Per-head RMSNorm of x times weight, times silu(z); result [T, heads, D] in x's dtype."""
+    +1). Per-head RMSNorm of x times weight, times silu(z); result [T, heads, D] in x's dtype. `launch`:
+    the program shape, (rows per program, warps), a row being one head; None: the module default."""
     if x.dim() != 3 or z.shape != x.shape:
         raise ValueError(
             f"gated_rms_norm needs x and z of one [T, heads, D] shape, got {x.shape} and {z.shape}"
@@ -212,8 +224,8 @@ def gated_rms_norm(
     out = _check_out(out, x, x.dtype, "out")
     x, z = _rows_view(x), _rows_view(z)
     num_rows = x.shape[0] * x.shape[1]
+    block_r, block_d, num_warps = _launch_shape(head_dim, launch)
     if num_rows:
-        block_r, block_d, num_warps = _launch_shape(head_dim)
         _gated_rms_norm_kernel[(triton.cdiv(num_rows, block_r),)](
             x,
             z,
