@@ -152,3 +152,40 @@ def test_a_batch_of_prefill_chunks_only_returns_flas_output_without_copying_it(m
     assert got.data_ptr() != outputs[1].data_ptr() and torch.equal(
         got[1:], outputs[1][0]
     )  # after the decode row
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hv", [3, 32])
+def test_gating_kernel_has_the_reference_values(dtype, hv):
+    """g and beta for fla, one launch: bit for bit on CUDA (the same libdevice functions and roundings),
+    within a few fp32 ulps under the interpreter (numpy's exp and log). a + dt_bias spans both sides of
+    softplus's threshold (20) and the far negative side, where log1p(exp(x)) underflows toward 0."""
+    from deltaserve.ops.gdn import gdn_gating as reference_gating
+    from deltaserve.ops.triton.gdn_gating import gdn_gating
+
+    gen = torch.Generator().manual_seed(hv)
+    tokens = 70  # more than one program's rows at hv = 32 (64 rows each), the last program ragged
+    ab = (torch.randn(tokens, 2 * hv + 5, generator=gen) * 12).to(dtype).to(DEVICE)
+    b, a = ab[:, :hv], ab[:, hv + 5 :]  # strided views, as the layer's in_proj output hands them over
+    a[0, 0], a[1, 0] = 40.0, -90.0
+    A_log = (torch.rand(hv, generator=gen) * 2).to(DEVICE)
+    dt_bias = (torch.randn(hv, generator=gen) * 0.5 + 1).to(DEVICE)
+    got_g, got_beta = gdn_gating(a, b, A_log, dt_bias)
+    want_g, want_beta = reference_gating(a, b, A_log, dt_bias)
+    assert got_g.dtype == torch.float32 and got_beta.dtype == dtype
+    assert got_g.shape == got_beta.shape == (tokens, hv) and got_g.is_contiguous()
+    if DEVICE.type == "cuda":
+        assert torch.equal(got_g, want_g) and torch.equal(got_beta, want_beta)
+    else:
+        torch.testing.assert_close(got_g, want_g, rtol=4e-6, atol=1e-30)
+        torch.testing.assert_close(got_beta.float(), want_beta.float(), rtol=8e-3, atol=0)
+
+
+def test_gating_kernel_names_a_misshaped_input():
+    from deltaserve.ops.triton.gdn_gating import gdn_gating
+
+    a = torch.zeros(4, 8, device=DEVICE)
+    with pytest.raises(ValueError, match=r"dt_bias has shape \(7,\), expected \(8,\)"):
+        gdn_gating(a, a, torch.zeros(8, device=DEVICE), torch.zeros(7, device=DEVICE))
+    with pytest.raises(ValueError, match=r"one \[T, HV\] shape, got \(4, 8\) and \(4, 7\)"):
+        gdn_gating(a, a[:, :7], torch.zeros(8, device=DEVICE), torch.zeros(8, device=DEVICE))

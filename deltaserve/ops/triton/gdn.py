@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from deltaserve.ops.batch import ForwardBatch, fla_chunk_list, to_device
+from deltaserve.ops.triton.gdn_gating import gdn_gating
 from deltaserve.ops.triton.pdl import gdc_enter, launch_options
 
 
@@ -370,8 +371,6 @@ def gdn_prefill(
     """fla's sequences (prefill_index: eagerly the batch's sequences first..B-1, tokens from
     query_start_loc[first] on), any lengths, through fla's chunked kernel. Returns o for those tokens."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
-    from deltaserve.ops.gdn import gdn_gating
 
     index = prefill_index(batch, first)
     start = index.start
