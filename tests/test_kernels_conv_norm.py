@@ -454,3 +454,28 @@ def test_program_shapes_that_are_not_powers_of_two_are_refused(launch):
         triton_norm.rms_norm(x, torch.zeros(128, dtype=torch.bfloat16, device=DEVICE), EPS, launch=launch)
     with pytest.raises(ValueError, match=r"launch must be \(columns per program, warps\).*got"):
         triton_act.silu_and_mul(torch.ones(4, 256, dtype=torch.bfloat16, device=DEVICE), launch=launch)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("launch", [None, (128, 1)])
+def test_sigmoid_gate_matches_reference_reading_the_interleaved_gate(dtype, launch):
+    # The gate as the attention layer passes it: the second half of each head of the q | gate output,
+    # 5 heads x 256 = 1,280 columns (two column blocks at the default, the last ragged).
+    gen = torch.Generator().manual_seed(21)
+    tokens, heads, head_dim = 11, 5, 256
+    q_gate = randn(gen, tokens, heads, 2 * head_dim, dtype=dtype, scale=3.0)
+    gate = q_gate[..., head_dim:]
+    x = randn(gen, tokens, heads * head_dim + 8, dtype=dtype)[:, 8:]  # strided rows
+    got = triton_act.sigmoid_gate(x, gate, out=poisoned(tokens, heads, head_dim, dtype=dtype), launch=launch)
+    assert got.shape == (tokens, heads, head_dim) and got.is_contiguous()
+    assert_matches(got, activation.sigmoid_gate(x, gate))
+
+
+def test_sigmoid_gate_names_mismatched_operands():
+    x = torch.zeros(3, 64, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(
+        ValueError, match=r"x \[T, H \* D\] and gate \[T, H, D\], got \(3, 64\) and \(3, 2, 16\)"
+    ):
+        triton_act.sigmoid_gate(x, torch.zeros(3, 2, 16, dtype=torch.bfloat16, device=DEVICE))
+    with pytest.raises(ValueError, match="one dtype, got torch.bfloat16 and torch.float32"):
+        triton_act.sigmoid_gate(x, torch.zeros(3, 4, 16, device=DEVICE))

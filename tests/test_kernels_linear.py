@@ -219,11 +219,11 @@ def test_op_boundary_gates_inside_the_gemvs_rows_only(monkeypatch):
     assert calls == []
     monkeypatch.setattr(ops, "use_kernels", lambda t: True)
     ops.sigmoid_gated_linear(x[:1], gate[:1], w)
-    assert calls == [("gemv", 1, 32)]  # DELTASERVE_FUSED_GEMV unset: torch's ops, then the GEMV
+    assert calls == [("gemv", 1, 32)]  # DELTASERVE_FUSED_GEMV unset: the gate kernel, then the GEMV
     calls.clear()
     monkeypatch.setattr(ops, "FUSED_GEMV", frozenset({"gate"}))
     ops.sigmoid_gated_linear(x[:1], gate[:1], w)
-    ops.sigmoid_gated_linear(x, gate, w)  # two rows: torch's ops, then cuBLAS
+    ops.sigmoid_gated_linear(x, gate, w)  # two rows: the gate kernel, then cuBLAS
     assert calls == [("fused", 1, 32)]
 
 

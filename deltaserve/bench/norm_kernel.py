@@ -1,6 +1,6 @@
 """Program-shape sweep of the memory-bound elementwise kernels on CUDA: the residual RMSNorm, the GDN
-output's gated RMSNorm and the SwiGLU (silu_and_mul), at the 4B and 9B shapes, from one decode row to an
-8,192-token prefill.
+output's gated RMSNorm, the SwiGLU (silu_and_mul) and the attention output's sigmoid gate, at the 4B and
+9B shapes, from one decode row to an 8,192-token prefill.
 
 For each kernel and token count: the default program shape, then every swept shape, each checked bit for
 bit against the default's output and timed inside a CUDA graph that cycles through enough input copies
@@ -46,9 +46,10 @@ class Model:
     gdn_heads: int  # value heads of a GDN layer, 128 wide
     intermediate: int
     in_proj_width: int  # the fused GDN in_proj output that z is a view of
+    attention_heads: int  # query heads, 256 wide
 
 
-MODELS = (Model("4B", 2560, 32, 9216, 12352), Model("9B", 4096, 32, 12288, 12352))
+MODELS = (Model("4B", 2560, 32, 9216, 12352, 16), Model("9B", 4096, 32, 12288, 12352, 16))
 
 
 @dataclasses.dataclass
@@ -121,6 +122,21 @@ def swiglu(model: Model, tokens: int, gen: torch.Generator) -> Kernel:
     return Kernel(f"{model.name} silu_and_mul", 1, inputs, run, 3 * nbytes, SWIGLU_SHAPES)
 
 
+def attention_gate(model: Model, tokens: int, gen: torch.Generator) -> Kernel:
+    heads, dim = model.attention_heads, 256
+    nbytes = tokens * heads * dim * 2
+    inputs = []
+    for _ in range(copies_for(3 * nbytes)):
+        q_gate = torch.randn(tokens, heads, 2 * dim, generator=gen, device=DEV).to(DTYPE)
+        x = torch.randn(tokens, heads * dim, generator=gen, device=DEV).to(DTYPE)
+        inputs.append((x, q_gate[..., dim:], torch.empty(tokens, heads, dim, dtype=DTYPE, device=DEV)))
+
+    def run(t: tuple[torch.Tensor, ...], launch: tuple[int, int] | None) -> object:
+        return triton_act.sigmoid_gate(t[0], t[1], out=t[2], launch=launch)
+
+    return Kernel(f"{model.name} sigmoid_gate", 1, inputs, run, 3 * nbytes, SWIGLU_SHAPES)
+
+
 def outputs(kernel: Kernel, launch: tuple[int, int] | None) -> list[torch.Tensor]:
     """The outputs of one call on the first input copy, poisoned first so an unwritten value shows."""
     first = kernel.inputs[0]
@@ -188,7 +204,7 @@ def main() -> None:
     gen = torch.Generator(device=DEV).manual_seed(0)
     for model in MODELS:
         for tokens in (int(t) for t in args.tokens.split(",")):
-            for build in (residual_norm, gated_norm, swiglu):
+            for build in (residual_norm, gated_norm, swiglu, attention_gate):
                 kernel = build(model, tokens, gen)
                 sweep(kernel, tokens, args.quick)
                 del kernel

@@ -124,9 +124,7 @@ def sigmoid_gated_linear(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tens
         from deltaserve.ops.triton.linear import gemv_sigmoid_gated
 
         return gemv_sigmoid_gated(x, gate, weight)
-    # sigmoid reads the strided gate and writes a contiguous [T, H, D]: no copy of the gate first
-    gated = x.reshape(gate.shape) * torch.sigmoid(gate)
-    return linear(gated.view(x.shape), weight)
+    return linear(sigmoid_gate(x, gate).view(x.shape), weight)
 
 
 def gated_norm_linear(
@@ -195,6 +193,15 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
         return kernel(gate_up)
     return _activation_ref.silu_and_mul(gate_up)
+
+
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(gate) as [T, H, D]: one kernel on the GPU (it reads the strided gate in place)."""
+    if use_kernels(x):
+        from deltaserve.ops.triton.activation import sigmoid_gate as kernel
+
+        return kernel(x, gate)
+    return _activation_ref.sigmoid_gate(x, gate)
 
 
 def causal_conv1d(

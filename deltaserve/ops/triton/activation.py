@@ -48,6 +48,12 @@ def silu_f32(x):
 
 
 @triton.jit
+def sigmoid_f32(x):
+    """x: fp32. 1 / (1 + exp(-x)) in fp32, as torch's sigmoid computes it."""
+    return tl.div_rn(1.0, 1.0 + exp_f32(-x))
+
+
+@triton.jit
 def round_to(x, dtype: tl.constexpr):
     """fp32 x rounded to nearest even in `dtype` (as torch's .to(dtype) and the GPU's cvt.rn do)."""
     if _INTERPRETER and dtype == tl.bfloat16:
@@ -113,4 +119,74 @@ def silu_and_mul(
         num_warps=num_warps,
         **launch_options(out.device),
     )
+    return out
+
+
+@triton.jit
+def _sigmoid_gate_kernel(
+    x_ptr,
+    gate_ptr,
+    out_ptr,
+    width,
+    head_dim,
+    stride_x_row,
+    stride_gate_row,
+    stride_gate_head,
+    BLOCK: tl.constexpr,
+    USE_GDC: tl.constexpr,
+):
+    gdc_enter(USE_GDC)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < width
+    x = tl.load(x_ptr + row * stride_x_row + cols, mask=mask, other=0.0)
+    gate_at = gate_ptr + row * stride_gate_row + (cols // head_dim) * stride_gate_head + cols % head_dim
+    gate = tl.load(gate_at, mask=mask, other=0.0)
+    sig = round_to(sigmoid_f32(gate.to(tl.float32)), gate.dtype)  # rounded, as torch.sigmoid(gate) is
+    out = round_to(x.to(tl.float32) * sig.to(tl.float32), out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * width + cols, out, mask=mask)
+
+
+def sigmoid_gate(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    launch: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """x: [T, H * D] with unit column stride (rows may be strided); gate: [T, H, D] with unit stride over
+    D (rows and heads may be strided, as the view of the interleaved q | gate projection is). Returns
+    x * sigmoid(gate) as a contiguous [T, H, D] in one pass: the bits of the torch reference
+    (deltaserve/ops/activation.py), which launches a sigmoid and a multiply; written into `out` when given
+    (contiguous, gate's shape and dtype). `launch`: (columns per program, warps), as silu_and_mul's."""
+    if gate.dim() != 3 or x.dim() != 2 or x.shape != (gate.shape[0], gate.shape[1] * gate.shape[2]):
+        raise ValueError(
+            f"sigmoid_gate needs x [T, H * D] and gate [T, H, D], got {tuple(x.shape)} and {tuple(gate.shape)}"
+        )
+    if x.dtype != gate.dtype:
+        raise ValueError(f"sigmoid_gate needs x and gate of one dtype, got {x.dtype} and {gate.dtype}")
+    block, num_warps = program_shape(launch, (_BLOCK_I, _NUM_WARPS), "columns")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if gate.stride(2) != 1:
+        gate = gate.contiguous()
+    if out is None:
+        out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    elif out.shape != gate.shape or out.dtype != gate.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {gate.dtype} tensor of shape {tuple(gate.shape)}")
+    tokens, width = x.shape
+    if tokens and width:
+        _sigmoid_gate_kernel[(tokens, triton.cdiv(width, block))](
+            x,
+            gate,
+            out,
+            width,
+            gate.shape[2],
+            x.stride(0),
+            gate.stride(0),
+            gate.stride(1),
+            BLOCK=block,
+            num_warps=num_warps,
+            **launch_options(out.device),
+        )
     return out

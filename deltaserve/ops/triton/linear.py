@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deltaserve.ops.triton.activation import _INTERPRETER, exp_f32, round_to, silu_f32
+from deltaserve.ops.triton.activation import _INTERPRETER, round_to, sigmoid_f32, silu_f32
 from deltaserve.ops.triton.pdl import gdc_enter, launch_options
 
 # (BLOCK_N, BLOCK_K, warps): the winners of a sweep over 4..32 x 256..1024 x 4..8 at the 4B shapes
@@ -46,12 +46,6 @@ GEMV_MAX_ROWS = 4  # rows streamed together (a K = 3 verify row has 4 tokens)
 # row with its per-head sigmoid gate (Qwen3.5's gated attention: o_proj(attn * sigmoid(gate))), or a
 # Gated DeltaNet output row with its per-head gated RMSNorm (out_proj(norm(o) * w * silu(z))).
 PLAIN, SWIGLU, SIGMOID_GATE, GATED_NORM = 0, 1, 2, 3
-
-
-@triton.jit
-def sigmoid_f32(x):
-    """x: fp32. 1 / (1 + exp(-x)) in fp32, as torch's sigmoid computes it."""
-    return tl.div_rn(1.0, 1.0 + exp_f32(-x))
 
 
 @triton.jit
