@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from deltaserve.ops.triton.activation import _INTERPRETER, exp_f32, round_to
+from deltaserve.ops.triton.norm import row_tile
 from deltaserve.ops.triton.pdl import gdc_enter, launch_options
 
 if not _INTERPRETER:
@@ -54,10 +55,7 @@ def _gdn_gating_kernel(
     USE_GDC: tl.constexpr,
 ):
     gdc_enter(USE_GDC)
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, BLOCK_H)
-    cmask = cols < heads
-    mask = (rows < num_rows)[:, None] & cmask[None, :]
+    rows, cols, cmask, mask = row_tile(num_rows, heads, BLOCK_T, BLOCK_H)
     a = tl.load(a_ptr + rows[:, None] * stride_a + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     b = tl.load(b_ptr + rows[:, None] * stride_b + cols[None, :], mask=mask, other=0.0)
     neg_decay = -exp_f32(tl.load(a_log_ptr + cols, mask=cmask, other=0.0).to(tl.float32))

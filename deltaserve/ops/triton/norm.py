@@ -63,6 +63,16 @@ def _check_out(out: torch.Tensor | None, like: torch.Tensor, dtype: torch.dtype,
     return out
 
 
+@triton.jit
+def row_tile(num_rows, n_cols, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's BLOCK_R rows (int64) of a [num_rows, n_cols] problem, all BLOCK_N columns: (rows,
+    cols, the column mask, the [BLOCK_R, BLOCK_N] mask of values inside the problem)."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_N)
+    cmask = cols < n_cols
+    return rows, cols, cmask, (rows < num_rows)[:, None] & cmask[None, :]
+
+
 @triton.jit(do_not_specialize=["num_rows"])
 def _rms_norm_kernel(
     x_ptr,
@@ -85,10 +95,7 @@ def _rms_norm_kernel(
     USE_GDC: tl.constexpr,
 ):
     gdc_enter(USE_GDC)
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.arange(0, BLOCK_N)
-    cmask = cols < n_cols
-    mask = (rows < num_rows)[:, None] & cmask[None, :]
+    rows, cols, cmask, mask = row_tile(num_rows, n_cols, BLOCK_R, BLOCK_N)
     outer, sub = rows // inner, rows % inner
     x_off = (outer * stride_x_outer + sub * stride_x_inner)[:, None] + cols[None, :]
     x = tl.load(x_ptr + x_off, mask=mask, other=0.0).to(tl.float32)
@@ -182,10 +189,7 @@ def _gated_rms_norm_kernel(
     USE_GDC: tl.constexpr,
 ):
     gdc_enter(USE_GDC)
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.arange(0, BLOCK_D)
-    cmask = cols < head_dim
-    mask = (rows < num_rows)[:, None] & cmask[None, :]
+    rows, cols, cmask, mask = row_tile(num_rows, head_dim, BLOCK_R, BLOCK_D)
     tok, head = rows // heads, rows % heads
     x_raw = tl.load(
         x_ptr + (tok * stride_x_tok + head * stride_x_head)[:, None] + cols[None, :], mask=mask, other=0.0
