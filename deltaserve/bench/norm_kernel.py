@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 
+from deltaserve.bench.linear_kernel import graph_ms
 from deltaserve.ops.triton import activation as triton_act
 from deltaserve.ops.triton import norm as triton_norm
 
@@ -149,22 +150,7 @@ def outputs(kernel: Kernel, launch: tuple[int, int] | None) -> list[torch.Tensor
 
 def graph_us(kernel: Kernel, launch: tuple[int, int] | None) -> float:
     """Median us of one call, replayed in a CUDA graph that calls it once per input copy."""
-    for t in kernel.inputs:  # compiles outside the capture
-        kernel.run(t, launch)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for t in kernel.inputs:
-            kernel.run(t, launch)
-    times = []
-    for _ in range(REPS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / len(kernel.inputs))
-    return sorted(times)[len(times) // 2]
+    return graph_ms(lambda tensors: kernel.run(tensors, launch), kernel.inputs, REPS) * 1000
 
 
 def bits_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
