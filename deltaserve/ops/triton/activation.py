@@ -1,10 +1,12 @@
-"""SwiGLU on the GPU, and the fp32 SiLU and rounding helpers the other Triton kernels share.
+"""SwiGLU and gated attention's sigmoid output gate on the GPU, and the fp32 SiLU, sigmoid and rounding
+helpers the other Triton kernels share.
 
 Numerics follow the torch reference (deltaserve/ops/activation.py) in the activation dtype:
 silu(gate) is computed in fp32 and rounded to the dtype, then multiplied by up (fp32 product, rounded
 once). torch's CUDA SiLU is x / (1 + expf(-x)) with IEEE division; `silu_f32` uses the same libdevice
 expf and a round-to-nearest division, so the GPU result is bit-identical to torch's. Triton's own
-tl.exp is ex2.approx-based and would differ in the last fp32 bit.
+tl.exp is ex2.approx-based and would differ in the last fp32 bit. The sigmoid is torch's likewise,
+1 / (1 + expf(-x)), rounded to the gate's dtype before the product.
 
 Every narrowing cast goes through `round_to`: Triton's CPU interpreter truncates fp32 -> bf16 (the GPU
 rounds to nearest even), so under the interpreter the rounding is done on the bits.
