@@ -15,12 +15,14 @@ import textwrap
 import pytest
 import torch
 
-from deltaserve.ops.triton import activation, attention, conv1d, gdn, linear, norm, pdl
+from deltaserve.ops.triton import activation, attention, conv1d, gdn, gdn_gating, linear, norm, pdl
 
-MODULES = (activation, attention, conv1d, gdn, linear, norm)
-# The kernels of a decode step: each takes USE_GDC.
+MODULES = (activation, attention, conv1d, gdn, gdn_gating, linear, norm)
+# The kernels of a decode step, and the prefill gating between its layers' kernels: each takes USE_GDC.
 DECODE_KERNELS = {
     "_silu_and_mul_kernel",
+    "_sigmoid_gate_kernel",
+    "_gdn_gating_kernel",
     "_qk_norm_rope_write_kv_kernel",
     "_paged_attention_kernel",
     "_merge_splits_kernel",
