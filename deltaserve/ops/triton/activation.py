@@ -67,6 +67,14 @@ def round_to(x, dtype: tl.constexpr):
 
 
 @triton.jit
+def _row_block(width, BLOCK: tl.constexpr):
+    """Row program_id(0) (int64) and its column block program_id(1) of a [rows, width] problem: (row,
+    cols, the mask of cols inside width)."""
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    return tl.program_id(0).to(tl.int64), cols, cols < width
+
+
+@triton.jit
 def _silu_and_mul_kernel(
     gate_up_ptr,
     out_ptr,
@@ -77,9 +85,7 @@ def _silu_and_mul_kernel(
     USE_GDC: tl.constexpr,
 ):
     gdc_enter(USE_GDC)
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-    mask = cols < inter
+    row, cols, mask = _row_block(inter, BLOCK_I)
     src = gate_up_ptr + row * stride_in_row + cols
     gate = tl.load(src, mask=mask, other=0.0)
     up = tl.load(src + inter, mask=mask, other=0.0)
@@ -138,9 +144,7 @@ def _sigmoid_gate_kernel(
     USE_GDC: tl.constexpr,
 ):
     gdc_enter(USE_GDC)
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < width
+    row, cols, mask = _row_block(width, BLOCK)
     x = tl.load(x_ptr + row * stride_x_row + cols, mask=mask, other=0.0)
     gate_at = gate_ptr + row * stride_gate_row + (cols // head_dim) * stride_gate_head + cols % head_dim
     gate = tl.load(gate_at, mask=mask, other=0.0)
