@@ -218,6 +218,7 @@ def test_op_boundary_gates_inside_the_gemvs_rows_only(monkeypatch):
     assert torch.equal(ops.sigmoid_gated_linear(x, gate, w), want)  # the reference path
     assert calls == []
     monkeypatch.setattr(ops, "use_kernels", lambda t: True)
+    monkeypatch.setattr("deltaserve.ops.triton.activation.sigmoid_gate", ops._activation_ref.sigmoid_gate)
     ops.sigmoid_gated_linear(x[:1], gate[:1], w)
     assert calls == [("gemv", 1, 32)]  # DELTASERVE_FUSED_GEMV unset: the gate kernel, then the GEMV
     calls.clear()

@@ -6,8 +6,11 @@ layer.
 Same bits as the reference on CUDA: every step computes in fp32 what torch's CUDA kernels compute, with
 the same libdevice functions (expf, log1pf), IEEE division and one rounding each where torch rounds:
 exp(A_log) and its negation, a + dt_bias, softplus as torch's (x > 20: x; else log1p(exp(x))), their
-product, and 1 / (1 + exp(-b)) rounded to b's dtype. Under Triton's CPU interpreter (no libdevice) exp
-and log1p come from numpy, within a few fp32 ulps of torch's.
+product, and 1 / (1 + exp(-b)) rounded to b's dtype. The one exception is a subnormal result (a + dt_bias
+below about -87): Triton links libdevice's flush-to-zero variants, so g is -0 where torch's is a
+subnormal, a decay whose exp is 1 for both (and which fla's cumulative sums lose against any normal g).
+Under Triton's CPU interpreter (no libdevice) exp and log1p come from numpy, within a few fp32 ulps of
+torch's.
 """
 
 from __future__ import annotations
