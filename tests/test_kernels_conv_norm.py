@@ -447,6 +447,30 @@ def test_silu_and_mul_program_shapes_give_the_default_bits(launch):
     assert torch.equal(got, triton_act.silu_and_mul(gate_up))
 
 
+def test_default_program_shapes_follow_the_row_count():
+    # The gated norm: one head per program up to 2 x 1024 heads, then 2, 4, 8 (8 x 128 = the 1,024 tile).
+    assert triton_norm._gated_launch_shape(128, 32, None) == (1, 128, 2)  # one token of 32 heads
+    assert triton_norm._gated_launch_shape(128, 2047, None) == (1, 128, 2)
+    assert triton_norm._gated_launch_shape(128, 2048, None) == (2, 128, 2)
+    assert triton_norm._gated_launch_shape(128, 5000, None) == (4, 128, 2)
+    assert triton_norm._gated_launch_shape(128, 8192 * 32, None) == (8, 128, 2)
+    assert triton_norm._gated_launch_shape(256, 8192 * 32, None) == (4, 256, 2)
+    assert triton_norm._gated_launch_shape(128, 8192 * 32, (16, 8)) == (16, 128, 8)
+    # SwiGLU and the sigmoid gate: 256 columns until 1024-column programs cover 132 SMs.
+    assert triton_act._default_columns(1, 9216) == (256, 4)  # 9 programs of 1024
+    assert triton_act._default_columns(14, 9216) == (256, 4)  # 126
+    assert triton_act._default_columns(15, 9216) == (1024, 4)  # 135
+    assert triton_act._default_columns(132, 100) == (1024, 4)
+
+
+def test_silu_and_mul_wide_default_gives_the_narrow_bits():
+    gen = torch.Generator().manual_seed(32)
+    gate_up = randn(gen, 140, 2 * 600, dtype=torch.bfloat16, scale=2.0)  # 140 rows: the wide default
+    got = triton_act.silu_and_mul(gate_up, out=poisoned(140, 600, dtype=torch.bfloat16))
+    assert torch.equal(got, triton_act.silu_and_mul(gate_up, launch=(256, 4)))
+    assert_matches(got, activation.silu_and_mul(gate_up))
+
+
 @pytest.mark.parametrize("launch", [(3, 4), (4, 32), (0, 4), (4,), [4, 4]])
 def test_program_shapes_that_are_not_powers_of_two_are_refused(launch):
     x = torch.ones(4, 128, dtype=torch.bfloat16, device=DEVICE)

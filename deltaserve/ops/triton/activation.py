@@ -32,6 +32,17 @@ if not _INTERPRETER:
 # bf16) per thread and per operand, one vectorised load each; rows go on grid axis 0 (no 65535 limit).
 _BLOCK_I = 1024
 _NUM_WARPS = 4
+# A decode step's few rows: where 1024-column programs would not cover the SMs, 256-column ones spread the
+# same row over four times as many (measured on an H200 at one token: SwiGLU 1.25 -> 0.99 us, sigmoid gate
+# 1.23 -> 1.07 us; the same from 2,048 tokens up, where 1024 columns are the fastest).
+_NARROW_BLOCK_I = 256
+_MIN_PROGRAMS = 132  # an H100's or H200's SMs
+
+
+def _default_columns(num_rows: int, width: int) -> tuple[int, int]:
+    """The default program shape (columns per program, warps) for `num_rows` rows `width` columns wide."""
+    wide = num_rows * triton.cdiv(width, _BLOCK_I) >= _MIN_PROGRAMS
+    return (_BLOCK_I if wide else _NARROW_BLOCK_I), _NUM_WARPS
 
 
 @triton.jit
@@ -100,7 +111,6 @@ def silu_and_mul(
     """gate_up: [..., 2 * I] with the gate first (rows may be strided). Returns silu(gate) * up, [..., I],
     written into `out` when given (contiguous, gate_up's dtype). `launch`, a tuning knob: the program
     shape, (columns per program, warps), powers of two with warps <= 16; None: the module default."""
-    block_i, num_warps = program_shape(launch, (_BLOCK_I, _NUM_WARPS), "columns")
     two_i = gate_up.shape[-1]
     if two_i % 2:
         raise ValueError(f"silu_and_mul needs an even last dim (gate | up), got {two_i}")
@@ -114,6 +124,7 @@ def silu_and_mul(
     elif out.shape != (*lead, inter) or out.dtype != gate_up.dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {gate_up.dtype} tensor of shape {(*lead, inter)}")
     num_rows = rows.shape[0]
+    block_i, num_warps = program_shape(launch, _default_columns(num_rows, inter), "columns")
     if num_rows == 0:
         return out
     grid = (num_rows, triton.cdiv(inter, block_i))
@@ -171,7 +182,7 @@ def sigmoid_gate(
         )
     if x.dtype != gate.dtype:
         raise ValueError(f"sigmoid_gate needs x and gate of one dtype, got {x.dtype} and {gate.dtype}")
-    block, num_warps = program_shape(launch, (_BLOCK_I, _NUM_WARPS), "columns")
+    block, num_warps = program_shape(launch, _default_columns(x.shape[0], x.shape[1]), "columns")
     if x.stride(1) != 1:
         x = x.contiguous()
     if gate.stride(2) != 1:
