@@ -45,7 +45,11 @@ _DECODE_4B_FLOOR = (Figure("TPOT", 1.95, "ms", metric="tpot_ms.median", approx=T
 
 # Keyed by "<preset>:<cell name>" (the cell names of matrix_plan.py).
 REFERENCES: dict[str, CellReference] = {
-    "4b-shape:1-256-c1": CellReference(_DECODE_4B_FLOOR, (Figure("TPOT", 3.03, "ms"),)),
+    "4b-shape:1-256-c1": CellReference(
+        _DECODE_4B_FLOOR,
+        (Figure("TPOT", 2.96, "ms"),),
+        note="the 2026-12-04 record (decode-4b-c1-norm-shapes: elementwise program shapes by row count)",
+    ),
     "4b-shape:1-1-c1": CellReference(previous=(Figure("TTFT", 7.1, "ms"),)),
     "4b-shape:1024-256-c1": CellReference(_DECODE_4B_FLOOR),
     "4b-shape:1024-256-c16": CellReference(previous=(Figure("TPOT", 4.72, "ms"),)),
