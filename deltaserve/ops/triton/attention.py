@@ -33,7 +33,6 @@ are never specialised on (`do_not_specialize`): a new batch size never triggers 
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import NamedTuple
 
@@ -42,6 +41,7 @@ import triton
 import triton.language as tl
 
 from deltaserve.ops.batch import ForwardBatch
+from deltaserve.ops.triton.device_info import sm_count, smem_per_block
 from deltaserve.ops.triton.pdl import gdc_enter, launch_options
 
 
@@ -97,35 +97,12 @@ if not _INTERPRETED:
     from triton.language.extra import libdevice  # the interpreter has no libdevice
 
 
-def _sm_count(device: torch.device) -> int:
-    # Off CUDA (the Triton interpreter) a nominal 8 SMs keeps the split rule exercised.
-    if device.type != "cuda":
-        return 8
-    return _cuda_properties(_cuda_index(device)).multi_processor_count
-
-
-def _smem_per_block(device: torch.device) -> int | None:
-    """The opt-in shared memory per block; None off CUDA (the interpreter has no limit)."""
-    if device.type != "cuda":
-        return None
-    return _cuda_properties(_cuda_index(device)).shared_memory_per_block_optin
-
-
-def _cuda_index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
-@functools.cache
-def _cuda_properties(device_index: int):  # noqa: ANN202 (torch's _CudaDeviceProperties)
-    return torch.cuda.get_device_properties(device_index)
-
-
 def decode_num_splits(num_decodes: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
     """Splits per decode row: a function of shapes and the device only (graph-capture safe)."""
     if num_decodes == 0:
         return 1
     programs = num_decodes * num_kv_heads
-    wanted = -(-2 * _sm_count(device) // programs)
+    wanted = -(-2 * sm_count(device) // programs)
     by_length = max(1, max_context // MIN_SPLIT_TOKENS)
     return max(1, min(wanted, by_length, MAX_SPLITS))
 
@@ -754,7 +731,7 @@ def paged_attention(
     if q.dtype == torch.float32:
         tiles = _TILES_FP32
     else:
-        tiles = _TILES_16BIT_DECODE if num_prefills == 0 else mixed_tiles(head_dim, _smem_per_block(q.device))
+        tiles = _TILES_16BIT_DECODE if num_prefills == 0 else mixed_tiles(head_dim, smem_per_block(q.device))
     # Decode rows hold one token each, so prefill rows hold tokens - num_decodes; each prefill
     # sequence gets at most one tile more than it needs (see the module docstring). With a device count
     # the tiles are counted for none of the rows being decode rows, the most they can need; the empty
