@@ -456,11 +456,11 @@ def test_default_program_shapes_follow_the_row_count():
     assert triton_norm._gated_launch_shape(128, 8192 * 32, None) == (8, 128, 2)
     assert triton_norm._gated_launch_shape(256, 8192 * 32, None) == (4, 256, 2)
     assert triton_norm._gated_launch_shape(128, 8192 * 32, (16, 8)) == (16, 128, 8)
-    # SwiGLU and the sigmoid gate: 256 columns until 1024-column programs cover 132 SMs.
-    assert triton_act._default_columns(1, 9216) == (256, 4)  # 9 programs of 1024
-    assert triton_act._default_columns(14, 9216) == (256, 4)  # 126
-    assert triton_act._default_columns(15, 9216) == (1024, 4)  # 135
-    assert triton_act._default_columns(132, 100) == (1024, 4)
+    # SwiGLU and the sigmoid gate: 256 columns until 1024-column programs cover the SMs (an H200's 132).
+    assert triton_act._default_columns(1, 9216, 132) == (256, 4)  # 9 programs of 1024
+    assert triton_act._default_columns(14, 9216, 132) == (256, 4)  # 126
+    assert triton_act._default_columns(15, 9216, 132) == (1024, 4)  # 135
+    assert triton_act._default_columns(132, 100, 132) == (1024, 4)
 
 
 def test_silu_and_mul_wide_default_gives_the_narrow_bits():

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.ops.triton.device_info import sm_count
 from deltaserve.ops.triton.launch_shape import program_shape
 from deltaserve.ops.triton.pdl import gdc_enter, launch_options
 
@@ -32,16 +33,16 @@ if not _INTERPRETER:
 # bf16) per thread and per operand, one vectorised load each; rows go on grid axis 0 (no 65535 limit).
 _BLOCK_I = 1024
 _NUM_WARPS = 4
-# A decode step's few rows: where 1024-column programs would not cover the SMs, 256-column ones spread the
-# same row over four times as many. Measured on an H200 at one token: SwiGLU 1.25 -> 1.0-1.1 us, sigmoid
-# gate 1.23 -> 1.07 us. From 2,048 tokens up 1024 columns stay the fastest.
+# A decode step's few rows: where 1024-column programs would be fewer than the device's SMs, 256-column
+# ones spread the same row over four times as many. Measured on an H200 (132 SMs) at one token: SwiGLU
+# 1.25 -> 1.0-1.1 us, sigmoid gate 1.23 -> 1.07 us. From 2,048 tokens up 1024 columns stay the fastest.
 _NARROW_BLOCK_I = 256
-_MIN_PROGRAMS = 132  # an H100's or H200's SMs
 
 
-def _default_columns(num_rows: int, width: int) -> tuple[int, int]:
-    """The default program shape (columns per program, warps) for `num_rows` rows `width` columns wide."""
-    wide = num_rows * triton.cdiv(width, _BLOCK_I) >= _MIN_PROGRAMS
+def _default_columns(num_rows: int, width: int, sms: int) -> tuple[int, int]:
+    """The default program shape (columns per program, warps) for `num_rows` rows `width` columns wide
+    on a device of `sms` SMs."""
+    wide = num_rows * triton.cdiv(width, _BLOCK_I) >= sms
     return (_BLOCK_I if wide else _NARROW_BLOCK_I), _NUM_WARPS
 
 
@@ -124,7 +125,9 @@ def silu_and_mul(
     elif out.shape != (*lead, inter) or out.dtype != gate_up.dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {gate_up.dtype} tensor of shape {(*lead, inter)}")
     num_rows = rows.shape[0]
-    block_i, num_warps = program_shape(launch, _default_columns(num_rows, inter), "columns")
+    block_i, num_warps = program_shape(
+        launch, _default_columns(num_rows, inter, sm_count(out.device)), "columns"
+    )
     if num_rows == 0:
         return out
     grid = (num_rows, triton.cdiv(inter, block_i))
@@ -182,7 +185,9 @@ def sigmoid_gate(
         )
     if x.dtype != gate.dtype:
         raise ValueError(f"sigmoid_gate needs x and gate of one dtype, got {x.dtype} and {gate.dtype}")
-    block, num_warps = program_shape(launch, _default_columns(x.shape[0], x.shape[1]), "columns")
+    block, num_warps = program_shape(
+        launch, _default_columns(x.shape[0], x.shape[1], sm_count(x.device)), "columns"
+    )
     if x.stride(1) != 1:
         x = x.contiguous()
     if gate.stride(2) != 1:

@@ -1,6 +1,8 @@
 """The tuning knob of the elementwise kernels' launches: a program shape (block size, warps) that a
-sweep (python3 -m deltaserve.bench.norm_kernel) may set in place of a kernel's default. Any valid shape
-gives the same bits: a program's block size changes which program computes a value, not how."""
+sweep (python3 -m deltaserve.bench.norm_kernel) may set in place of a kernel's default. For the
+elementwise kernels (SwiGLU, the sigmoid gate) any valid shape gives the same bits: the block size changes
+which program computes a value, not how. For the norms the warps may change the order of a row's sum, so
+a shape becomes a default only where the sweep's bit check finds the default's bits."""
 
 from __future__ import annotations
 
