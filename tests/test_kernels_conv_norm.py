@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import random
+import re
 from collections.abc import Iterable
 
 import pytest
@@ -152,6 +153,28 @@ def test_conv_block_shapes_agree_with_the_reference(impl, blocks):
     rows = [(n, ctx, slot) for slot, (n, ctx) in enumerate(zip(lengths, contexts, strict=False), start=1)]
     stale = {slot for n, ctx, slot in rows if ctx == 0}
     check_conv(rows, channels=72, dtype=torch.bfloat16, seed=5, stale=stale, impl=impl, blocks=blocks)
+
+
+@pytest.mark.parametrize("seq_blocks", [(32, 1), (64, 2), (128, 4)])
+@pytest.mark.parametrize("decode_only", [True, False])
+def test_conv_per_sequence_program_shapes_agree_with_the_reference(seq_blocks, decode_only):
+    # The decode, heads and verify kernels' program shape: channel blocks that end inside the 200
+    # channels, warps over fewer channels than threads; decode rows alone (the decode kernel), or beside
+    # prefill chunks shorter and longer than K-1 and a verify row (heads and verify kernels).
+    rows: list[tuple] = [(1, 3 + i, slot) for i, slot in enumerate([9, 2, 14, 5])]
+    if not decode_only:
+        rows += [(3, 4, 6, (11, 12)), (2, 0, 7), (9, 5, 8)]
+    check_conv(rows, channels=200, dtype=torch.bfloat16, seed=11, stale={7}, seq_blocks=seq_blocks)
+
+
+@pytest.mark.parametrize("seq_blocks", [(64,), (48, 2), (64, 3), (0, 1)])
+def test_conv_per_sequence_program_shape_must_be_two_powers_of_two(seq_blocks):
+    gen = torch.Generator().manual_seed(0)
+    x, weight = randn(gen, 1, 32, dtype=torch.float32), randn(gen, 32, K, dtype=torch.float32)
+    pool = randn(gen, 3, 32, K - 1, dtype=torch.float32)
+    want = rf"seq_blocks must be \(channels, warps\), powers of two, got {re.escape(str(seq_blocks))}"
+    with pytest.raises(ValueError, match=want):
+        triton_conv.causal_conv1d(x, weight, pool, make_batch([(1, 2, 1)]), seq_blocks=seq_blocks)
 
 
 def padded(batch: ForwardBatch, empty_seqs: int, extra_tokens: int, graphed: bool) -> ForwardBatch:

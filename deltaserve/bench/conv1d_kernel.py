@@ -7,13 +7,20 @@ bandwidth of the 2 * T * C * 2 bytes of x read and out written; a plain strided 
 floor. Then sweeps block shapes (tokens, channels, rows per step, warps) of the stream kernel, each also
 checked bit for bit, and checks that the default call captures and replays in a CUDA graph.
 
-python3 -m deltaserve.bench.conv1d_kernel [--quick]   (needs CUDA; docs/benchmarks/2026-12-02-h200-conv1d-rows.md)
+--seq instead sweeps the program shape of the per-row and per-sequence kernels (decode rows, the heads
+kernel; `seq_blocks`) on decode-only batches and a unified step, each call captured in a CUDA graph and
+timed by its replays (a decode step runs in one), checked bit for bit against the default shape.
+
+python3 -m deltaserve.bench.conv1d_kernel [--quick | --seq]   (needs CUDA;
+docs/benchmarks/2026-12-02-h200-conv1d-rows.md, 2026-12-04-h200-conv-seq-blocks.md)
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import random
+from collections.abc import Callable
 
 import torch
 import triton
@@ -44,6 +51,9 @@ SWEEP = [
 ]
 
 
+SEQ_SWEEP = [(256, 1), (256, 2), (256, 4), (256, 8), (512, 4), (512, 8), (1024, 4), (1024, 8)]
+
+
 def make_batch(rows: list[tuple[int, int, int]]) -> ForwardBatch:
     """rows: (new tokens, context, state slot) per sequence, decode rows first."""
     return build_forward_batch(
@@ -66,6 +76,47 @@ def compositions(tokens: int) -> dict[str, ForwardBatch]:
         f"226 decode + 2 x {half} (graphed)": dataclasses.replace(mixed, num_decodes=0),
         f"8 x {eighth} with context": make_batch([(eighth, 300 + 97 * i, 250 + i) for i in range(8)]),
     }
+
+
+def seq_compositions() -> dict[str, tuple[int, ForwardBatch]]:
+    """(tokens, batch): decode rows on distinct random slots, and a unified step as the prefill graphs
+    run it (every row a sequence)."""
+    slots = random.Random(0).sample(range(1, POOL_SLOTS), 228)
+    decodes = [(1, 1100, slot) for slot in slots]
+    unified = make_batch(decodes[:226] + [(911, 0, slots[226]), (911, 0, slots[227])])
+    cases = {f"{n} decode rows": (n, make_batch(decodes[:n])) for n in (1, 64, 226)}
+    cases["226 decode + 2 x 911 (graphed)"] = (2048, dataclasses.replace(unified, num_decodes=0))
+    return cases
+
+
+def graph_ms(fn: Callable[[], object]) -> float:
+    """ms per replay of fn captured in a CUDA graph (compiled beforehand)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return triton.testing.do_bench(graph.replay)
+
+
+def seq_sweep() -> None:
+    print(
+        "Per-sequence kernels' program shape (channels, warps): us per call in a CUDA graph, bits vs default"
+    )
+    cases = [
+        (name, Case(tokens, batch, seed))
+        for seed, (name, (tokens, batch)) in enumerate(seq_compositions().items())
+    ]
+    for i, (name, _) in enumerate(cases):
+        print(f"  [{i}] {name}")
+    print(f"{'seq_blocks':<12}" + "".join(f"{f'[{i}]':>9}" for i in range(len(cases))) + "  bits")
+    wants = [case.result() for _, case in cases]
+    for seq_blocks in SEQ_SWEEP:
+        cells, verdicts = [], set()
+        for (_, case), want in zip(cases, wants, strict=True):
+            verdicts.add(check(case, want, seq_blocks=seq_blocks))
+            pool = case.pool.clone()
+            ms = graph_ms(lambda c=case, p=pool, s=seq_blocks: c.run(p, c.out, seq_blocks=s))
+            cells.append(f"{1000 * ms:>9.1f}")
+        print(f"{str(seq_blocks):<12}" + "".join(cells) + f"  {'ok' if verdicts == {'ok'} else 'MISMATCH'}")
 
 
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -123,11 +174,16 @@ def graph_check(case: Case) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="only the default block shapes, no sweep")
+    parser.add_argument("--seq", action="store_true", help="only the per-sequence kernels' shape sweep")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs CUDA")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     print(f"conv_dim {CHANNELS}, K {K}, {DTYPE}, x rows strided by {CHANNELS + 2 * EXTRA}")
+    if args.seq:
+        print(f"default seq_blocks {triton_conv._SEQ_BLOCKS}\n")
+        seq_sweep()
+        return
     print(f"defaults: rows {triton_conv._ROW_BLOCKS}, tiles {triton_conv._TILE_BLOCKS}\n")
     print(
         f"{'T':>5}  {'batch':<32} {'copy ms':>8} {'tiles ms':>9} {'rows ms':>8} {'speedup':>7} "

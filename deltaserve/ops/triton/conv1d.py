@@ -60,9 +60,10 @@ _ROW_BLOCKS = (64, 256, 8, 2)
 # conv_dim 8192, 16 x 64 over 2 warps was the best of tokens 8..64 x channels 32..256 x warps 2..8
 # (0.56 ms against 0.74 ms for 8 x 256). BLOCK_T must be >= K-1.
 _TILE_BLOCKS = (16, 64, 2)
-# Decode rows, and the heads kernel's sequences: a flat grid over (rows or sequences, 256-channel blocks).
-_DECODE_BLOCK_C = 256
-_DECODE_NUM_WARPS = 2
+# Decode rows, and the heads and verify kernels' sequences: a flat grid over (rows or sequences, channel
+# blocks); the program shape is (channels, warps). Every shape gives the same bits: each output and slot
+# value is computed by one thread, in one order.
+_SEQ_BLOCKS = (256, 2)
 
 
 @triton.jit
@@ -609,9 +610,11 @@ def _decode_rows(
     strides: tuple[int, ...],
     width: int,
     layout: tuple[int, int, int],
+    seq_blocks: tuple[int, int],
 ) -> None:
     """The decode kernel over the batch's first `rows` rows (decode rows: one token each)."""
-    _conv1d_decode_kernel[(rows, triton.cdiv(channels, _DECODE_BLOCK_C))](
+    block_c, num_warps = seq_blocks
+    _conv1d_decode_kernel[(rows, triton.cdiv(channels, block_c))](
         x,
         weight,
         conv_state,
@@ -621,8 +624,8 @@ def _decode_rows(
         *layout,
         *strides,
         KW=width,
-        BLOCK_C=_DECODE_BLOCK_C,
-        num_warps=_DECODE_NUM_WARPS,
+        BLOCK_C=block_c,
+        num_warps=num_warps,
         **launch_options(x.device),
     )
 
@@ -636,6 +639,7 @@ def _varlen_rows(
     strides: tuple[int, ...],
     blocks: tuple[int, int, int, int],
     layout: tuple[int, int, int],
+    seq_blocks: tuple[int, int],
 ) -> None:
     """The stream kernel over the rows after the decode rows, then the heads kernel over every sequence."""
     tokens, channels = x.shape
@@ -660,7 +664,8 @@ def _varlen_rows(
             ROWS=rows,
             num_warps=num_warps,
         )
-    _conv1d_heads_kernel[(num_seqs, triton.cdiv(channels, _DECODE_BLOCK_C))](
+    seq_c, seq_warps = seq_blocks
+    _conv1d_heads_kernel[(num_seqs, triton.cdiv(channels, seq_c))](
         x,
         weight,
         conv_state,
@@ -674,8 +679,8 @@ def _varlen_rows(
         *layout,
         *strides,
         KW=weight.shape[1],
-        BLOCK_C=_DECODE_BLOCK_C,
-        num_warps=_DECODE_NUM_WARPS,
+        BLOCK_C=seq_c,
+        num_warps=seq_warps,
     )
 
 
@@ -728,6 +733,7 @@ def causal_conv1d(
     blocks: tuple[int, ...] | None = None,
     impl: Literal["rows", "tiles"] = "rows",
     split: tuple[int, int] | None = None,
+    seq_blocks: tuple[int, int] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x: [T, C] (rows may be strided, e.g. the qkv part of the fused in_proj output); weight: [C, K];
     conv_state: [slots, C, K-1], updated in place at batch.state_slots (and, for the windows after a
@@ -738,7 +744,9 @@ def causal_conv1d(
     `impl` picks the path of batches with prefill rows: "rows" (the stream and heads kernels, the
     default) or "tiles" (the earlier tile kernel, the same bits). `blocks`, a tuning knob, is the
     program shape of its main kernel: (tokens, channels, rows loaded per step, warps) for "rows",
-    (tokens, channels, warps) for "tiles", where tokens must be >= K-1. None: the module defaults."""
+    (tokens, channels, warps) for "tiles", where tokens must be >= K-1. `seq_blocks`, another, is the
+    program shape of the per-row and per-sequence kernels (decode rows, the heads kernel, verify rows):
+    (channels, warps). None: the module defaults."""
     tokens, channels = x.shape
     if impl not in ("rows", "tiles"):
         raise ValueError(f"impl must be 'rows' or 'tiles', got {impl!r}")
@@ -746,6 +754,9 @@ def causal_conv1d(
         blocks = _ROW_BLOCKS if impl == "rows" else _TILE_BLOCKS
     if len(blocks) != (4 if impl == "rows" else 3):
         raise ValueError(f"blocks {blocks} do not fit impl {impl!r}")
+    seq_blocks = _SEQ_BLOCKS if seq_blocks is None else seq_blocks
+    if len(seq_blocks) != 2 or any(v < 1 or v & (v - 1) for v in seq_blocks):
+        raise ValueError(f"seq_blocks must be (channels, warps), powers of two, got {seq_blocks}")
     if weight.dim() != 2 or weight.shape[0] != channels:
         raise ValueError(f"conv weight has shape {tuple(weight.shape)}, expected ({channels}, K)")
     width = weight.shape[1]
@@ -769,7 +780,7 @@ def causal_conv1d(
     elif out.shape != (tokens, channels) or out.dtype != x.dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {x.dtype} tensor of shape {(tokens, channels)}")
     layout = (tokens, channels, channels) if split is None else (tokens, *split)
-    _run_kernels(x, weight, conv_state, batch, out, blocks, impl, layout)
+    _run_kernels(x, weight, conv_state, batch, out, blocks, impl, layout, seq_blocks)
     if split is None:
         return out
     b1, b2 = split
@@ -789,6 +800,7 @@ def _run_kernels(
     blocks: tuple[int, ...],
     impl: Literal["rows", "tiles"],
     layout: tuple[int, int, int],
+    seq_blocks: tuple[int, int],
 ) -> None:
     """`layout` = (out_rows, b1, b2): where each output lands (_out_offsets)."""
     tokens, channels = x.shape
@@ -800,15 +812,15 @@ def _run_kernels(
     # x row, weight channel/tap, state slot/channel/column strides: the same for every kernel.
     strides = (x.stride(0), weight.stride(0), weight.stride(1), *conv_state.stride())
     if nv == 0 and nd == num_seqs == tokens:
-        _decode_rows(x, weight, conv_state, out, batch, nd, channels, strides, width, layout)
+        _decode_rows(x, weight, conv_state, out, batch, nd, channels, strides, width, layout, seq_blocks)
         return
     if nv > 0:
         # Without prefill rows the verify kernel does the verify rows' whole step; with them it only
         # saves the windows after their inner tokens, before the varlen kernel rewrites their slots.
         whole = nd + nv == num_seqs
         if whole and nd > 0:
-            _decode_rows(x, weight, conv_state, out, batch, nd, channels, strides, width, layout)
-        _conv1d_verify_kernel[(nv, triton.cdiv(channels, _DECODE_BLOCK_C))](
+            _decode_rows(x, weight, conv_state, out, batch, nd, channels, strides, width, layout, seq_blocks)
+        _conv1d_verify_kernel[(nv, triton.cdiv(channels, seq_blocks[0]))](
             x,
             weight,
             conv_state,
@@ -821,13 +833,13 @@ def _run_kernels(
             *layout,
             *strides,
             KW=width,
-            BLOCK_C=_DECODE_BLOCK_C,
+            BLOCK_C=seq_blocks[0],
             OUTPUTS=whole,
-            num_warps=_DECODE_NUM_WARPS,
+            num_warps=seq_blocks[1],
         )
         if whole:
             return
     if impl == "tiles":
         _varlen_tiles(x, weight, conv_state, out, batch, strides, blocks, layout)
         return
-    _varlen_rows(x, weight, conv_state, out, batch, strides, blocks, layout)
+    _varlen_rows(x, weight, conv_state, out, batch, strides, blocks, layout, seq_blocks)
