@@ -93,12 +93,12 @@ REFERENCES: dict[str, CellReference] = {
     ),
     "35b-a3b-shape:1024-128-c512": CellReference(
         previous=(
-            Figure("total", 33.2e3, "tok/s", text="33.2k tok/s"),
-            Figure("TPOT", 57.6, "ms"),
-            Figure("ITL p99", 63.6, "ms"),
+            Figure("total", 34.4e3, "tok/s", text="34.4k tok/s"),
+            Figure("TPOT", 55.5, "ms"),
+            Figure("ITL p99", 64.1, "ms"),
         ),
-        note="the 2026-12-03 record (saturated-35b-tile-order); 25.9k on 2026-12-01 with 512 prompts at "
-        "concurrency 256",
+        note="the 2026-12-04 record (saturated-35b-seq-blocks; 33.2k on 2026-12-03, saturated-35b-tile-order); "
+        "25.9k on 2026-12-01 with 512 prompts at concurrency 256",
     ),
     "27b-shape:1024-256-c1": CellReference(
         floor=(Figure("TPOT", 11.9, "ms", metric="tpot_ms.median", approx=True),),
