@@ -1,12 +1,14 @@
-"""Prefill tile shapes of the paged attention kernel on CUDA, at the 4B attention (16 query heads, 4 kv
-heads, head dim 256, bf16, page size 16).
+"""Tile shapes of the paged attention kernel's launches with prefill rows on CUDA, at the 4B and 9B
+attention (16 query heads, 4 kv heads, head dim 256, bf16, page size 16; `--kv-heads 2`: the 35B-A3B's).
 
 The kernel's 16-bit prefill tiles are fixed (`ops/triton/attention.py`: `_TILES_16BIT_MIXED`, 128 query rows
 x 64 keys, 8 warps, 2 stages, since this sweep's first run). For each candidate (query rows, keys per block, warps, stages) this times
 one chunk from position 0, one after context, and a saturated unified step's composition, against the
 current tiles, and checks each output against the current tiles' (a tile shape changes the order of the
 softmax's sums: within bf16 rounding). A candidate that does not compile (shared memory, registers) is
-reported as such.
+reported as such. The decode rows of such a launch run on the same warps and stages, with their own
+keys per block (decode_n), so the saturated steps' compositions (tens to hundreds of decode rows beside
+two chunks) weigh the decode programs too.
 
 python3 -m deltaserve.bench.attention_kernel [--quick]   (needs CUDA)
 """
@@ -23,19 +25,24 @@ from deltaserve.ops.triton import attention as tri
 
 DEV = torch.device("cuda")
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 16, 4, 256, 16
-# (query rows, keys per block, warps, stages); the first is the kernel's current choice.
+# (query rows, keys per block, warps, stages, decode rows' keys per block); the first is the kernel's
+# current choice.
 CANDIDATES = [
-    (128, 64, 8, 2),
-    (128, 32, 8, 2),
-    (128, 32, 8, 3),
-    (128, 64, 8, 1),
-    (128, 16, 8, 3),
-    (128, 16, 8, 4),
-    (64, 32, 4, 2),
-    (64, 32, 4, 3),
-    (64, 64, 4, 2),
-    (64, 64, 8, 2),
-    (256, 32, 8, 1),
+    (128, 64, 8, 2, 32),
+    (128, 32, 8, 2, 32),
+    (128, 32, 8, 3, 32),
+    (128, 64, 8, 1, 32),
+    (128, 16, 8, 3, 32),
+    (128, 16, 8, 4, 32),
+    (64, 32, 4, 2, 32),
+    (64, 32, 4, 3, 32),
+    (64, 64, 4, 2, 32),
+    (64, 64, 8, 2, 32),
+    (256, 32, 8, 1, 32),
+    (128, 64, 8, 2, 64),
+    (128, 64, 8, 2, 16),
+    (64, 32, 4, 3, 64),
+    (64, 32, 4, 4, 32),
 ]
 # (name, rows: (context, new tokens) per sequence, decode rows first)
 SHAPES = [
@@ -43,10 +50,13 @@ SHAPES = [
     ("2048 after 6144", [(6144, 2048)]),
     ("2048 from 0", [(0, 2048)]),
     ("56 decode + 2 x 996", [(1100, 1)] * 56 + [(0, 996), (0, 996)]),
+    ("226 decode + 2 x 911", [(1100, 1)] * 226 + [(0, 911), (0, 911)]),
 ]
 
 
-def make_case(rows: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, ForwardBatch]:
+def make_case(
+    rows: list[tuple[int, int]], kv_heads: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, ForwardBatch]:
     """q, k_cache, v_cache and the batch; pages handed out in order from page 1."""
     batch_rows, next_page = [], 1
     for context, n in rows:
@@ -55,7 +65,7 @@ def make_case(rows: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor, 
         next_page += count
     batch = build_forward_batch(batch_rows, PAGE, DEV)
     gen = torch.Generator(device=DEV).manual_seed(0)
-    shape = (next_page, PAGE, KV_HEADS, HEAD_DIM)
+    shape = (next_page, PAGE, kv_heads, HEAD_DIM)
     k_cache = torch.randn(shape, generator=gen, device=DEV, dtype=torch.bfloat16)
     v_cache = torch.randn(shape, generator=gen, device=DEV, dtype=torch.bfloat16)
     q = torch.randn(batch.num_tokens, HEADS, HEAD_DIM, generator=gen, device=DEV, dtype=torch.bfloat16)
@@ -84,17 +94,19 @@ def time_tiles(tiles: tri._Tiles, case: tuple) -> tuple[float, torch.Tensor]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the first four candidates only")
+    parser.add_argument("--kv-heads", type=int, default=KV_HEADS, help="kv heads (of 16 query heads)")
     args = parser.parse_args()
     candidates = CANDIDATES[:4] if args.quick else CANDIDATES
     base = tri._TILES_16BIT_MIXED
-    print(f"current tiles: {base}")
+    print(f"current tiles: {base}; {HEADS} query heads, {args.kv_heads} kv heads, head dim {HEAD_DIM}")
+    current = (base.prefill_m, base.prefill_n, base.num_warps, base.num_stages, base.decode_n)
     for name, rows in SHAPES:
-        case = make_case(rows)
+        case = make_case(rows, args.kv_heads)
         base_ms, base_out = time_tiles(base, case)
         print(f"{name}: current {base_ms * 1e3:8.1f} us {flops(rows) / base_ms / 1e9:6.0f} TFLOP/s")
-        for m, n, warps, stages in candidates[1:] if candidates[0] == tuple(base[1:]) else candidates:
-            tiles = base._replace(prefill_m=m, prefill_n=n, num_warps=warps, num_stages=stages)
-            label = f"  M={m:<3} N={n:<3} warps={warps} stages={stages}"
+        for m, n, warps, stages, decode_n in (c for c in candidates if c != current):
+            tiles = tri._Tiles(decode_n, m, n, warps, stages)
+            label = f"  M={m:<3} N={n:<3} warps={warps} stages={stages} decode N={decode_n:<3}"
             try:
                 ms, out = time_tiles(tiles, case)
             except Exception as exc:  # noqa: BLE001 (a candidate that does not compile is a result)
