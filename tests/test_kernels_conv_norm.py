@@ -172,7 +172,7 @@ def test_conv_per_sequence_program_shape_must_be_two_powers_of_two(seq_blocks):
     gen = torch.Generator().manual_seed(0)
     x, weight = randn(gen, 1, 32, dtype=torch.float32), randn(gen, 32, K, dtype=torch.float32)
     pool = randn(gen, 3, 32, K - 1, dtype=torch.float32)
-    want = rf"seq_blocks must be \(channels, warps\), powers of two, got {re.escape(str(seq_blocks))}"
+    want = rf"seq_blocks must be \(channels per program, warps\), powers of two.*got {re.escape(str(seq_blocks))}"
     with pytest.raises(ValueError, match=want):
         triton_conv.causal_conv1d(x, weight, pool, make_batch([(1, 2, 1)]), seq_blocks=seq_blocks)
 

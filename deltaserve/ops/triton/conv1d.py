@@ -49,6 +49,7 @@ import triton.language as tl
 
 from deltaserve.ops.batch import ForwardBatch
 from deltaserve.ops.triton.activation import round_to, silu_f32
+from deltaserve.ops.triton.launch_shape import program_shape
 from deltaserve.ops.triton.pdl import gdc_enter, launch_options
 
 # The stream kernel's program: (tokens, channels, rows loaded per unrolled step, warps). The ROWS loads of
@@ -757,9 +758,7 @@ def causal_conv1d(
         blocks = _ROW_BLOCKS if impl == "rows" else _TILE_BLOCKS
     if len(blocks) != (4 if impl == "rows" else 3):
         raise ValueError(f"blocks {blocks} do not fit impl {impl!r}")
-    seq_blocks = _SEQ_BLOCKS if seq_blocks is None else seq_blocks
-    if len(seq_blocks) != 2 or any(v < 1 or v & (v - 1) for v in seq_blocks):
-        raise ValueError(f"seq_blocks must be (channels, warps), powers of two, got {seq_blocks}")
+    seq_blocks = program_shape(seq_blocks, _SEQ_BLOCKS, "channels", field="seq_blocks")
     if weight.dim() != 2 or weight.shape[0] != channels:
         raise ValueError(f"conv weight has shape {tuple(weight.shape)}, expected ({channels}, K)")
     width = weight.shape[1]
