@@ -150,7 +150,9 @@ def test_prefill_chunks_from_position_zero_and_mid_sequence_match_reference(dtyp
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_mixed_batch_in_one_launch_matches_reference(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("apart", [False, True], ids=["one-launch", "decode-apart"])
+def test_mixed_batch_in_one_launch_matches_reference(dtype: torch.dtype, apart: bool, monkeypatch) -> None:
+    monkeypatch.setattr(tri, "DECODE_APART_MAX_TOKENS", 1 << 30 if apart else 0)
     rows = [(40, 1), (3, 1), (16, 1), (0, 9), (33, 30), (1, 1)]
     for num_splits in (1, 4):
         case = make_case(
@@ -160,7 +162,11 @@ def test_mixed_batch_in_one_launch_matches_reference(dtype: torch.dtype) -> None
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_verify_rows_between_decode_rows_and_prefill_chunks_match_reference(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("apart", [False, True], ids=["one-launch", "decode-apart"])
+def test_verify_rows_between_decode_rows_and_prefill_chunks_match_reference(
+    dtype: torch.dtype, apart: bool, monkeypatch
+) -> None:
+    monkeypatch.setattr(tri, "DECODE_APART_MAX_TOKENS", 1 << 30 if apart else 0)
     # Verify rows of 2..5 tokens with context (one across a page boundary) run with the prefill rows.
     rows = [(40, 1), (3, 1), (20, 4), (7, 2), (14, 5), (30, 3), (0, 9), (33, 30)]
     for num_splits in (1, 4):
@@ -249,11 +255,16 @@ def as_prefill_graph_batch(batch: ForwardBatch, padding_seqs: int = 3) -> Forwar
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_prefill_graph_batch_attends_its_decode_rows_as_decode_rows(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("apart", [False, True], ids=["one-launch", "decode-apart"])
+def test_prefill_graph_batch_attends_its_decode_rows_as_decode_rows(
+    dtype: torch.dtype, apart: bool, monkeypatch
+) -> None:
     """With the decode rows counted on the device, a prefill graph's batch gets the bits of the same
     rows launched eagerly (decode programs, split and merged), and the reference's values; the decode
     programs past the count leave the prefill rows to the prefill programs, and the prefill tiles
-    counted for the chunk rows alone cover them (empty padding sequences follow, as in a graph)."""
+    counted for the chunk rows alone cover them (empty padding sequences follow, as in a graph). The
+    same with the decode rows launched apart from the prefill rows."""
+    monkeypatch.setattr(tri, "DECODE_APART_MAX_TOKENS", 1 << 30 if apart else 0)
     for rows in (
         [(40, 1), (3, 1), (70, 1), (0, 9), (33, 30)],  # decode rows and chunks
         [(40, 1), (17, 1), (70, 1)],  # decode rows only

@@ -7,8 +7,9 @@ rounded once; cos/sin are computed in fp32 and rounded to the activation dtype; 
 rotated_half*sin are each rounded, then their sum (what torch does for `a * c + b * s` in bf16).
 
 `paged_attention`: causal GQA attention of a flattened varlen batch (decode rows first, then prefill
-chunks) over the paged KV cache, in ONE launch of `_paged_attention_kernel` whose program range is cut
-in two (axis 1 is the kv head in both):
+chunks) over the paged KV cache, in one launch of `_paged_attention_kernel` whose program range is cut
+in two (axis 1 is the kv head in both), or, for steps of at most DECODE_APART_MAX_TOKENS tokens, in two
+launches of it (the decode programs on the decode tiles, then the prefill programs):
   * decode programs, pid < num_decodes * splits: (row, split). All `group` query heads of a kv head
     are packed into the rows of one tile (padded to 16 for tl.dot), so each KV page is read once per
     kv head. A row's context is cut into `splits` contiguous ranges (flash-decoding); with splits > 1
@@ -33,6 +34,7 @@ are never specialised on (`do_not_specialize`): a new batch size never triggers 
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import NamedTuple
 
@@ -68,6 +70,15 @@ _TILES_16BIT_MIXED = _Tiles(decode_n=32, prefill_m=128, prefill_n=64, num_warps=
 _TILES_16BIT_MIXED_SMALL_SMEM = _Tiles(decode_n=32, prefill_m=128, prefill_n=32, num_warps=8, num_stages=2)
 # fp32 (tests; IEEE dots are FMA loops): smaller tiles so that shared memory fits.
 _TILES_FP32 = _Tiles(decode_n=32, prefill_m=32, prefill_n=32, num_warps=8, num_stages=2)
+# A launch of decode rows beside prefill rows shares the prefill tile's warps, stages and shared memory,
+# which leave room for one program per SM: the decode rows, bound by KV bandwidth, then read it at a
+# fraction of its rate. Up to DECODE_APART_MAX_TOKENS tokens they are launched apart, on the decode
+# tiles, before the prefill programs. Past it the prefill tiles keep every SM busy long enough that the
+# decode programs run inside their time. Timed on an H200 (bench.attention_kernel, CUDA graphs, 4B/9B
+# attention): 226 decode rows + 2 x 911 prefill tokens 516 -> 349 us, 56 + 2 x 996 207 -> 187 us;
+# 64 + 8,128 1,822 -> 1,878 us apart (so kept whole); same bits. Saturated 9B over HTTP: 31.7k -> 32.1k
+# total tok/s. DELTASERVE_ATTENTION_DECODE_APART=0 keeps every launch whole.
+DECODE_APART_MAX_TOKENS = 4096 if os.environ.get("DELTASERVE_ATTENTION_DECODE_APART", "1") != "0" else 0
 
 
 def prefill_smem_bytes(tiles: _Tiles, head_dim: int, itemsize: int = 2) -> int:
@@ -600,7 +611,11 @@ def _paged_attention_kernel(
     # The first num_decodes * num_splits programs are decode programs. With DEVICE_COUNT (a prefill
     # graph's batch) num_decodes is room for decode rows and count_ptr holds how many lead the batch:
     # the decode programs past them do nothing, and the prefill programs start at that sequence.
-    decode_programs = num_decodes * num_splits
+    # A launch of prefill programs only (the decode rows launched on their own) has none before them.
+    if HAS_DECODE:
+        decode_programs = num_decodes * num_splits
+    else:
+        decode_programs = 0
     if DEVICE_COUNT:
         live_decodes = tl.load(count_ptr)
     else:
@@ -729,56 +744,29 @@ def paged_attention(
     else:
         part_out = part_lse = out  # never touched: SPLIT is off
     if q.dtype == torch.float32:
-        tiles = _TILES_FP32
+        decode_tiles = mixed = _TILES_FP32
     else:
-        tiles = _TILES_16BIT_DECODE if num_prefills == 0 else mixed_tiles(head_dim, smem_per_block(q.device))
-    # Decode rows hold one token each, so prefill rows hold tokens - num_decodes; each prefill
-    # sequence gets at most one tile more than it needs (see the module docstring). With a device count
-    # the tiles are counted for none of the rows being decode rows, the most they can need; the empty
-    # padding sequences after the chunks would start past them and get none.
+        decode_tiles = _TILES_16BIT_DECODE
+        mixed = mixed_tiles(head_dim, smem_per_block(q.device))
+    # Decode rows hold one token each, so prefill rows hold tokens - num_decodes; each prefill sequence
+    # gets at most one tile more than it needs (see the module docstring). With a device count the tiles
+    # are counted for none of the rows being decode rows, the most they can need; the empty padding
+    # sequences after the chunks would start past them and get none.
+    apart = num_decodes > 0 and num_prefills > 0 and tokens <= DECODE_APART_MAX_TOKENS
+    tiles = decode_tiles if num_prefills == 0 else mixed
     block_q = tiles.prefill_m // group
     prefill_tokens = tokens if device_count is not None else tokens - num_decodes
     prefill_programs = prefill_tokens // block_q + num_prefills if num_prefills > 0 else 0
-    grid = (num_decodes * num_splits + prefill_programs, num_kv_heads)
-    _paged_attention_kernel[grid](
-        q,
-        k_cache,
-        v_cache,
-        out,
-        part_out,
-        part_lse,
-        batch.query_start_loc,
-        batch.seq_lens,
-        batch.block_tables,
-        batch.query_start_loc if device_count is None else device_count,  # read only with DEVICE_COUNT
-        q.stride(0),
-        q.stride(1),
-        *k_cache.stride()[:3],
-        *v_cache.stride()[:3],
-        out.stride(0),
-        out.stride(1),
-        batch.block_tables.stride(0),
-        num_decodes,
-        num_splits,
-        num_seqs,
-        scale * _LOG2E,
-        NUM_HEADS=num_heads,
-        GROUP=group,
-        HEAD_DIM=head_dim,
-        PAGE_SIZE=k_cache.shape[1],
-        DECODE_M=16,
-        DECODE_N=tiles.decode_n,
-        PREFILL_M=tiles.prefill_m,
-        PREFILL_N=tiles.prefill_n,
-        HAS_DECODE=num_decodes > 0,
-        HAS_PREFILL=num_prefills > 0,
-        SPLIT=split,
-        DEVICE_COUNT=device_count is not None,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
-        **launch_options(q.device),
-    )
+    launch = functools.partial(
+        _launch_attention, q, k_cache, v_cache, out, part_out, part_lse, batch,
+        device_count, num_decodes, num_splits, num_seqs, scale, split,
+    )  # fmt: skip
+    if apart:
+        launch((num_decodes * num_splits, num_kv_heads), decode_tiles, has_decode=True, has_prefill=False)
+        launch((prefill_programs, num_kv_heads), tiles, has_decode=False, has_prefill=True)
+    else:
+        grid = (num_decodes * num_splits + prefill_programs, num_kv_heads)
+        launch(grid, tiles, has_decode=num_decodes > 0, has_prefill=num_prefills > 0)
     if split:
         _merge_splits_kernel[(num_decodes, num_heads)](
             out,
@@ -848,3 +836,67 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, num_kv_heads: int
     )
     _check(_is_pow2(k_cache.shape[1]), f"page_size {k_cache.shape[1]} must be a power of two")
     _check(k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "KV caches need a contiguous last dim")
+
+
+def _launch_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+    batch: ForwardBatch,
+    device_count: torch.Tensor | None,
+    num_decodes: int,
+    num_splits: int,
+    num_seqs: int,
+    scale: float,
+    split: bool,
+    grid: tuple[int, int],
+    tiles: _Tiles,
+    *,
+    has_decode: bool,
+    has_prefill: bool,
+) -> None:
+    """One launch of `_paged_attention_kernel` over `grid`: its decode programs, its prefill programs or
+    both (see `paged_attention`)."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    _paged_attention_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        part_out,
+        part_lse,
+        batch.query_start_loc,
+        batch.seq_lens,
+        batch.block_tables,
+        batch.query_start_loc if device_count is None else device_count,  # read only with DEVICE_COUNT
+        q.stride(0),
+        q.stride(1),
+        *k_cache.stride()[:3],
+        *v_cache.stride()[:3],
+        out.stride(0),
+        out.stride(1),
+        batch.block_tables.stride(0),
+        num_decodes,
+        num_splits,
+        num_seqs,
+        scale * _LOG2E,
+        NUM_HEADS=num_heads,
+        GROUP=num_heads // k_cache.shape[2],
+        HEAD_DIM=head_dim,
+        PAGE_SIZE=k_cache.shape[1],
+        DECODE_M=16,
+        DECODE_N=tiles.decode_n,
+        PREFILL_M=tiles.prefill_m,
+        PREFILL_N=tiles.prefill_n,
+        HAS_DECODE=has_decode,
+        HAS_PREFILL=has_prefill,
+        SPLIT=split,
+        DEVICE_COUNT=device_count is not None,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+        **launch_options(q.device),
+    )
