@@ -2,13 +2,13 @@
 attention (16 query heads, 4 kv heads, head dim 256, bf16, page size 16; `--kv-heads 2`: the 35B-A3B's).
 
 The kernel's 16-bit prefill tiles are fixed (`ops/triton/attention.py`: `_TILES_16BIT_MIXED`, 128 query rows
-x 64 keys, 8 warps, 2 stages, since this sweep's first run). For each candidate (query rows, keys per block, warps, stages) this times
-one chunk from position 0, one after context, and a saturated unified step's composition, against the
-current tiles, and checks each output against the current tiles' (a tile shape changes the order of the
-softmax's sums: within bf16 rounding). A candidate that does not compile (shared memory, registers) is
-reported as such. The decode rows of such a launch run on the same warps and stages, with their own
-keys per block (decode_n), so the saturated steps' compositions (tens to hundreds of decode rows beside
-two chunks) weigh the decode programs too.
+x 64 keys, 8 warps, 2 stages, since this sweep's first run). For each candidate (query rows, keys per block,
+warps, stages, decode rows' keys per block; in one launch with the decode rows, or with the decode rows
+launched apart on the decode tiles) this times chunks from position 0, one after context, and the
+compositions of serving steps (decode rows beside chunks), against the current choice, and checks each
+output against the current choice's (a tile shape changes the order of the softmax's sums: within bf16
+rounding). A candidate that does not compile (shared memory, registers) is reported as such. Each call is
+timed as a CUDA graph's replay (an eager call of a short launch times the host).
 
 python3 -m deltaserve.bench.attention_kernel [--quick]   (needs CUDA)
 """
@@ -26,7 +26,7 @@ from deltaserve.ops.triton import attention as tri
 DEV = torch.device("cuda")
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 16, 4, 256, 16
 # (query rows, keys per block, warps, stages, decode rows' keys per block); the first is the kernel's
-# current choice.
+# current choice. Each runs in one launch with the decode rows; those of APART also with them apart.
 CANDIDATES = [
     (128, 64, 8, 2, 32),
     (128, 32, 8, 2, 32),
@@ -51,7 +51,10 @@ SHAPES = [
     ("2048 from 0", [(0, 2048)]),
     ("56 decode + 2 x 996", [(1100, 1)] * 56 + [(0, 996), (0, 996)]),
     ("226 decode + 2 x 911", [(1100, 1)] * 226 + [(0, 911), (0, 911)]),
+    ("4 decode + 8192 from 0", [(4000, 1)] * 4 + [(0, 8192)]),
+    ("64 decode + 8128 after 2048", [(1200, 1)] * 64 + [(2048, 8128)]),
 ]
+APART = [(128, 64, 8, 2, 32), (128, 32, 8, 2, 32), (64, 32, 4, 2, 32), (64, 64, 4, 2, 32)]
 
 
 def make_case(
@@ -78,16 +81,21 @@ def flops(rows: list[tuple[int, int]]) -> int:
     return 4 * HEADS * HEAD_DIM * pairs
 
 
-def time_tiles(tiles: tri._Tiles, case: tuple) -> tuple[float, torch.Tensor]:
-    """(ms per call, output) with `tiles` as the kernel's prefill tiles."""
+def time_tiles(tiles: tri._Tiles, apart_max_tokens: int, case: tuple) -> tuple[float, torch.Tensor]:
+    """(ms per call, output) with `tiles` as the kernel's prefill tiles, the decode rows launched apart
+    up to `apart_max_tokens` tokens; timed as the replay of a CUDA graph of one call."""
     q, k_cache, v_cache, batch = case
-    saved = tri._TILES_16BIT_MIXED
-    tri._TILES_16BIT_MIXED = tiles
+    saved = tri._TILES_16BIT_MIXED, tri.DECODE_APART_MAX_TOKENS
+    tri._TILES_16BIT_MIXED, tri.DECODE_APART_MAX_TOKENS = tiles, apart_max_tokens
     try:
-        out = tri.paged_attention(q, k_cache, v_cache, batch, HEAD_DIM**-0.5)
-        ms = triton.testing.do_bench(lambda: tri.paged_attention(q, k_cache, v_cache, batch, HEAD_DIM**-0.5))
+        out = tri.paged_attention(q, k_cache, v_cache, batch, HEAD_DIM**-0.5)  # compiles outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            tri.paged_attention(q, k_cache, v_cache, batch, HEAD_DIM**-0.5, out=out)
+        ms = triton.testing.do_bench(graph.replay)
     finally:
-        tri._TILES_16BIT_MIXED = saved
+        tri._TILES_16BIT_MIXED, tri.DECODE_APART_MAX_TOKENS = saved
     return ms, out
 
 
@@ -96,19 +104,27 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="the first four candidates only")
     parser.add_argument("--kv-heads", type=int, default=KV_HEADS, help="kv heads (of 16 query heads)")
     args = parser.parse_args()
-    candidates = CANDIDATES[:4] if args.quick else CANDIDATES
+    candidates = [(c, False) for c in (CANDIDATES[:4] if args.quick else CANDIDATES)]
+    candidates += [(c, True) for c in APART]
     base = tri._TILES_16BIT_MIXED
-    print(f"current tiles: {base}; {HEADS} query heads, {args.kv_heads} kv heads, head dim {HEAD_DIM}")
-    current = (base.prefill_m, base.prefill_n, base.num_warps, base.num_stages, base.decode_n)
+    print(
+        f"current: {base}, decode rows apart up to {tri.DECODE_APART_MAX_TOKENS} tokens; {HEADS} query "
+        f"heads, {args.kv_heads} kv heads, head dim {HEAD_DIM}; ms per CUDA-graph replay"
+    )
     for name, rows in SHAPES:
         case = make_case(rows, args.kv_heads)
-        base_ms, base_out = time_tiles(base, case)
+        base_ms, base_out = time_tiles(base, tri.DECODE_APART_MAX_TOKENS, case)
         print(f"{name}: current {base_ms * 1e3:8.1f} us {flops(rows) / base_ms / 1e9:6.0f} TFLOP/s")
-        for m, n, warps, stages, decode_n in (c for c in candidates if c != current):
+        has_decode = rows[0][1] == 1
+        for (m, n, warps, stages, decode_n), apart in candidates:
+            if apart and not has_decode:
+                continue
             tiles = tri._Tiles(decode_n, m, n, warps, stages)
-            label = f"  M={m:<3} N={n:<3} warps={warps} stages={stages} decode N={decode_n:<3}"
+            label = (
+                f"  M={m:<3} N={n:<3} warps={warps} stages={stages} decode N={decode_n:<3} apart={apart:d}"
+            )
             try:
-                ms, out = time_tiles(tiles, case)
+                ms, out = time_tiles(tiles, 1 << 30 if apart else 0, case)
             except Exception as exc:  # noqa: BLE001 (a candidate that does not compile is a result)
                 print(f"{label}: n/a ({type(exc).__name__}: {str(exc).splitlines()[0][:80]})")
                 continue
