@@ -47,19 +47,19 @@ _DECODE_4B_FLOOR = (Figure("TPOT", 1.95, "ms", metric="tpot_ms.median", approx=T
 REFERENCES: dict[str, CellReference] = {
     "4b-shape:1-256-c1": CellReference(
         _DECODE_4B_FLOOR,
-        (Figure("TPOT", 2.96, "ms"),),
-        note="the 2026-12-04 record (decode-4b-c1-norm-shapes: elementwise program shapes by row count)",
+        (Figure("TPOT", 2.89, "ms"),),
+        note="the 2026-12-04 record (decode-4b-decode-apart; 2.96 ms in decode-4b-c1-norm-shapes)",
     ),
     "4b-shape:1-1-c1": CellReference(previous=(Figure("TTFT", 7.1, "ms"),)),
     "4b-shape:1024-256-c1": CellReference(_DECODE_4B_FLOOR),
     "4b-shape:1024-256-c16": CellReference(previous=(Figure("TPOT", 4.72, "ms"),)),
     "4b-shape:1024-256-c64": CellReference(
         previous=(
-            Figure("output", 6.1e3, "tok/s", text="6.1k tok/s"),
-            Figure("TPOT", 9.75, "ms"),
-            Figure("ITL p99", 37.5, "ms"),
+            Figure("output", 6.31e3, "tok/s", text="6.31k tok/s"),
+            Figure("TPOT", 9.35, "ms"),
+            Figure("ITL p99", 36.2, "ms"),
         ),
-        note="the 2026-12-02 record (decode-4b-ahead)",
+        note="the 2026-12-04 record (decode-4b-decode-apart; 6.1k on 2026-12-02, decode-4b-ahead)",
     ),
     "4b-shape:128-512-c256": CellReference(
         previous=(Figure("output", 14.7e3, "tok/s", text="14.7k tok/s"), Figure("ITL p99", 528, "ms"))
@@ -87,9 +87,10 @@ REFERENCES: dict[str, CellReference] = {
         note="published elsewhere: SGLang, 4B on one H200, 128 multi-turn clients, prefix hit rate 0.83"
     ),
     "9b-shape:1024-128-c512": CellReference(
-        previous=(Figure("total", 31.7e3, "tok/s", text="31.7k tok/s"), Figure("ITL p99", 72.4, "ms")),
-        note="the 2026-12-04 record (saturated-9b-conv-tiles; the GPU power-capped at ~1,665 MHz through the run); 30.8k on 2026-12-01 with --max-num-seqs 512 --max-num-batched-tokens 8192; vLLM 0.17.1 on an H100: 29.8k "
-        "default, 34.5k tuned",
+        previous=(Figure("total", 32.1e3, "tok/s", text="32.1k tok/s"), Figure("ITL p99", 69.1, "ms")),
+        note="the 2026-12-04 record (saturated-9b-decode-apart; the GPU power-capped at ~1,620 MHz through the "
+        "run; 31.7k in saturated-9b-conv-tiles); 30.8k on 2026-12-01 with --max-num-seqs 512 "
+        "--max-num-batched-tokens 8192; vLLM 0.17.1 on an H100: 29.8k default, 34.5k tuned",
     ),
     "35b-a3b-shape:1024-128-c512": CellReference(
         previous=(
