@@ -34,7 +34,6 @@ are never specialised on (`do_not_specialize`): a new batch size never triggers 
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import NamedTuple
 
@@ -757,16 +756,53 @@ def paged_attention(
     block_q = tiles.prefill_m // group
     prefill_tokens = tokens if device_count is not None else tokens - num_decodes
     prefill_programs = prefill_tokens // block_q + num_prefills if num_prefills > 0 else 0
-    launch = functools.partial(
-        _launch_attention, q, k_cache, v_cache, out, part_out, part_lse, batch,
-        device_count, num_decodes, num_splits, num_seqs, scale, split,
-    )  # fmt: skip
+
+    def launch(programs: int, program_tiles: _Tiles, has_decode: bool, has_prefill: bool) -> None:
+        _paged_attention_kernel[(programs, num_kv_heads)](
+            q,
+            k_cache,
+            v_cache,
+            out,
+            part_out,
+            part_lse,
+            batch.query_start_loc,
+            batch.seq_lens,
+            batch.block_tables,
+            batch.query_start_loc if device_count is None else device_count,  # read only with DEVICE_COUNT
+            q.stride(0),
+            q.stride(1),
+            *k_cache.stride()[:3],
+            *v_cache.stride()[:3],
+            out.stride(0),
+            out.stride(1),
+            batch.block_tables.stride(0),
+            num_decodes,
+            num_splits,
+            num_seqs,
+            scale * _LOG2E,
+            NUM_HEADS=num_heads,
+            GROUP=group,
+            HEAD_DIM=head_dim,
+            PAGE_SIZE=k_cache.shape[1],
+            DECODE_M=16,
+            DECODE_N=program_tiles.decode_n,
+            PREFILL_M=program_tiles.prefill_m,
+            PREFILL_N=program_tiles.prefill_n,
+            HAS_DECODE=has_decode,
+            HAS_PREFILL=has_prefill,
+            SPLIT=split,
+            DEVICE_COUNT=device_count is not None,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            num_warps=program_tiles.num_warps,
+            num_stages=program_tiles.num_stages,
+            **launch_options(q.device),
+        )
+
     if apart:
-        launch((num_decodes * num_splits, num_kv_heads), decode_tiles, has_decode=True, has_prefill=False)
-        launch((prefill_programs, num_kv_heads), tiles, has_decode=False, has_prefill=True)
+        launch(num_decodes * num_splits, decode_tiles, has_decode=True, has_prefill=False)
+        launch(prefill_programs, tiles, has_decode=False, has_prefill=True)
     else:
-        grid = (num_decodes * num_splits + prefill_programs, num_kv_heads)
-        launch(grid, tiles, has_decode=num_decodes > 0, has_prefill=num_prefills > 0)
+        launch(num_decodes * num_splits + prefill_programs, tiles, num_decodes > 0, num_prefills > 0)
     if split:
         _merge_splits_kernel[(num_decodes, num_heads)](
             out,
@@ -836,67 +872,3 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, num_kv_heads: int
     )
     _check(_is_pow2(k_cache.shape[1]), f"page_size {k_cache.shape[1]} must be a power of two")
     _check(k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "KV caches need a contiguous last dim")
-
-
-def _launch_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    out: torch.Tensor,
-    part_out: torch.Tensor,
-    part_lse: torch.Tensor,
-    batch: ForwardBatch,
-    device_count: torch.Tensor | None,
-    num_decodes: int,
-    num_splits: int,
-    num_seqs: int,
-    scale: float,
-    split: bool,
-    grid: tuple[int, int],
-    tiles: _Tiles,
-    *,
-    has_decode: bool,
-    has_prefill: bool,
-) -> None:
-    """One launch of `_paged_attention_kernel` over `grid`: its decode programs, its prefill programs or
-    both (see `paged_attention`)."""
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    _paged_attention_kernel[grid](
-        q,
-        k_cache,
-        v_cache,
-        out,
-        part_out,
-        part_lse,
-        batch.query_start_loc,
-        batch.seq_lens,
-        batch.block_tables,
-        batch.query_start_loc if device_count is None else device_count,  # read only with DEVICE_COUNT
-        q.stride(0),
-        q.stride(1),
-        *k_cache.stride()[:3],
-        *v_cache.stride()[:3],
-        out.stride(0),
-        out.stride(1),
-        batch.block_tables.stride(0),
-        num_decodes,
-        num_splits,
-        num_seqs,
-        scale * _LOG2E,
-        NUM_HEADS=num_heads,
-        GROUP=num_heads // k_cache.shape[2],
-        HEAD_DIM=head_dim,
-        PAGE_SIZE=k_cache.shape[1],
-        DECODE_M=16,
-        DECODE_N=tiles.decode_n,
-        PREFILL_M=tiles.prefill_m,
-        PREFILL_N=tiles.prefill_n,
-        HAS_DECODE=has_decode,
-        HAS_PREFILL=has_prefill,
-        SPLIT=split,
-        DEVICE_COUNT=device_count is not None,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
-        **launch_options(q.device),
-    )
