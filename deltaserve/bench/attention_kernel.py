@@ -8,9 +8,10 @@ launched apart on the decode tiles) this times chunks from position 0, one after
 compositions of serving steps (decode rows beside chunks), against the current choice, and checks each
 output against the current choice's (a tile shape changes the order of the softmax's sums: within bf16
 rounding). A candidate that does not compile (shared memory, registers) is reported as such. Each call is
-timed as a CUDA graph's replay (an eager call of a short launch times the host).
+timed as a CUDA graph's replay (an eager call of a short launch times the host). `--decode` sweeps the
+decode tiles instead (keys per block, warps, stages) and reports the decode rows' KV bytes per second.
 
-python3 -m deltaserve.bench.attention_kernel [--quick]   (needs CUDA)
+python3 -m deltaserve.bench.attention_kernel [--quick] [--kv-heads N] [--decode]   (needs CUDA)
 """
 
 from __future__ import annotations
@@ -55,6 +56,24 @@ SHAPES = [
     ("64 decode + 8128 after 2048", [(1200, 1)] * 64 + [(2048, 8128)]),
 ]
 APART = [(128, 64, 8, 2, 32), (128, 32, 8, 2, 32), (64, 32, 4, 2, 32), (64, 64, 4, 2, 32)]
+# --decode: (keys per block, warps, stages) of the decode tiles, at pure-decode steps (one long row: split
+# into many ranges; many rows: one range each) and at a step whose decode rows are launched apart.
+DECODE_CANDIDATES = [
+    (32, 4, 3),
+    (32, 4, 4),
+    (32, 8, 4),
+    (16, 4, 6),
+    (64, 4, 2),
+    (64, 4, 3),
+    (64, 4, 4),
+    (64, 8, 3),
+]
+DECODE_SHAPES = [
+    ("1 decode row at 8192", [(8191, 1)]),
+    ("64 decode rows at 1100", [(1100, 1)] * 64),
+    ("256 decode rows at 1100", [(1100, 1)] * 256),
+    ("226 decode + 2 x 911 (apart)", [(1100, 1)] * 226 + [(0, 911), (0, 911)]),
+]
 
 
 def make_case(
@@ -81,12 +100,13 @@ def flops(rows: list[tuple[int, int]]) -> int:
     return 4 * HEADS * HEAD_DIM * pairs
 
 
-def time_tiles(tiles: tri._Tiles, apart_max_tokens: int, case: tuple) -> tuple[float, torch.Tensor]:
-    """(ms per call, output) with `tiles` as the kernel's prefill tiles, the decode rows launched apart
-    up to `apart_max_tokens` tokens; timed as the replay of a CUDA graph of one call."""
+def time_with(case: tuple, **settings: object) -> tuple[float, torch.Tensor]:
+    """(ms per call, output) with the kernel module's `settings` (tiles, the apart threshold) in place;
+    timed as the replay of a CUDA graph of one call."""
     q, k_cache, v_cache, batch = case
-    saved = tri._TILES_16BIT_MIXED, tri.DECODE_APART_MAX_TOKENS
-    tri._TILES_16BIT_MIXED, tri.DECODE_APART_MAX_TOKENS = tiles, apart_max_tokens
+    saved = {name: getattr(tri, name) for name in settings}
+    for name, value in settings.items():
+        setattr(tri, name, value)
     try:
         out = tri.paged_attention(q, k_cache, v_cache, batch, HEAD_DIM**-0.5)  # compiles outside the capture
         torch.cuda.synchronize()
@@ -95,15 +115,50 @@ def time_tiles(tiles: tri._Tiles, apart_max_tokens: int, case: tuple) -> tuple[f
             tri.paged_attention(q, k_cache, v_cache, batch, HEAD_DIM**-0.5, out=out)
         ms = triton.testing.do_bench(graph.replay)
     finally:
-        tri._TILES_16BIT_MIXED, tri.DECODE_APART_MAX_TOKENS = saved
+        for name, value in saved.items():
+            setattr(tri, name, value)
     return ms, out
+
+
+def kv_bytes(rows: list[tuple[int, int]], kv_heads: int) -> int:
+    """K and V bytes the decode rows read (bf16): every visible key of every kv head, once."""
+    return sum(context + n for context, n in rows if n == 1) * kv_heads * HEAD_DIM * 2 * 2
+
+
+def decode_sweep(kv_heads: int) -> None:
+    """The decode tiles (keys per block, warps, stages): pure-decode steps and the decode launch of a step
+    with prefill rows (decode rows apart)."""
+    base = tri._TILES_16BIT_DECODE
+    print(f"current decode tiles: {base}; {HEADS} query heads, {kv_heads} kv heads; ms per CUDA-graph replay")
+    for name, rows in DECODE_SHAPES:
+        case = make_case(rows, kv_heads)
+        base_ms, base_out = time_with(case)
+        gbytes = kv_bytes(rows, kv_heads) / 1e9
+        print(f"{name}: current {base_ms * 1e3:8.1f} us {gbytes / base_ms:5.2f} TB/s of decode KV")
+        for decode_n, warps, stages in DECODE_CANDIDATES:
+            tiles = base._replace(decode_n=decode_n, num_warps=warps, num_stages=stages)
+            label = f"  decode N={decode_n:<3} warps={warps} stages={stages}"
+            try:
+                ms, out = time_with(case, _TILES_16BIT_DECODE=tiles)
+            except Exception as exc:  # noqa: BLE001 (a candidate that does not compile is a result)
+                print(f"{label}: n/a ({type(exc).__name__}: {str(exc).splitlines()[0][:80]})")
+                continue
+            diff = float((out.float() - base_out.float()).abs().max())
+            print(
+                f"{label}: {ms * 1e3:8.1f} us {gbytes / ms:5.2f} TB/s {base_ms / ms:5.2f}x  max |diff| {diff:.3g}"
+            )
+        del case
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the first four candidates only")
     parser.add_argument("--kv-heads", type=int, default=KV_HEADS, help="kv heads (of 16 query heads)")
+    parser.add_argument("--decode", action="store_true", help="sweep the decode tiles instead")
     args = parser.parse_args()
+    if args.decode:
+        decode_sweep(args.kv_heads)
+        return
     candidates = [(c, False) for c in (CANDIDATES[:4] if args.quick else CANDIDATES)]
     candidates += [(c, True) for c in APART]
     base = tri._TILES_16BIT_MIXED
@@ -113,7 +168,7 @@ def main() -> None:
     )
     for name, rows in SHAPES:
         case = make_case(rows, args.kv_heads)
-        base_ms, base_out = time_tiles(base, tri.DECODE_APART_MAX_TOKENS, case)
+        base_ms, base_out = time_with(case)
         print(f"{name}: current {base_ms * 1e3:8.1f} us {flops(rows) / base_ms / 1e9:6.0f} TFLOP/s")
         has_decode = rows[0][1] == 1
         for (m, n, warps, stages, decode_n), apart in candidates:
@@ -124,7 +179,9 @@ def main() -> None:
                 f"  M={m:<3} N={n:<3} warps={warps} stages={stages} decode N={decode_n:<3} apart={apart:d}"
             )
             try:
-                ms, out = time_tiles(tiles, 1 << 30 if apart else 0, case)
+                ms, out = time_with(
+                    case, _TILES_16BIT_MIXED=tiles, DECODE_APART_MAX_TOKENS=1 << 30 if apart else 0
+                )
             except Exception as exc:  # noqa: BLE001 (a candidate that does not compile is a result)
                 print(f"{label}: n/a ({type(exc).__name__}: {str(exc).splitlines()[0][:80]})")
                 continue
