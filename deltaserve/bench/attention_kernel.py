@@ -17,6 +17,7 @@ python3 -m deltaserve.bench.attention_kernel [--quick] [--kv-heads N] [--decode]
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 import torch
 import triton.testing
@@ -120,6 +121,25 @@ def time_with(case: tuple, **settings: object) -> tuple[float, torch.Tensor]:
     return ms, out
 
 
+def report_candidate(
+    label: str,
+    case: tuple,
+    current: tuple[float, torch.Tensor],
+    rate: Callable[[float], str],
+    **settings: object,
+) -> None:
+    """Times one candidate (`settings`, as for `time_with`) and prints it beside the current choice's
+    (ms, output): `rate(ms)` is the figure shown with the time, then the speed-up and max |diff|."""
+    current_ms, current_out = current
+    try:
+        ms, out = time_with(case, **settings)
+    except Exception as exc:  # noqa: BLE001 (a candidate that does not compile is a result)
+        print(f"{label}: n/a ({type(exc).__name__}: {str(exc).splitlines()[0][:80]})")
+        return
+    diff = float((out.float() - current_out.float()).abs().max())
+    print(f"{label}: {ms * 1e3:8.1f} us {rate(ms)} {current_ms / ms:5.2f}x  max |diff| {diff:.3g}")
+
+
 def kv_bytes(rows: list[tuple[int, int]], kv_heads: int) -> int:
     """K and V bytes the decode rows read (bf16): every visible key of every kv head, once."""
     return sum(context + n for context, n in rows if n == 1) * kv_heads * HEAD_DIM * 2 * 2
@@ -132,20 +152,14 @@ def decode_sweep(kv_heads: int) -> None:
     print(f"current decode tiles: {base}; {HEADS} query heads, {kv_heads} kv heads; ms per CUDA-graph replay")
     for name, rows in DECODE_SHAPES:
         case = make_case(rows, kv_heads)
-        base_ms, base_out = time_with(case)
+        current = time_with(case)
         gbytes = kv_bytes(rows, kv_heads) / 1e9
-        print(f"{name}: current {base_ms * 1e3:8.1f} us {gbytes / base_ms:5.2f} TB/s of decode KV")
+        print(f"{name}: current {current[0] * 1e3:8.1f} us {gbytes / current[0]:5.2f} TB/s of decode KV")
         for decode_n, warps, stages in DECODE_CANDIDATES:
             tiles = base._replace(decode_n=decode_n, num_warps=warps, num_stages=stages)
             label = f"  decode N={decode_n:<3} warps={warps} stages={stages}"
-            try:
-                ms, out = time_with(case, _TILES_16BIT_DECODE=tiles)
-            except Exception as exc:  # noqa: BLE001 (a candidate that does not compile is a result)
-                print(f"{label}: n/a ({type(exc).__name__}: {str(exc).splitlines()[0][:80]})")
-                continue
-            diff = float((out.float() - base_out.float()).abs().max())
-            print(
-                f"{label}: {ms * 1e3:8.1f} us {gbytes / ms:5.2f} TB/s {base_ms / ms:5.2f}x  max |diff| {diff:.3g}"
+            report_candidate(
+                label, case, current, lambda ms, g=gbytes: f"{g / ms:5.2f} TB/s", _TILES_16BIT_DECODE=tiles
             )
         del case
 
@@ -168,27 +182,23 @@ def main() -> None:
     )
     for name, rows in SHAPES:
         case = make_case(rows, args.kv_heads)
-        base_ms, base_out = time_with(case)
-        print(f"{name}: current {base_ms * 1e3:8.1f} us {flops(rows) / base_ms / 1e9:6.0f} TFLOP/s")
+        current = time_with(case)
+        work = flops(rows)
+        print(f"{name}: current {current[0] * 1e3:8.1f} us {work / current[0] / 1e9:6.0f} TFLOP/s")
         has_decode = rows[0][1] == 1
         for (m, n, warps, stages, decode_n), apart in candidates:
             if apart and not has_decode:
                 continue
-            tiles = tri._Tiles(decode_n, m, n, warps, stages)
             label = (
                 f"  M={m:<3} N={n:<3} warps={warps} stages={stages} decode N={decode_n:<3} apart={apart:d}"
             )
-            try:
-                ms, out = time_with(
-                    case, _TILES_16BIT_MIXED=tiles, DECODE_APART_MAX_TOKENS=1 << 30 if apart else 0
-                )
-            except Exception as exc:  # noqa: BLE001 (a candidate that does not compile is a result)
-                print(f"{label}: n/a ({type(exc).__name__}: {str(exc).splitlines()[0][:80]})")
-                continue
-            diff = float((out.float() - base_out.float()).abs().max())
-            print(
-                f"{label}: {ms * 1e3:8.1f} us {flops(rows) / ms / 1e9:6.0f} TFLOP/s "
-                f"{base_ms / ms:5.2f}x  max |diff| {diff:.3g}"
+            report_candidate(
+                label,
+                case,
+                current,
+                lambda ms, w=work: f"{w / ms / 1e9:6.0f} TFLOP/s",
+                _TILES_16BIT_MIXED=tri._Tiles(decode_n, m, n, warps, stages),
+                DECODE_APART_MAX_TOKENS=1 << 30 if apart else 0,
             )
         del case
 
