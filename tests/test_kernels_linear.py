@@ -90,20 +90,6 @@ def test_gemv_gives_a_row_the_same_bits_at_any_place_among_its_rows():
     assert torch.equal(triton_linear.gemv(x[[2, 0, 3, 1]], w), full[[2, 0, 3, 1]])
 
 
-@pytest.mark.parametrize(("n", "k", "m"), [(37, 200, 1), (45, 96, 4), (9, 40, 1)])
-def test_gemv_loading_its_first_weight_tile_before_the_wait_keeps_the_bits(monkeypatch, n, k, m):
-    """The weight-first order (the first tile loaded before the PDL wait) sums the tiles as the
-    wait-first order does; K = 40 is less than one tile, K = 200 several."""
-    gen = torch.Generator().manual_seed(n + k)
-    x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(DEVICE)
-    w = torch.randn(n, k, generator=gen).to(torch.bfloat16).to(DEVICE)
-    monkeypatch.setattr(triton_linear, "WEIGHT_FIRST", True)
-    first = triton_linear.gemv(x, w)
-    monkeypatch.setattr(triton_linear, "WEIGHT_FIRST", False)
-    assert torch.equal(triton_linear.gemv(x, w), first)
-    torch.testing.assert_close(first.double(), F.linear(x.double(), w.double()), rtol=2**-8, atol=1e-2)
-
-
 def test_skinny_gemm_gives_a_row_the_same_bits_whatever_the_other_rows():
     """What a replayed speculative recording and batch-invariant decode need."""
     gen = torch.Generator().manual_seed(7)

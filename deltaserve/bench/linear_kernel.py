@@ -9,8 +9,6 @@ python3 -m deltaserve.bench.linear_kernel   (needs CUDA; docs/benchmarks/2026-12
 
 With --fused: the three GEMV fusions of one decode row (DELTASERVE_FUSED_GEMV) against the kernels they
 replace, inside CUDA graphs as a decode step runs them (the per-kernel gaps included), per layer call.
-With --weight-first: the GEMV loading its first weight tile before the PDL wait against waiting first
-(DELTASERVE_GEMV_WEIGHT_FIRST), inside CUDA graphs, alone and behind an RMSNorm of its row.
 """
 
 from __future__ import annotations
@@ -21,7 +19,6 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
-from deltaserve.ops.triton import linear
 from deltaserve.ops.triton.activation import silu_and_mul
 from deltaserve.ops.triton.linear import (
     GEMV_MAX_ROWS,
@@ -31,7 +28,7 @@ from deltaserve.ops.triton.linear import (
     gemv_swiglu,
     skinny_gemm,
 )
-from deltaserve.ops.triton.norm import gated_rms_norm, rms_norm
+from deltaserve.ops.triton.norm import gated_rms_norm
 
 DEV = torch.device("cuda")
 DTYPE = torch.bfloat16
@@ -119,52 +116,15 @@ def fused_main() -> None:
         print(f"{name:<22}{t_unfused:>12.4f}{t_fused:>10.4f}{(t_unfused - t_fused) * 1e3:>10.1f}  {same}")
 
 
-def weight_first_main() -> None:
-    """Per 4B decode linear: one GEMV call in a graph of GEMVs, and one RMSNorm + GEMV pair, with the
-    first weight tile loaded before the wait and after it (same bits required)."""
-    torch.manual_seed(0)
-    print(
-        f"{'linear':<14}{'sequence':<16}{'wait-first us':>15}{'weight-first us':>17}{'saved us':>10}  same bits"
-    )
-    for name, n, k in SHAPES:
-        copies = 2 if n * k * 2 > 256 * 2**20 else COPIES
-        weights = [torch.randn(n, k, device=DEV, dtype=DTYPE) * 0.02 for _ in range(copies)]
-        x = torch.randn(1, k, device=DEV, dtype=DTYPE)
-        norm_w = torch.randn(k, device=DEV, dtype=DTYPE) * 0.2 + 1
-        sequences = [
-            ("gemv", lambda w, x=x: gemv(x, w)),
-            ("rms_norm, gemv", lambda w, x=x, nw=norm_w: gemv(rms_norm(x, nw, 1e-6), w)),
-        ]
-        for label, fn in sequences:
-            results, times = {}, {}
-            for first in (False, True):
-                linear.WEIGHT_FIRST = first
-                results[first] = fn(weights[0])
-                times[first] = graph_ms(fn, weights)
-            same = torch.equal(results[False], results[True])
-            saved = (times[False] - times[True]) * 1e3
-            print(
-                f"{name:<14}{label:<16}{times[False] * 1e3:>15.1f}{times[True] * 1e3:>17.1f}{saved:>10.1f}  {same}"
-            )
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default=",".join(str(m) for m in range(1, GEMV_MAX_ROWS + 1)))
     parser.add_argument(
         "--fused", action="store_true", help="the GEMV fusions against the kernels they replace"
     )
-    parser.add_argument(
-        "--weight-first",
-        action="store_true",
-        help="the GEMV's first weight tile loaded before the PDL wait against after it",
-    )
     args = parser.parse_args()
     if args.fused:
         fused_main()
-        return
-    if args.weight_first:
-        weight_first_main()
         return
     rows_list = [int(m) for m in args.rows.split(",")]
     torch.manual_seed(0)

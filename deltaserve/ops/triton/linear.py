@@ -25,8 +25,6 @@ tunes (engine warm-up makes those calls before serving, and before CUDA-graph ca
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -42,9 +40,6 @@ GATED_NORM_MAX_HEAD_DIM = min(k for _, k, _ in _CONFIGS)  # every tuned K block 
 
 
 GEMV_MAX_ROWS = 4  # rows streamed together (a K = 3 verify row has 4 tokens)
-# The GEMV loads its first weight tile before waiting on the previous kernel (see _gemv_kernel);
-# DELTASERVE_GEMV_WEIGHT_FIRST=0 waits first, for an A/B in one run.
-WEIGHT_FIRST = os.environ.get("DELTASERVE_GEMV_WEIGHT_FIRST", "1") != "0"
 
 
 # What the GEMV reads as x (its MODE): a plain row, a SwiGLU MLP's [gate | up] row, an attention output
@@ -106,53 +101,6 @@ def _store_row(out_row_ptr, acc, rows, row_ok):
 
 
 @triton.jit
-def _load_w(w_rows, rows, row_ok, k0, K, BLOCK_K: tl.constexpr):
-    cols = k0 + tl.arange(0, BLOCK_K)
-    col_ok = cols < K
-    w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
-    return w.to(tl.float32), cols, col_ok
-
-
-@triton.jit
-def _accumulate(
-    accs,
-    w,
-    cols,
-    col_ok,
-    x_ptr,
-    g_ptr,
-    nw_ptr,
-    eps,
-    K,
-    stride_xm,
-    stride_gm,
-    stride_gh,
-    ROWS: tl.constexpr,
-    MODE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """accs[r] + w * x_r[cols] for each of the ROWS rows."""
-    summed = ()
-    for r in tl.static_range(ROWS):
-        x = _load_x(
-            x_ptr + r * stride_xm,
-            g_ptr + r * stride_gm,
-            nw_ptr,
-            eps,
-            cols,
-            col_ok,
-            K,
-            stride_gh,
-            MODE,
-            HEAD_DIM,
-            BLOCK_K,
-        )
-        summed = summed + (accs[r] + w * x[None, :],)
-    return summed
-
-
-@triton.jit
 def _gemv_kernel(
     x_ptr,
     w_ptr,
@@ -172,64 +120,38 @@ def _gemv_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    WEIGHT_FIRST: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
     # Each weight tile is loaded once for all ROWS rows (1..4), each row with its own accumulator in the
     # same order, so a row's bits depend only on that row and W (and the block shape).
-    # WEIGHT_FIRST: the first weight tile is loaded before the wait on the previous kernel (the one
-    # exception to pdl.py's invariant: no kernel of a step writes a weight), so with PDL the weight
-    # stream starts under the previous kernel's tail. The tiles are summed in the same order either way.
+    gdc_enter(USE_GDC)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
-    if WEIGHT_FIRST:
-        w, cols, col_ok = _load_w(w_rows, rows, row_ok, 0, K, BLOCK_K)
-        gdc_enter(USE_GDC)
-    else:
-        gdc_enter(USE_GDC)
-        w, cols, col_ok = _load_w(w_rows, rows, row_ok, 0, K, BLOCK_K)
     accs = ()
     for _ in tl.static_range(ROWS):
         accs = accs + (tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32),)
-    accs = _accumulate(
-        accs,
-        w,
-        cols,
-        col_ok,
-        x_ptr,
-        g_ptr,
-        nw_ptr,
-        eps,
-        K,
-        stride_xm,
-        stride_gm,
-        stride_gh,
-        ROWS,
-        MODE,
-        HEAD_DIM,
-        BLOCK_K,
-    )
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        w, cols, col_ok = _load_w(w_rows, rows, row_ok, k0, K, BLOCK_K)
-        accs = _accumulate(
-            accs,
-            w,
-            cols,
-            col_ok,
-            x_ptr,
-            g_ptr,
-            nw_ptr,
-            eps,
-            K,
-            stride_xm,
-            stride_gm,
-            stride_gh,
-            ROWS,
-            MODE,
-            HEAD_DIM,
-            BLOCK_K,
-        )
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        col_ok = cols < K
+        w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+        summed = ()
+        for r in tl.static_range(ROWS):
+            x = _load_x(
+                x_ptr + r * stride_xm,
+                g_ptr + r * stride_gm,
+                nw_ptr,
+                eps,
+                cols,
+                col_ok,
+                K,
+                stride_gh,
+                MODE,
+                HEAD_DIM,
+                BLOCK_K,
+            )
+            summed = summed + (accs[r] + w * x[None, :],)
+        accs = summed
     for r in tl.static_range(ROWS):
         _store_row(out_ptr + r * stride_om, accs[r], rows, row_ok)
 
@@ -479,12 +401,9 @@ def _launch_gemv(
             HEAD_DIM=head_dim,
             BLOCK_N=block_n,
             BLOCK_K=block_k,
-            WEIGHT_FIRST=WEIGHT_FIRST,
             **launch_options(x.device),
         )
     else:
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-        _gemv_tuned[grid](
-            *args, ROWS=m, MODE=mode, HEAD_DIM=head_dim, WEIGHT_FIRST=WEIGHT_FIRST, **launch_options(x.device)
-        )
+        _gemv_tuned[grid](*args, ROWS=m, MODE=mode, HEAD_DIM=head_dim, **launch_options(x.device))
     return out
