@@ -23,7 +23,7 @@ from deltaserve.bench.matrix import (
 )
 from deltaserve.bench.matrix_env import engine_variables, gpu_slug
 from deltaserve.bench.matrix_plan import GROUPS, Stream, select_cells
-from deltaserve.bench.matrix_report import StreamSummary, render_markdown, summary_json
+from deltaserve.bench.matrix_report import StreamSummary, render_markdown, summary_json, tensor_parallel_size
 from deltaserve.bench.matrix_server import ServerProcess
 from deltaserve.bench.records import REFERENCES
 from deltaserve.cli import main
@@ -299,6 +299,19 @@ def test_a_records_deltaserve_variables_are_stated_and_prefix_its_commands(tmp_p
         in md
     )
     assert any(line.startswith("DELTASERVE_FUSED_GEMV=1 python3 -m deltaserve.cli serve ") for line in md)
+
+
+def test_the_header_says_how_many_of_the_visible_gpus_the_server_uses(tmp_path):
+    assert tensor_parallel_size(["--load-format", "dummy"]) == 1
+    assert tensor_parallel_size(["--tensor-parallel-size", "2", "--max-num-seqs", "8"]) == 2
+    assert tensor_parallel_size(["--tensor-parallel-size=4"]) == 4
+    assert tensor_parallel_size(["-tp", "2"]) == 2
+    _, record = _record(tmp_path, "decode-27b", "1024-256-c1")
+    record["environment"] = ENV | {"gpu_count": 2}
+    record["server"]["flags"] = [*record["server"]["flags"], "--tensor-parallel-size", "2"]
+    assert "2 visible (the server uses 2)" in render_markdown(json.loads(json.dumps(record)))
+    record["server"]["flags"] = record["server"]["flags"][:-2]
+    assert "2 visible (the server uses one)" in render_markdown(json.loads(json.dumps(record)))
 
 
 def _one_cell(plan: Plan, group: str, cell: str, bench_json: dict[str, Any]) -> dict[str, Any]:

@@ -117,13 +117,25 @@ def render_markdown(record: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def tensor_parallel_size(flags: list[str]) -> int:
+    """The GPUs a server started with these flags uses: its --tensor-parallel-size (or -tp), else 1."""
+    size = 1
+    for i, flag in enumerate(flags):
+        name, eq, value = flag.partition("=")
+        if name in ("--tensor-parallel-size", "-tp"):
+            text = value if eq else (flags[i + 1] if i + 1 < len(flags) else "")
+            size = int(text) if text.isdigit() else size
+    return size
+
+
 def _header_table(record: dict[str, Any]) -> list[str]:
     env, server = record["environment"], record["server"]
     gpu = env.get("gpu") or "none (CPU)"
     if env.get("gpu_memory_mib"):
         gpu += f" ({env['gpu_memory_mib']} MiB)"
     if env.get("gpu_count") and env["gpu_count"] > 1:
-        gpu += f", {env['gpu_count']} visible (the server uses one)"
+        used = tensor_parallel_size(server["flags"])
+        gpu += f", {env['gpu_count']} visible (the server uses {'one' if used == 1 else used})"
     if env.get("driver"):
         gpu += f", driver {env['driver']}"
     software = ", ".join(
