@@ -226,8 +226,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from deltaserve.engine.process import spawn_engine
     from deltaserve.server.args import ServerConfig
     from deltaserve.server.listen import bind_socket
+    from deltaserve.stack_dumps import dump_stacks_on_sigusr1
     from deltaserve.vllm_flags import check_vllm_arguments, checkpoint_quantization
 
+    dump_stacks_on_sigusr1()
     model = _model_arg(args)
     check_vllm_arguments(args, checkpoint_quantization(model) if args.quantization is not None else None)
     engine_config = engine_config_from_args(args)  # validated

@@ -40,6 +40,7 @@ from deltaserve.errors import ConfigError
 from deltaserve.heap import freeze_startup_heap
 from deltaserve.process_clock import since_start_note
 from deltaserve.process_name import set_process_name
+from deltaserve.stack_dumps import dump_stacks_on_sigusr1
 
 if TYPE_CHECKING:
     from deltaserve.engine.core import EngineCore
@@ -111,6 +112,7 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str, 
         format="%(asctime)s engine %(levelname)s %(message)s",
     )
     set_process_name(ENGINE_PROCESS_NAME)
+    dump_stacks_on_sigusr1()
     parent = os.getppid()
     try:
         from deltaserve.engine.core import EngineCore

@@ -55,6 +55,7 @@ from deltaserve.model.layers.parallel import TensorParallel
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
 from deltaserve.ops.batch import BatchRow
 from deltaserve.process_name import set_process_name
+from deltaserve.stack_dumps import dump_stacks_on_sigusr1
 
 logger = logging.getLogger(__name__)
 
@@ -438,6 +439,7 @@ def run_rank(spec: RankSpec, channel: Connection) -> None:
         format=f"%(asctime)s rank{spec.rank} %(levelname)s %(message)s",
     )
     set_process_name(f"dserve-rank{spec.rank}")
+    dump_stacks_on_sigusr1()
     channel.send(RankStarted(spec.rank))
     try:
         device_type = spec.config.resolved_device().type
