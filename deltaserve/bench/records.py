@@ -47,8 +47,8 @@ _DECODE_4B_FLOOR = (Figure("TPOT", 1.95, "ms", metric="tpot_ms.median", approx=T
 REFERENCES: dict[str, CellReference] = {
     "4b-shape:1-256-c1": CellReference(
         _DECODE_4B_FLOOR,
-        (Figure("TPOT", 2.89, "ms"),),
-        note="the 2026-12-04 record (decode-4b-decode-apart; 2.96 ms in decode-4b-c1-norm-shapes)",
+        (Figure("TPOT", 2.78, "ms"),),
+        note="the 2026-12-04 record (decode-4b-c1-wait-first; 2.89 ms in decode-4b-decode-apart)",
     ),
     "4b-shape:1-1-c1": CellReference(previous=(Figure("TTFT", 7.1, "ms"),)),
     "4b-shape:1024-256-c1": CellReference(_DECODE_4B_FLOOR),
