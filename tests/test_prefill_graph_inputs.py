@@ -1,5 +1,6 @@
-"""The prefill graphs' input layout (engine/prefill_graphs.py): buckets and padding by hand, and the
-padded batch through the torch reference model against the same rows unpadded."""
+"""The prefill graphs' input layout (engine/prefill_graphs.py): buckets and padding by hand, the padded
+batch through the torch reference model against the same rows unpadded, and the ranks' agreement on a
+capture."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from deltaserve.cache.kv_pages import DUMMY_PAGE
 from deltaserve.cache.state_slots import DUMMY_SLOT
 from deltaserve.config import ModelConfig
 from deltaserve.engine.prefill_graphs import (
+    PrefillGraphRunner,
     PrefillLayout,
     ahead_of_need,
     bucket_for,
@@ -211,3 +213,37 @@ def test_padded_batch_through_the_reference_model_equals_the_rows_unpadded():
     assert torch.equal(k_p[:, others], k0[:, others]) and torch.equal(v_p[:, others], v0[:, others])
     idle = [s for s in range(8) if s not in live_slots and s != DUMMY_SLOT]
     assert torch.equal(conv_p[:, idle], conv0[:, idle]) and torch.equal(ssm_p[:, idle], ssm0[:, idle])
+
+
+def _runner_capturing(captured_here: bool, everywhere: bool) -> tuple[PrefillGraphRunner, list[bool]]:
+    """A runner (no CUDA state) whose capture here succeeds or fails, among ranks that agree or not."""
+    runner = PrefillGraphRunner.__new__(PrefillGraphRunner)
+    runner.graphs, runner.failed, told = {}, set(), []
+
+    def capture_here(key):
+        if not captured_here:
+            runner.failed.add(key)
+            return None
+        runner.graphs[key] = "graph"
+        return "graph"
+
+    def agree(ok: bool) -> bool:
+        told.append(ok)
+        return ok and everywhere
+
+    runner._capture_here = capture_here
+    runner.agree = agree
+    return runner, told
+
+
+@pytest.mark.parametrize(
+    ("here", "everywhere", "kept"), [(True, True, True), (True, False, False), (False, False, False)]
+)
+def test_a_bucket_replays_only_if_every_rank_captured_it(here, everywhere, kept):
+    """Tensor parallelism: every rank must replay the same steps (their all-reduces must match), so a
+    bucket that failed on another rank is dropped here too; every rank takes part in the agreement."""
+    runner, told = _runner_capturing(here, everywhere)
+    got = runner._capture((64, 1))
+    assert told == [here]
+    assert (got == "graph") is kept and ((64, 1) in runner.graphs) is kept
+    assert ((64, 1) in runner.failed) is not kept

@@ -21,6 +21,7 @@ from deltaserve.engine.llm import LLM
 from deltaserve.engine.tp import (
     Cancel,
     CaptureGraphs,
+    CapturePrefillGraphs,
     Execute,
     GraphsCaptured,
     RankGroup,
@@ -30,6 +31,7 @@ from deltaserve.engine.tp import (
     RankWorkers,
     Stop,
     TensorParallelError,
+    TensorParallelWorker,
     _serve_steps,
 )
 from deltaserve.engine_config import EngineConfig
@@ -271,11 +273,15 @@ class ScriptedRank:
 
 class RecordingWorker:
     def __init__(self) -> None:
-        self.graphs, self.runs, self.device = None, [], torch.device("cpu")
+        self.graphs, self.prefill_graphs, self.runs, self.device = None, None, [], torch.device("cpu")
 
     def run(self, rows, fed=None, *, logits, copies_before, copies_after, decode_graphs):
         self.runs.append((logits, decode_graphs))
         return None, None
+
+    def capture_ahead(self) -> bool:
+        self.runs.append("capture ahead")
+        return True
 
 
 def test_a_rank_captures_its_decode_graphs_when_told_and_then_takes_rank_0s_path() -> None:
@@ -323,6 +329,95 @@ def test_a_rank_whose_capture_fails_reports_why_and_rank_0_names_it() -> None:
     assert failed.startup_failures(wait_s=0.01) == [
         "rank 1 failed to capture its decode graphs: RuntimeError: boom"
     ]
+
+
+def test_a_rank_builds_its_prefill_graphs_after_its_decode_graphs_and_captures_ahead_when_rank_0_does() -> (
+    None
+):
+    """The prefill graphs' captures meet rank 0's: the smallest at start-up when told, later ones in a
+    capture-ahead step (its own reply, no forward); a step then runs with rank 0's `logits`."""
+    told = []
+
+    def capture_prefill(worker, command):
+        assert worker.graphs == "graphs"  # their memory pool is the decode graphs'
+        told.append(command)
+        return "prefill graphs"
+
+    channel = ScriptedRank(
+        CaptureGraphs(8, 256),
+        CapturePrefillGraphs(max_rows=8, max_tokens=64, max_model_len=256),
+        RankStep(0, [], capture_ahead=True),
+        Execute(0),
+        RankStep(1, ROWS, logits=True),
+        Execute(1),
+        Stop(),
+    )
+    worker = RecordingWorker()
+    _serve_steps(1, worker, channel, lambda worker, command: "graphs", capture_prefill)
+    assert told == [CapturePrefillGraphs(8, 64, 256)] and worker.prefill_graphs == "prefill graphs"
+    assert worker.runs == ["capture ahead", (True, True)]
+    assert channel.sent == [
+        GraphsCaptured(1),
+        GraphsCaptured(1, None, "prefill"),
+        RankReply(1, 0),
+        RankReply(1, 1),
+    ]
+
+
+def test_a_rank_whose_prefill_capture_fails_names_it_and_exits() -> None:
+    def capture_prefill(worker, command):
+        raise RuntimeError("CUDA error: out of memory")
+
+    channel = ScriptedRank(CaptureGraphs(8, 256), CapturePrefillGraphs(8, 64, 256), RankStep(0, ROWS))
+    _serve_steps(2, RecordingWorker(), channel, lambda worker, command: "graphs", capture_prefill)
+    assert channel.sent == [
+        GraphsCaptured(2),
+        GraphsCaptured(2, "RuntimeError: CUDA error: out of memory", "prefill"),
+    ]
+    log: list = []
+    workers = RankWorkers(
+        [],
+        [
+            FakeChannel(1, log, replies=(GraphsCaptured(1, None, "prefill"),)),
+            FakeChannel(2, log, replies=channel.sent[1:]),
+        ],
+    )
+    workers.start_prefill_graph_capture(8, 64, 256)
+    assert log == [(1, CapturePrefillGraphs(8, 64, 256)), (2, CapturePrefillGraphs(8, 64, 256))]
+    with pytest.raises(
+        TensorParallelError, match="rank 2 failed to capture its prefill graphs: RuntimeError"
+    ):
+        workers.wait_graphs()
+
+
+class FakePrefillGraphs:
+    """capture_ahead as the runner's: True per bucket captured, then False once, setting ahead_done."""
+
+    def __init__(self, buckets: int) -> None:
+        self.left, self.ahead_done = buckets, False
+
+    def capture_ahead(self) -> bool:
+        if self.left == 0:
+            self.ahead_done = True
+            return False
+        self.left -= 1
+        return True
+
+
+def test_rank_0s_idle_capture_is_a_step_of_every_rank_until_its_list_is_done() -> None:
+    """Rank 0 alone would wait in the capture's first all-reduce: each idle capture goes to every rank as
+    a capture-ahead step, and once rank 0 has nothing left no step is sent."""
+    log: list = []
+    replies = {r: tuple(RankReply(r, step) for step in (0, 1)) for r in (1, 2)}
+    workers = RankWorkers([], [FakeChannel(r, log, replies=replies[r]) for r in (1, 2)])
+    model = type("Model", (), {"device": torch.device("cpu")})()
+    eager = TensorParallelWorker(model, None, workers)
+    assert eager.capture_ahead() is False and log == []  # no prefill graphs: nothing to capture
+    worker = TensorParallelWorker(model, None, workers, graphs=None, prefill_graphs=FakePrefillGraphs(1))
+    assert [worker.capture_ahead(), worker.capture_ahead(), worker.capture_ahead()] == [True, False, False]
+    steps = [msg for _, msg in log if isinstance(msg, RankStep)]
+    assert steps == [RankStep(0, [], capture_ahead=True)] * 2 + [RankStep(1, [], capture_ahead=True)] * 2
+    assert workers.group.poisoned is None
 
 
 # ---- two ranks end to end (CPU processes over gloo) -------------------------------------------------

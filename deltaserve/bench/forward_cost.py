@@ -137,7 +137,8 @@ def measure(
 
     def eager() -> object:
         if engine.workers is not None:  # rank 0's model alone would wait in its first all-reduce
-            return worker.run(rows, decode_graphs=False)  # the ranks run it too; no prefill graphs
+            # the ranks run it too; under DELTASERVE_TP_GRAPHS=1 a step that fits a prefill graph replays it
+            return worker.run(rows, decode_graphs=False)
         batch = build_forward_batch(rows, caches.page_size, device)
         return model.compute_logits(model(batch, caches.kv, caches.states))
 

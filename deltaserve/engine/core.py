@@ -163,26 +163,8 @@ class EngineCore:
                 seconds,
             )
         prefill_graphs = None
-        # Not with tensor parallelism: a prefill graph is captured while idle, by rank 0 alone.
-        if graphs is not None and config.prefill_graph_tokens > 0 and self.workers is None:
-            prefill_graphs = PrefillGraphRunner(
-                self.model,
-                caches,
-                config.max_num_seqs,
-                config.prefill_graph_tokens,
-                max_model_len,
-                # An overlapped prefill replays beside the decode graphs: it must not share their pool.
-                pool=None if config.prefill_overlap else graphs.pool,
-                every_token=spec is not None,
-            )
-            seconds = prefill_graphs.warm()
-            logger.info(
-                "prefill graphs: steps of up to %d tokens in up to %d rows, captured per bucket while idle "
-                "(the likely ones) or on first use (the smallest at start-up: %.1f s)",
-                config.prefill_graph_tokens,
-                config.max_num_seqs,
-                seconds,
-            )
+        if graphs is not None and config.prefill_graph_tokens > 0:
+            prefill_graphs = self._warm_prefill_graphs(caches, graphs, max_model_len)
         self.backend = (
             Backend(
                 self.model,
@@ -193,7 +175,9 @@ class EngineCore:
             )
             if self.workers is None
             else Backend(
-                self.model, caches, worker=TensorParallelWorker(self.model, caches, self.workers, graphs)
+                self.model,
+                caches,
+                worker=TensorParallelWorker(self.model, caches, self.workers, graphs, prefill_graphs),
             )
         )
         self.scheduler_config = SchedulerConfig(
@@ -262,6 +246,44 @@ class EngineCore:
             "" if workers is None else f" on each of {config.tensor_parallel_size} ranks",
         )
         return graphs
+
+    def _warm_prefill_graphs(
+        self, caches: DeviceCaches, graphs: CudaGraphRunner, max_model_len: int
+    ) -> PrefillGraphRunner:
+        """Rank 0's prefill graphs, the smallest bucket captured. With tensor parallelism every rank builds
+        its own and captures the same bucket meanwhile (engine/tp.py); a rank that fails names itself."""
+        config, workers = self.config, self.workers
+        runner = PrefillGraphRunner(
+            self.model,
+            caches,
+            config.max_num_seqs,
+            config.prefill_graph_tokens,
+            max_model_len,
+            # An overlapped prefill replays beside the decode graphs: it must not share their pool.
+            pool=None if config.prefill_overlap else graphs.pool,
+            every_token=config.speculative_config is not None,
+            agree=None if workers is None else tp.all_ranks_agree(self.model.device),
+        )
+        if workers is not None:
+            workers.start_prefill_graph_capture(
+                config.max_num_seqs, config.prefill_graph_tokens, max_model_len
+            )
+        try:
+            seconds = runner.warm()
+            if workers is not None:
+                workers.wait_graphs()
+        except BaseException as exc:
+            self._fail_startup(exc)
+            raise
+        logger.info(
+            "prefill graphs: steps of up to %d tokens in up to %d rows, captured per bucket while idle "
+            "(the likely ones) or on first use (the smallest at start-up: %.1f s)%s",
+            config.prefill_graph_tokens,
+            config.max_num_seqs,
+            seconds,
+            "" if workers is None else f" on each of {config.tensor_parallel_size} ranks",
+        )
+        return runner
 
     def _fail_startup(self, exc: BaseException) -> None:
         """After a failed start-up step: the rank processes are stopped, and the reasons ranks reported

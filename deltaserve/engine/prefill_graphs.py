@@ -28,6 +28,11 @@ Graphs share the decode graphs' memory pool (a pool of their own with prefill ov
 replay beside decode graphs: engine/backend.py); a capture that fails (out of memory) leaves that bucket
 eager, with a warning, and serving goes on.
 
+Tensor parallelism (`agree`): every rank has a runner of the same buckets, and captures a bucket at the
+same moment as rank 0 (the same step's first use, an idle capture that rank 0 sends every rank as a step,
+the smallest at start-up), so the captures' warm-up all-reduces meet; a bucket that failed on any rank is
+marked failed on every rank, so that all of them replay the same steps (their all-reduces must match).
+
 Ahead of need: while the engine is idle it captures the buckets serving is likely to need
 (`ahead_of_need`), one per idle tick, so that a first step of each size replays instead of stalling
 every running request for a capture (120-220 ms each at the 4B shape on an H200). A request that
@@ -39,7 +44,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Container, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -366,8 +371,10 @@ class PrefillGraphRunner:
         max_model_len: int,
         pool: object | None = None,
         every_token: bool = False,
+        agree: Callable[[bool], bool] | None = None,
     ) -> None:
         self.model = model
+        self.agree = agree  # tensor parallelism: whether every rank's capture succeeded (module docstring)
         self.every_token = every_token
         self.cache = cache
         self.device = model.device
@@ -483,6 +490,11 @@ class PrefillGraphRunner:
         self._capture((self.token_buckets[0], self.chunk_buckets[0]))
         return time.monotonic() - started
 
+    @property
+    def ahead_done(self) -> bool:
+        """Whether `capture_ahead` has found nothing left to capture."""
+        return self._ahead_done
+
     @torch.inference_mode()
     def capture_ahead(self) -> bool:
         """Captures the next bucket of `ahead_of_need` not captured (or failed) yet; False when none is
@@ -505,6 +517,20 @@ class PrefillGraphRunner:
         return True
 
     def _capture(self, key: Bucket) -> CapturedPrefill | None:
+        """Captures bucket `key` (None: it runs eager); with `agree`, only if every rank captured it."""
+        captured = self._capture_here(key)
+        everywhere = self.agree is None or self.agree(captured is not None)
+        if captured is not None and not everywhere:
+            del self.graphs[key]
+            self.failed.add(key)
+            logger.warning(
+                "prefill graph for %d tokens x %d chunks not captured on another rank; those steps run eager",
+                *key,
+            )
+            return None
+        return captured
+
+    def _capture_here(self, key: Bucket) -> CapturedPrefill | None:
         """Captures bucket `key` over all-padding inputs: one eager forward first (compiles and
         autotunes every kernel at this shape; it writes only the reserved page and slot)."""
         started = time.monotonic()

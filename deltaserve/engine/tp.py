@@ -14,12 +14,14 @@ is sharded). The forwards meet in their all-reduces, so every rank must run ever
   fatal path gives every request its one terminal and the rank processes are stopped. Never a hang:
   collectives time out (`DELTASERVE_TP_TIMEOUT_S`, also the reply deadline).
 
-Tensor parallelism runs without prefill overlap and without prefill graphs. Decode graphs: with
-DELTASERVE_TP_GRAPHS=1 on CUDA every rank captures the decode graphs rank 0 captures, at the same time and
-in the same bucket order, so the warm-up forwards' all-reduces meet and each graph holds its NCCL
-all-reduces; a step's rows and rank 0's `logits` flag reach every rank, so every rank takes the same path
-(replay or eager) and the replays meet in their all-reduces. Off by default (eager) until shown on two
-GPUs (tests/gpu/test_tensor_parallel_gpu.py). Decode-ahead runs: a step whose first rows are fed the
+Tensor parallelism runs without prefill overlap. Graphs: with DELTASERVE_TP_GRAPHS=1 on CUDA every rank
+captures the decode graphs rank 0 captures, at the same time and in the same bucket order, so the warm-up
+forwards' all-reduces meet and each graph holds its NCCL all-reduces; then the prefill graphs
+(engine/prefill_graphs.py) the same way: the smallest at start-up, a bucket's first use inside the step
+that needs it (on every rank), and rank 0's idle-time captures as steps of their own (`capture_ahead`),
+with a bucket that failed on any rank failed on all. A step's rows and rank 0's `logits` flag reach every
+rank, so every rank takes the same path (decode graph, prefill graph or eager) and the replays meet in
+their all-reduces. Off by default (eager) until shown on two GPUs (tests/gpu/test_tensor_parallel_gpu.py). Decode-ahead runs: a step whose first rows are fed the
 previous step's tokens on rank 0's device says how many (`fed_rows`), and rank 0 broadcasts those tokens
 to every rank before the forward, device to device, so no rank waits for them on the host; the
 broadcast is the step's first collective on every rank.
@@ -47,7 +49,8 @@ from deltaserve.cache.copies import CacheCopy
 from deltaserve.cache.device import DeviceCaches
 from deltaserve.config import ModelConfig
 from deltaserve.engine.cuda_graphs import CudaGraphRunner
-from deltaserve.engine.rank import build_rank
+from deltaserve.engine.prefill_graphs import PrefillGraphRunner
+from deltaserve.engine.rank import agree_on_minimum, build_rank
 from deltaserve.engine.worker import ModelWorker
 from deltaserve.engine_config import EngineConfig
 from deltaserve.errors import ConfigError
@@ -84,6 +87,7 @@ class RankStep:
     fed_rows: int = 0  # the first rows' input tokens come from rank 0's broadcast, not from `rows`
     logits: bool = False  # rank 0's: with decode graphs a rank takes rank 0's path (ModelWorker._forward)
     decode_graphs: bool = True  # rank 0's ModelWorker.run argument
+    capture_ahead: bool = False  # instead of a forward: the next prefill graph ahead of need (idle time)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,9 +125,20 @@ class CaptureGraphs:
 
 
 @dataclass(frozen=True, slots=True)
+class CapturePrefillGraphs:
+    """Build the prefill graph runner and capture its smallest bucket now, as rank 0 does (after the
+    decode graphs); the other buckets follow in steps."""
+
+    max_rows: int
+    max_tokens: int
+    max_model_len: int
+
+
+@dataclass(frozen=True, slots=True)
 class GraphsCaptured:
     rank: int
     error: str | None = None  # set: the capture failed and the rank exits
+    kind: str = "decode"  # which graphs: "decode" or "prefill"
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +186,7 @@ class RankGroup:
         *,
         logits: bool = False,
         decode_graphs: bool = True,
+        capture_ahead: bool = False,
     ) -> int:
         """Start gate: the step reaches every rank before any rank is released into it. Returns its id."""
         if self.poisoned is not None:
@@ -178,7 +194,14 @@ class RankGroup:
         step_id = self._next_step
         self._next_step += 1
         command = RankStep(
-            step_id, rows, tuple(copies_before), tuple(copies_after), fed_rows, logits, decode_graphs
+            step_id,
+            rows,
+            tuple(copies_before),
+            tuple(copies_after),
+            fed_rows,
+            logits,
+            decode_graphs,
+            capture_ahead,
         )
         for i, channel in enumerate(self.channels):
             try:
@@ -234,9 +257,24 @@ class TensorParallelWorker(ModelWorker):
         caches: DeviceCaches,
         workers: RankWorkers,
         graphs: CudaGraphRunner | None = None,
+        prefill_graphs: PrefillGraphRunner | None = None,
     ) -> None:
-        super().__init__(model, caches, graphs)
+        super().__init__(model, caches, graphs, prefill_graphs)
         self.workers = workers
+
+    def capture_ahead(self) -> bool:
+        """Idle time: every rank captures the same next prefill graph, as a step of the group (the
+        captures' warm-up all-reduces meet); nothing is sent once rank 0's list is done."""
+        if self.prefill_graphs is None or self.prefill_graphs.ahead_done:
+            return False
+        group = self.workers.group
+        step_id = group.dispatch([], capture_ahead=True)
+        try:
+            more = super().capture_ahead()
+        except Exception as exc:
+            raise group.poison(f"rank 0 failed step {step_id}: {type(exc).__name__}: {exc}") from exc
+        group.collect(step_id)
+        return more
 
     def run(
         self,
@@ -289,6 +327,10 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _capture_failure(done: GraphsCaptured) -> str:
+    return f"rank {done.rank} failed to capture its {done.kind} graphs: {done.error}"
 
 
 def init_process_group(device_type: str, init_method: str, rank: int, size: int) -> None:
@@ -360,19 +402,24 @@ class RankWorkers:
 
     def start_graph_capture(self, max_num_seqs: int, max_model_len: int) -> None:
         """Every rank starts capturing its decode graphs; rank 0 captures its own meanwhile."""
+        self._send_capture(CaptureGraphs(max_num_seqs, max_model_len))
+
+    def start_prefill_graph_capture(self, max_rows: int, max_tokens: int, max_model_len: int) -> None:
+        """Every rank builds its prefill graphs and captures the smallest; rank 0 does the same meanwhile."""
+        self._send_capture(CapturePrefillGraphs(max_rows, max_tokens, max_model_len))
+
+    def _send_capture(self, command: CaptureGraphs | CapturePrefillGraphs) -> None:
         for i, channel in enumerate(self.channels):
             try:
-                channel.send(CaptureGraphs(max_num_seqs, max_model_len))
+                channel.send(command)
             except CHANNEL_ERRORS as exc:
                 raise TensorParallelError(f"rank {i + 1} could not take the graph capture ({exc!r})") from exc
 
     def wait_graphs(self) -> None:
-        """Every rank captured its decode graphs (a failure names its rank)."""
+        """Every rank captured the graphs it was told to (a failure names its rank)."""
         for done in self._expect(GraphsCaptured):
             if done.error is not None:
-                raise TensorParallelError(
-                    f"rank {done.rank} failed to capture its decode graphs: {done.error}"
-                )
+                raise TensorParallelError(_capture_failure(done))
 
     def _expect(self, kind: type[_Startup]) -> list[_Startup]:
         """One `kind` message from every rank, in rank order, before a shared deadline."""
@@ -406,7 +453,7 @@ class RankWorkers:
                         reasons.append(f"rank {i + 1} failed to start: {msg.error}")
                         break
                     if isinstance(msg, GraphsCaptured) and msg.error is not None:
-                        reasons.append(f"rank {i + 1} failed to capture its decode graphs: {msg.error}")
+                        reasons.append(_capture_failure(msg))
                         break
         return reasons
 
@@ -463,6 +510,27 @@ def run_rank(spec: RankSpec, channel: Connection) -> None:
             dist.destroy_process_group()
 
 
+def all_ranks_agree(device: torch.device) -> Callable[[bool], bool]:
+    """Whether `ok` holds on every rank (one all-reduce; every rank must call it at the same point)."""
+    return lambda ok: agree_on_minimum(int(ok), device) == 1
+
+
+def capture_prefill_graphs(worker: ModelWorker, command: CapturePrefillGraphs) -> PrefillGraphRunner:
+    assert worker.graphs is not None, "prefill graphs come after the decode graphs (their memory pool)"
+    runner = PrefillGraphRunner(
+        worker.model,
+        worker.caches,
+        command.max_rows,
+        command.max_tokens,
+        command.max_model_len,
+        pool=worker.graphs.pool,
+        agree=all_ranks_agree(worker.device),
+    )
+    seconds = runner.warm()
+    logger.info("prefill graphs: the smallest bucket captured in %.1f s", seconds)
+    return runner
+
+
 def capture_decode_graphs(worker: ModelWorker, command: CaptureGraphs) -> CudaGraphRunner:
     graphs = CudaGraphRunner(
         worker.model,
@@ -482,6 +550,9 @@ def _serve_steps(
     worker: ModelWorker,
     channel: Connection,
     capture: Callable[[ModelWorker, CaptureGraphs], CudaGraphRunner] = capture_decode_graphs,
+    capture_prefill: Callable[
+        [ModelWorker, CapturePrefillGraphs], PrefillGraphRunner
+    ] = capture_prefill_graphs,
 ) -> None:
     pending: RankStep | None = None
     while True:
@@ -496,14 +567,18 @@ def _serve_steps(
             pending = msg
         elif isinstance(msg, Cancel):
             pending = None
-        elif isinstance(msg, CaptureGraphs):
+        elif isinstance(msg, (CaptureGraphs, CapturePrefillGraphs)):
+            kind = "decode" if isinstance(msg, CaptureGraphs) else "prefill"
             error = None
             try:
-                worker.graphs = capture(worker, msg)
+                if isinstance(msg, CaptureGraphs):
+                    worker.graphs = capture(worker, msg)
+                else:
+                    worker.prefill_graphs = capture_prefill(worker, msg)
             except Exception as exc:
-                logger.exception("rank %d failed to capture its decode graphs", rank)
+                logger.exception("rank %d failed to capture its %s graphs", rank, kind)
                 error = f"{type(exc).__name__}: {exc}"
-            channel.send(GraphsCaptured(rank, error))
+            channel.send(GraphsCaptured(rank, error, kind))
             if error is not None:
                 return
         elif isinstance(msg, Execute):
@@ -512,20 +587,7 @@ def _serve_steps(
                 return
             error = None
             try:
-                fed = None
-                if pending.fed_rows:
-                    fed = torch.empty(pending.fed_rows, dtype=torch.int64, device=worker.device)
-                    dist.broadcast(fed, src=0)
-                # Rank 0 alone samples. A rank with decode graphs takes rank 0's `logits` so that it
-                # replays where rank 0 replays (the graphs hold the LM head; its logits are dropped).
-                worker.run(
-                    pending.rows,
-                    fed,
-                    logits=pending.logits and worker.graphs is not None,
-                    copies_before=pending.copies_before,
-                    copies_after=pending.copies_after,
-                    decode_graphs=pending.decode_graphs,
-                )
+                _run_step(worker, pending)
             except Exception as exc:
                 logger.exception("rank %d failed step %d", rank, msg.step_id)
                 error = f"{type(exc).__name__}: {exc}"
@@ -533,3 +595,24 @@ def _serve_steps(
             pending = None
             if error is not None:
                 return
+
+
+def _run_step(worker: ModelWorker, step: RankStep) -> None:
+    if step.capture_ahead:
+        worker.capture_ahead()
+        return
+    fed = None
+    if step.fed_rows:
+        fed = torch.empty(step.fed_rows, dtype=torch.int64, device=worker.device)
+        dist.broadcast(fed, src=0)
+    # Rank 0 alone samples. A rank with graphs takes rank 0's `logits` so that it replays where rank 0
+    # replays (decode graphs hold the LM head, a prefill graph's replay is followed by it; its logits
+    # are dropped).
+    worker.run(
+        step.rows,
+        fed,
+        logits=step.logits and worker.graphs is not None,
+        copies_before=step.copies_before,
+        copies_after=step.copies_after,
+        decode_graphs=step.decode_graphs,
+    )
