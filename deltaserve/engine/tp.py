@@ -21,10 +21,11 @@ forwards' all-reduces meet and each graph holds its NCCL all-reduces; then the p
 that needs it (on every rank), and rank 0's idle-time captures as steps of their own (`capture_ahead`),
 with a bucket that failed on any rank failed on all. A step's rows and rank 0's `logits` flag reach every
 rank, so every rank takes the same path (decode graph, prefill graph or eager) and the replays meet in
-their all-reduces. Off by default (eager) until shown on two GPUs (tests/gpu/test_tensor_parallel_gpu.py). Decode-ahead runs: a step whose first rows are fed the
-previous step's tokens on rank 0's device says how many (`fed_rows`), and rank 0 broadcasts those tokens
-to every rank before the forward, device to device, so no rank waits for them on the host; the
-broadcast is the step's first collective on every rank.
+their all-reduces. Off by default (eager) until shown on two GPUs (tests/gpu/test_tensor_parallel_gpu.py).
+
+Decode-ahead runs: a step whose first rows are fed the previous step's tokens on rank 0's device says how
+many (`fed_rows`), and rank 0 broadcasts those tokens to every rank before the forward, device to device,
+so no rank waits for them on the host; the broadcast is the step's first collective on every rank.
 """
 
 from __future__ import annotations
@@ -149,6 +150,7 @@ class RankReply:
 
 
 _Startup = TypeVar("_Startup", RankStarted, RankReady, GraphsCaptured)
+_Result = TypeVar("_Result")
 
 
 class Channel(Protocol):
@@ -267,14 +269,8 @@ class TensorParallelWorker(ModelWorker):
         captures' warm-up all-reduces meet); nothing is sent once rank 0's list is done."""
         if self.prefill_graphs is None or self.prefill_graphs.ahead_done:
             return False
-        group = self.workers.group
-        step_id = group.dispatch([], capture_ahead=True)
-        try:
-            more = super().capture_ahead()
-        except Exception as exc:
-            raise group.poison(f"rank 0 failed step {step_id}: {type(exc).__name__}: {exc}") from exc
-        group.collect(step_id)
-        return more
+        step_id = self.workers.group.dispatch([], capture_ahead=True)
+        return self._rank_0s_part(step_id, super().capture_ahead)
 
     def run(
         self,
@@ -286,23 +282,34 @@ class TensorParallelWorker(ModelWorker):
         copies_after: Sequence[CacheCopy] = (),
         decode_graphs: bool = True,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        group = self.workers.group
         fed_rows = 0 if fed is None else fed.shape[0]
-        step_id = group.dispatch(
+        step_id = self.workers.group.dispatch(
             rows, copies_before, copies_after, fed_rows, logits=logits, decode_graphs=decode_graphs
         )
-        try:
-            if fed is not None:
-                fed = fed.to(torch.int64).contiguous()
-                dist.broadcast(fed, src=0)
-            out = super().run(
+
+        def forward() -> tuple[torch.Tensor | None, torch.Tensor | None]:
+            fed_tokens = fed
+            if fed_tokens is not None:
+                fed_tokens = fed_tokens.to(torch.int64).contiguous()
+                dist.broadcast(fed_tokens, src=0)
+            return ModelWorker.run(
+                self,
                 rows,
-                fed,
+                fed_tokens,
                 logits=logits,
                 copies_before=copies_before,
                 copies_after=copies_after,
                 decode_graphs=decode_graphs,
             )
+
+        return self._rank_0s_part(step_id, forward)
+
+    def _rank_0s_part(self, step_id: int, work: Callable[[], _Result]) -> _Result:
+        """Rank 0's share of a dispatched step: a failure poisons the group; then every rank's reply is
+        checked."""
+        group = self.workers.group
+        try:
+            out = work()
         except Exception as exc:
             raise group.poison(f"rank 0 failed step {step_id}: {type(exc).__name__}: {exc}") from exc
         group.collect(step_id)
