@@ -36,7 +36,8 @@ def _generate(
     ) as llm:
         outs = llm.generate(prompts, params)
         if graphs_on_rank_0 is not None:
-            graphs_on_rank_0.append(llm.engine.backend.worker.graphs)
+            worker = llm.engine.backend.worker
+            graphs_on_rank_0.extend([worker.graphs, worker.prefill_graphs])
     del llm
     release_gpu_memory()  # the next engine of the test allocates its KV pages on the same GPU
     assert all(o.error is None for o in outs), [o.error for o in outs]
@@ -57,8 +58,9 @@ def test_two_gpus_generate_what_one_generates(tmp_path, preset) -> None:
 
 @pytest.mark.parametrize("preset", ["tiny", "0.8b-shape"])
 def test_two_gpus_with_decode_graphs_generate_what_one_generates(tmp_path, preset, monkeypatch) -> None:
-    """DELTASERVE_TP_GRAPHS=1: every rank captures decode graphs that hold its NCCL all-reduces, and the
-    decode steps replay them on both GPUs in step."""
+    """DELTASERVE_TP_GRAPHS=1: every rank captures decode and prefill graphs that hold its NCCL
+    all-reduces, and the steps replay them on both GPUs in step (the 40- and 90-token prompts are
+    prefilled in 32-token steps: prefill graphs captured at first use)."""
     monkeypatch.setattr(tp_module, "GRAPHS", True)
     dummy = preset == "0.8b-shape"
     model_dir = str(make_tiny(tmp_path / preset, preset, weights=not dummy))
@@ -66,7 +68,9 @@ def test_two_gpus_with_decode_graphs_generate_what_one_generates(tmp_path, prese
     graphs: list = []
     one = _generate(model_dir, 1, load_format)
     two = _generate(model_dir, 2, load_format, graphs_on_rank_0=graphs)
-    assert graphs[0] is not None and graphs[0].graphs  # rank 0 replayed from captured graphs
+    decode, prefill = graphs
+    assert decode is not None and decode.graphs  # rank 0 replayed from captured graphs
+    assert prefill is not None and len(prefill.graphs) >= 2 and not prefill.failed  # start-up's + first use
     for a, b in zip(one, two, strict=True):
         assert a.token_ids == b.token_ids
         for x, y in zip(a.logprobs, b.logprobs, strict=True):
