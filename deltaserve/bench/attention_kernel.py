@@ -9,7 +9,8 @@ compositions of serving steps (decode rows beside chunks), against the current c
 output against the current choice's (a tile shape changes the order of the softmax's sums: within bf16
 rounding). A candidate that does not compile (shared memory, registers) is reported as such. Each call is
 timed as a CUDA graph's replay (an eager call of a short launch times the host). `--decode` sweeps the
-decode tiles instead (keys per block, warps, stages) and reports the decode rows' KV bytes per second.
+decode tiles instead (keys per block, warps, stages), then the decode rows' split count (key ranges per
+row, merged after) with the current tiles, and reports the decode rows' KV bytes per second.
 
 python3 -m deltaserve.bench.attention_kernel [--quick] [--kv-heads N] [--decode]   (needs CUDA)
 """
@@ -69,9 +70,12 @@ DECODE_CANDIDATES = [
     (64, 4, 4),
     (64, 8, 3),
 ]
+DECODE_SPLITS = [1, 2, 3, 4, 8]  # fixed split counts, against decode_num_splits' choice
 DECODE_SHAPES = [
     ("1 decode row at 8192", [(8191, 1)]),
+    ("32 decode rows at 1100", [(1100, 1)] * 32),
     ("64 decode rows at 1100", [(1100, 1)] * 64),
+    ("128 decode rows at 1100", [(1100, 1)] * 128),
     ("256 decode rows at 1100", [(1100, 1)] * 256),
     ("226 decode + 2 x 911 (apart)", [(1100, 1)] * 226 + [(0, 911), (0, 911)]),
 ]
@@ -154,12 +158,27 @@ def decode_sweep(kv_heads: int) -> None:
         case = make_case(rows, kv_heads)
         current = time_with(case)
         gbytes = kv_bytes(rows, kv_heads) / 1e9
-        print(f"{name}: current {current[0] * 1e3:8.1f} us {gbytes / current[0]:5.2f} TB/s of decode KV")
+        batch = case[3]
+        chosen = tri.decode_num_splits(
+            sum(n == 1 for _, n in rows), kv_heads, batch.block_tables.shape[1] * PAGE, DEV
+        )
+        print(
+            f"{name}: current {current[0] * 1e3:8.1f} us {gbytes / current[0]:5.2f} TB/s of decode KV "
+            f"({chosen} splits)"
+        )
         for decode_n, warps, stages in DECODE_CANDIDATES:
             tiles = base._replace(decode_n=decode_n, num_warps=warps, num_stages=stages)
             label = f"  decode N={decode_n:<3} warps={warps} stages={stages}"
             report_candidate(
                 label, case, current, lambda ms, g=gbytes: f"{g / ms:5.2f} TB/s", _TILES_16BIT_DECODE=tiles
+            )
+        for splits in DECODE_SPLITS:
+            report_candidate(
+                f"  splits={splits} (current tiles)",
+                case,
+                current,
+                lambda ms, g=gbytes: f"{g / ms:5.2f} TB/s",
+                decode_num_splits=lambda *shape, k=splits: k,
             )
         del case
 
