@@ -229,21 +229,15 @@ class EngineCore:
         graphs = CudaGraphRunner(
             self.model, caches, config.max_num_seqs, max_model_len, capture_error_mode=mode
         )
-        if workers is not None:
-            workers.start_graph_capture(config.max_num_seqs, max_model_len)
-        try:
-            seconds = graphs.capture()
-            if workers is not None:
-                workers.wait_graphs()
-        except BaseException as exc:
-            self._fail_startup(exc)
-            raise
+        seconds = self._capture_on_every_rank(
+            graphs.capture, lambda ranks: ranks.start_graph_capture(config.max_num_seqs, max_model_len)
+        )
         logger.info(
             "captured %d decode graphs (batch buckets up to %d) in %.1f s%s",
             len(graphs.buckets),
             config.max_num_seqs,
             seconds,
-            "" if workers is None else f" on each of {config.tensor_parallel_size} ranks",
+            self._on_each_rank(),
         )
         return graphs
 
@@ -264,26 +258,41 @@ class EngineCore:
             every_token=config.speculative_config is not None,
             agree=None if workers is None else tp.all_ranks_agree(self.model.device),
         )
-        if workers is not None:
-            workers.start_prefill_graph_capture(
+        seconds = self._capture_on_every_rank(
+            runner.warm,
+            lambda ranks: ranks.start_prefill_graph_capture(
                 config.max_num_seqs, config.prefill_graph_tokens, max_model_len
-            )
-        try:
-            seconds = runner.warm()
-            if workers is not None:
-                workers.wait_graphs()
-        except BaseException as exc:
-            self._fail_startup(exc)
-            raise
+            ),
+        )
         logger.info(
             "prefill graphs: steps of up to %d tokens in up to %d rows, captured per bucket while idle "
             "(the likely ones) or on first use (the smallest at start-up: %.1f s)%s",
             config.prefill_graph_tokens,
             config.max_num_seqs,
             seconds,
-            "" if workers is None else f" on each of {config.tensor_parallel_size} ranks",
+            self._on_each_rank(),
         )
         return runner
+
+    def _capture_on_every_rank(
+        self, capture_here: Callable[[], float], tell_ranks: Callable[[RankWorkers], None]
+    ) -> float:
+        """A start-up capture here, with every rank told first to run its own meanwhile (their warm-up
+        all-reduces meet); a failure anywhere stops the ranks and names the rank. The seconds it took."""
+        workers = self.workers
+        if workers is not None:
+            tell_ranks(workers)
+        try:
+            seconds = capture_here()
+            if workers is not None:
+                workers.wait_graphs()
+        except BaseException as exc:
+            self._fail_startup(exc)
+            raise
+        return seconds
+
+    def _on_each_rank(self) -> str:
+        return "" if self.workers is None else f" on each of {self.config.tensor_parallel_size} ranks"
 
     def _fail_startup(self, exc: BaseException) -> None:
         """After a failed start-up step: the rank processes are stopped, and the reasons ranks reported
