@@ -229,12 +229,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from deltaserve.stack_dumps import dump_stacks_on_sigusr1
     from deltaserve.vllm_flags import check_vllm_arguments, checkpoint_quantization
 
-    dump_stacks_on_sigusr1()
     model = _model_arg(args)
     check_vllm_arguments(args, checkpoint_quantization(model) if args.quantization is not None else None)
     engine_config = engine_config_from_args(args)  # validated
     server_config = ServerConfig.from_args(args)
     sock = bind_socket(server_config.host, server_config.port)
+    dump_stacks_on_sigusr1()
     try:
         launch = spawn_engine(engine_config)
     except BaseException:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import signal
 import subprocess
 import sys
@@ -46,3 +47,11 @@ def test_the_server_the_engine_and_each_rank_install_the_dump() -> None:
 
     for entry in (cli._cmd_serve, process.run_engine_process, tp.run_rank):
         assert "dump_stacks_on_sigusr1()" in inspect.getsource(entry), entry.__qualname__
+
+
+def test_the_dump_installs_where_sys_stderr_has_no_file_descriptor(capsys) -> None:
+    """Under a replaced sys.stderr (pytest's capture, a logging shim) it writes to file descriptor 2."""
+    from deltaserve.stack_dumps import dump_stacks_on_sigusr1
+
+    dump_stacks_on_sigusr1()  # pytest's capture: sys.stderr has no fileno()
+    assert faulthandler.unregister(signal.SIGUSR1)  # it was registered
