@@ -7,6 +7,7 @@ Latencies are `bench serve`'s (vLLM's definitions), as mean / median / p99 / max
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import shlex
 from dataclasses import dataclass
@@ -119,13 +120,10 @@ def render_markdown(record: dict[str, Any]) -> str:
 
 def tensor_parallel_size(flags: list[str]) -> int:
     """The GPUs a server started with these flags uses: its --tensor-parallel-size (or -tp), else 1."""
-    size = 1
-    for i, flag in enumerate(flags):
-        name, eq, value = flag.partition("=")
-        if name in ("--tensor-parallel-size", "-tp"):
-            text = value if eq else (flags[i + 1] if i + 1 < len(flags) else "")
-            size = int(text) if text.isdigit() else size
-    return size
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    known, _ = parser.parse_known_args(flags)
+    return known.tensor_parallel_size
 
 
 def _header_table(record: dict[str, Any]) -> list[str]:

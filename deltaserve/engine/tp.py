@@ -288,9 +288,8 @@ class TensorParallelWorker(ModelWorker):
         )
 
         def forward() -> tuple[torch.Tensor | None, torch.Tensor | None]:
-            fed_tokens = fed
+            fed_tokens = None if fed is None else fed.to(torch.int64).contiguous()
             if fed_tokens is not None:
-                fed_tokens = fed_tokens.to(torch.int64).contiguous()
                 dist.broadcast(fed_tokens, src=0)
             return ModelWorker.run(
                 self,
