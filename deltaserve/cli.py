@@ -9,7 +9,7 @@ import os
 import sys
 
 from deltaserve import __version__
-from deltaserve.engine_config import LOAD_FORMATS, EngineConfig, SpeculativeConfig
+from deltaserve.engine_config import AUTO_MAX_NUM_SEQS, LOAD_FORMATS, EngineConfig, SpeculativeConfig
 from deltaserve.errors import ConfigError, RequestValidationError
 
 
@@ -40,7 +40,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="context window (default: the model's, capped by KV capacity)",
     )
     g.add_argument(
-        "--max-num-seqs", type=int, default=d.max_num_seqs, help="requests decoded at once (state slots)"
+        "--max-num-seqs",
+        type=int,
+        default=d.max_num_seqs,
+        help="requests decoded at once (state slots); default: 512 where their state takes at most two "
+        "thirds of the memory left for caches, else 256",
     )
     g.add_argument(
         "--max-num-batched-tokens",
@@ -53,7 +57,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=d.max_num_batched_tokens_saturated,
         metavar="N",
-        help="tokens per step while requests wait for admission (the server is full); 0: off",
+        help="tokens per step while the server is saturated (requests wait for admission, or more than "
+        "an eighth of --max-num-seqs wait for their prefill); default: --max-num-seqs + 4096; 0: off",
     )
     g.add_argument(
         "--page-size", type=int, default=d.page_size, help="KV page size in tokens (a power of two)"
@@ -267,7 +272,7 @@ def _cmd_bench_api_server(args: argparse.Namespace) -> int:
     synthetic = SyntheticEngineConfig(
         engine_config.model,
         args.step_ms / 1000,
-        engine_config.max_num_seqs,
+        engine_config.max_num_seqs or AUTO_MAX_NUM_SEQS[-1],
         engine_config.max_model_len or 32768,
     )
     launch = spawn_synthetic_engine(synthetic)

@@ -126,9 +126,22 @@ class SpeculativeConfig:
         return cls(method, k, adaptive, max_batch, draft, draft_file, vocab)
 
 
-# A 2,048-token 4B forward takes 34 ms on an H200's GPU against 50 ms of eager kernel launching; at twice
-# that the GPU time alone exceeds the launching, while each larger graph holds more memory.
-DEFAULT_PREFILL_GRAPH_TOKENS = 2048
+# Steps of up to this many tokens replay prefill graphs by default. It covers the default saturated step
+# (below): eager launching costs a 2,048-token 4B forward 50 ms against 34 ms of GPU time, and the 35B-A3B's
+# MoE layers launch slower still (an eager 8,192-token step: 131 ms of launching), so the steps that
+# carry a saturated server must replay.
+DEFAULT_PREFILL_GRAPH_TOKENS = 4608
+
+# --max-num-seqs by default: the larger where its state slots take at most AUTO_SEQS_STATE_SHARE of the
+# memory left for caches after the weights and the prefix cache's snapshot pool (an H200 serving the 4B,
+# 9B or 35B-A3B shape), else the smaller (the 27B shape); the CPU takes the smaller. A saturated server
+# decodes as many sequences as it has slots, and each step then carries as many prompt tokens as the
+# finished sequences free: more slots make larger steps, which the MoE's expert weights need (the 35B-A3B
+# saturated cell: 40.7k total tok/s with 512 against 34.7k with 256; the dense 9B: the same).
+AUTO_MAX_NUM_SEQS = (512, 256)
+AUTO_SEQS_STATE_SHARE = 2 / 3
+# The default saturated step: a decode row for every sequence beside this many prompt tokens.
+SATURATED_PREFILL_TOKENS = 4096
 
 
 @dataclass(slots=True)
@@ -141,12 +154,13 @@ class EngineConfig:
     load_format: str = "auto"
     seed: int = 0
     max_model_len: int | None = None  # None = the checkpoint's max_position_embeddings
-    max_num_seqs: int = 256
+    max_num_seqs: int | None = None  # None: from memory (AUTO_MAX_NUM_SEQS), resolved by build_rank
     max_num_batched_tokens: int = 2048
-    # The step budget while requests wait for admission (the server is full: every waiting request's
-    # first token depends on prefill throughput, and fewer, larger steps pay the decode rows' share less
-    # often); 0: max_num_batched_tokens always.
-    max_num_batched_tokens_saturated: int = 0
+    # The step budget while the server is saturated (requests wait for admission, or more than an eighth
+    # of max_num_seqs wait for their prefill: every queued request's first token depends on prefill
+    # throughput, and larger steps carry more prompt tokens per pass over the weights); None: a decode row
+    # per sequence beside SATURATED_PREFILL_TOKENS; 0: max_num_batched_tokens always.
+    max_num_batched_tokens_saturated: int | None = None
     page_size: int = 16
     num_kv_pages: int | None = None  # None = sized from memory
     kv_cache_memory_gb: float | None = None  # CPU: KV budget; GPU: see gpu_memory_utilization
@@ -187,16 +201,31 @@ class EngineConfig:
             )
 
     @property
+    def num_seqs(self) -> int:
+        """max_num_seqs once resolved (build_rank resolves the default from memory)."""
+        if self.max_num_seqs is None:
+            raise RuntimeError("max_num_seqs is resolved from memory by build_rank before it is read")
+        return self.max_num_seqs
+
+    @property
+    def saturated_step_tokens(self) -> int:
+        """The step budget while saturated; 0: off (never above max_num_batched_tokens)."""
+        tokens = self.max_num_batched_tokens_saturated
+        if tokens is None:
+            tokens = self.num_seqs + SATURATED_PREFILL_TOKENS
+        return tokens if tokens > self.max_num_batched_tokens else 0
+
+    @property
     def largest_step_tokens(self) -> int:
         """The most tokens one step may hold: what warm-up measures activations at."""
-        return max(self.max_num_batched_tokens, self.max_num_batched_tokens_saturated)
+        return max(self.max_num_batched_tokens, self.saturated_step_tokens)
 
     @property
     def prefill_graph_tokens(self) -> int:
         """The largest step (in tokens) a prefill graph is captured for; 0: none."""
         if self.prefill_graph_max_tokens is not None:
-            return min(self.prefill_graph_max_tokens, self.max_num_batched_tokens)
-        return min(self.max_num_batched_tokens, DEFAULT_PREFILL_GRAPH_TOKENS)
+            return min(self.prefill_graph_max_tokens, self.largest_step_tokens)
+        return min(self.largest_step_tokens, DEFAULT_PREFILL_GRAPH_TOKENS)
 
     def validate(self) -> None:
         def fail(flag: str, expected: str, found: Any) -> ConfigError:
@@ -215,12 +244,16 @@ class EngineConfig:
             raise ConfigError(policy)
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "tensor_parallel_size"):
             value = getattr(self, name)
+            if name == "max_num_seqs" and value is None:
+                continue  # resolved from memory
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise fail(name, "an integer >= 1", value)
         saturated = self.max_num_batched_tokens_saturated
-        if isinstance(saturated, bool) or not isinstance(saturated, int) or saturated < 0:
+        if saturated is not None and (
+            isinstance(saturated, bool) or not isinstance(saturated, int) or saturated < 0
+        ):
             raise fail("max_num_batched_tokens_saturated", "an integer >= 0 (0: off)", saturated)
-        if 0 < saturated < self.max_num_batched_tokens:
+        if saturated is not None and 0 < saturated < self.max_num_batched_tokens:
             raise fail(
                 "max_num_batched_tokens_saturated",
                 f"0 (off) or at least --max-num-batched-tokens ({self.max_num_batched_tokens})",

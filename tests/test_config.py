@@ -188,15 +188,34 @@ def test_speculation_with_the_async_prefill_is_refused_naming_both_flags():
 
 
 def test_warm_up_measures_the_largest_step_either_budget_allows():
-    assert EngineConfig().largest_step_tokens == 2048
-    assert EngineConfig(max_num_batched_tokens_saturated=8192).largest_step_tokens == 8192
+    assert EngineConfig(max_num_seqs=256, max_num_batched_tokens_saturated=0).largest_step_tokens == 2048
+    assert EngineConfig(max_num_seqs=256, max_num_batched_tokens_saturated=8192).largest_step_tokens == 8192
+    # the default saturated step: a row per sequence beside 4,096 prompt tokens
+    assert EngineConfig(max_num_seqs=512).saturated_step_tokens == 4608
+    assert EngineConfig(max_num_seqs=256).largest_step_tokens == 4352
+    # off where the base budget is already larger
+    assert EngineConfig(max_num_seqs=512, max_num_batched_tokens=8192).saturated_step_tokens == 0
+    assert EngineConfig(max_num_seqs=512, max_num_batched_tokens=8192).largest_step_tokens == 8192
 
 
-def test_prefill_graph_tokens_default_to_the_step_budget_up_to_2048():
-    assert EngineConfig(max_num_batched_tokens=1024).prefill_graph_tokens == 1024
-    assert EngineConfig(max_num_batched_tokens=8192).prefill_graph_tokens == 2048
+def test_the_default_max_num_seqs_is_read_only_once_resolved():
+    with pytest.raises(RuntimeError, match="resolved from memory"):
+        _ = EngineConfig().saturated_step_tokens
+    EngineConfig().validate()  # None is the default, not an error
+
+
+def test_prefill_graph_tokens_default_to_the_largest_step_up_to_4608():
+    assert EngineConfig(max_num_seqs=512).prefill_graph_tokens == 4608
+    assert EngineConfig(max_num_seqs=256).prefill_graph_tokens == 4352
+    base = dict(max_num_seqs=256, max_num_batched_tokens_saturated=0)
+    assert EngineConfig(max_num_batched_tokens=1024, **base).prefill_graph_tokens == 1024
+    assert EngineConfig(max_num_batched_tokens=8192, **base).prefill_graph_tokens == 4608
     assert (
-        EngineConfig(max_num_batched_tokens=8192, prefill_graph_max_tokens=4096).prefill_graph_tokens == 4096
+        EngineConfig(max_num_batched_tokens=8192, prefill_graph_max_tokens=4096, **base).prefill_graph_tokens
+        == 4096
     )
-    assert EngineConfig(max_num_batched_tokens=512, prefill_graph_max_tokens=4096).prefill_graph_tokens == 512
-    assert EngineConfig(prefill_graph_max_tokens=0).prefill_graph_tokens == 0
+    assert (
+        EngineConfig(max_num_batched_tokens=512, prefill_graph_max_tokens=4096, **base).prefill_graph_tokens
+        == 512
+    )
+    assert EngineConfig(prefill_graph_max_tokens=0, **base).prefill_graph_tokens == 0

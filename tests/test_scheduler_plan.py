@@ -141,11 +141,20 @@ def test_a_lone_prompts_chunks_are_evened_over_the_fewest_steps_in_graph_buckets
     assert even_prefill_budget(511, 1200, 1) == 511  # 3 steps of 400 -> 401 -> 512: never past the budget
 
 
-def test_the_saturated_step_budget_applies_only_while_requests_wait():
-    assert step_token_budget(2048, 8192, num_waiting=1) == 8192
-    assert step_token_budget(2048, 8192, num_waiting=0) == 2048
-    assert step_token_budget(2048, 0, num_waiting=100) == 2048  # off
-    assert step_token_budget(2048, 1024, num_waiting=5) == 2048  # never below the base budget
+def test_the_saturated_step_budget_applies_only_while_requests_queue():
+    def budget(saturated: int, waiting: int, prefilling: int, seqs: int = 512) -> int:
+        return step_token_budget(
+            2048, saturated, num_waiting=waiting, num_prefilling=prefilling, max_num_seqs=seqs
+        )
+
+    assert budget(8192, waiting=1, prefilling=0) == 8192  # a request waits for admission
+    assert budget(8192, waiting=0, prefilling=0) == 2048
+    assert budget(8192, waiting=0, prefilling=64) == 2048  # 64 of 512 slots: an eighth, not more
+    assert budget(8192, waiting=0, prefilling=65) == 8192
+    assert budget(8192, waiting=0, prefilling=33, seqs=256) == 8192  # more than 256 / 8 = 32
+    assert budget(8192, waiting=0, prefilling=32, seqs=256) == 2048
+    assert budget(0, waiting=100, prefilling=500) == 2048  # off
+    assert budget(1024, waiting=5, prefilling=0) == 2048  # never below the base budget
 
 
 def test_fcfs_budget_subtracts_decode_rows():

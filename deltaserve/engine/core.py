@@ -133,6 +133,7 @@ class EngineCore:
             self._fail_startup(exc)
             raise
         self.model, caches, device, dtype = rank.model, rank.caches, rank.device, rank.dtype
+        config = self.config = rank.config  # max_num_seqs resolved
         self.cache = CacheManager.for_device(caches, scratch_slots=verify_scratch_slots(config))
         capacity_tokens = self.cache.kv.capacity * config.page_size
         max_model_len = self._resolve_max_model_len(capacity_tokens)
@@ -150,7 +151,7 @@ class EngineCore:
             spec_graphs = SpeculativeGraphs(
                 self.model,
                 caches,
-                min(spec.max_batch, config.max_num_seqs),
+                min(spec.max_batch, config.num_seqs),
                 spec.num_speculative_tokens,
                 max_model_len,
             )
@@ -182,9 +183,9 @@ class EngineCore:
         )
         self.scheduler_config = SchedulerConfig(
             max_model_len=max_model_len,
-            max_num_seqs=config.max_num_seqs,
+            max_num_seqs=config.num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
-            max_num_batched_tokens_saturated=config.max_num_batched_tokens_saturated,
+            max_num_batched_tokens_saturated=config.saturated_step_tokens,
             vocab_size=self.tokenizer_vocab,
             eos_token_ids=self.model_config.eos_token_ids,
             policy=config.scheduler_policy,
@@ -201,7 +202,7 @@ class EngineCore:
             kv_pages=self.cache.kv.capacity,
             page_size=config.page_size,
             kv_capacity_tokens=capacity_tokens,
-            max_num_seqs=config.max_num_seqs,
+            max_num_seqs=config.num_seqs,
             device=str(device),
             dtype=str(dtype).removeprefix("torch."),
         )
@@ -213,9 +214,9 @@ class EngineCore:
             capacity_tokens,
             len(self.model_config.full_attention_layers),
             self.model_config.num_hidden_layers,
-            config.max_num_seqs,
+            config.num_seqs,
             max_model_len,
-            min(config.max_num_seqs, capacity_tokens // max_model_len),
+            min(config.num_seqs, capacity_tokens // max_model_len),
         )
         self.scheduler: Scheduler | None = None
         self.thread: threading.Thread | None = None
@@ -226,16 +227,14 @@ class EngineCore:
         config = self.config
         workers = self.workers
         mode = "global" if workers is None else tp.CAPTURE_ERROR_MODE
-        graphs = CudaGraphRunner(
-            self.model, caches, config.max_num_seqs, max_model_len, capture_error_mode=mode
-        )
+        graphs = CudaGraphRunner(self.model, caches, config.num_seqs, max_model_len, capture_error_mode=mode)
         seconds = self._capture_on_every_rank(
-            graphs.capture, lambda ranks: ranks.start_graph_capture(config.max_num_seqs, max_model_len)
+            graphs.capture, lambda ranks: ranks.start_graph_capture(config.num_seqs, max_model_len)
         )
         logger.info(
             "captured %d decode graphs (batch buckets up to %d) in %.1f s%s",
             len(graphs.buckets),
-            config.max_num_seqs,
+            config.num_seqs,
             seconds,
             self._on_each_rank(),
         )
@@ -250,7 +249,7 @@ class EngineCore:
         runner = PrefillGraphRunner(
             self.model,
             caches,
-            config.max_num_seqs,
+            config.num_seqs,
             config.prefill_graph_tokens,
             max_model_len,
             # An overlapped prefill replays beside the decode graphs: it must not share their pool.
@@ -261,14 +260,14 @@ class EngineCore:
         seconds = self._capture_on_every_rank(
             runner.warm,
             lambda ranks: ranks.start_prefill_graph_capture(
-                config.max_num_seqs, config.prefill_graph_tokens, max_model_len
+                config.num_seqs, config.prefill_graph_tokens, max_model_len
             ),
         )
         logger.info(
             "prefill graphs: steps of up to %d tokens in up to %d rows, captured per bucket while idle "
             "(the likely ones) or on first use (the smallest at start-up: %.1f s)%s",
             config.prefill_graph_tokens,
-            config.max_num_seqs,
+            config.num_seqs,
             seconds,
             self._on_each_rank(),
         )

@@ -2,8 +2,9 @@
 
 `build_rank` runs in the same order on every rank (EngineCore for rank 0, engine/tp.py's rank processes
 for the others): under tensor parallelism the warm-up's forwards and the page-count agreement are
-collectives. Memory plan: weights (refused up front when they cannot fit) -> warm-up at the real chunk shapes (activation peak measured) ->
-state slots for max_num_seqs -> KV pages from what is left under --gpu-memory-utilization.
+collectives. Memory plan: weights (refused up front when they cannot fit) -> max_num_seqs (its default from the memory
+left: `choose_max_num_seqs`) -> warm-up at the real chunk shapes (activation peak measured) -> state slots
+for max_num_seqs -> KV pages from what is left under --gpu-memory-utilization.
 
 With --speculative-config the model carries the checkpoint's MTP head: its attention layer is the last
 layer of the KV pool (every page holds it), and the state pool ends with `verify_scratch_slots` slots
@@ -13,6 +14,7 @@ manager's slots are 1..max_num_seqs).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -24,7 +26,7 @@ import torch.distributed as dist
 from deltaserve.cache.device import DeviceCaches, build_device_caches
 from deltaserve.config import ModelConfig
 from deltaserve.engine.warmup import WarmupReport, warm_up
-from deltaserve.engine_config import EngineConfig
+from deltaserve.engine_config import AUTO_MAX_NUM_SEQS, AUTO_SEQS_STATE_SHARE, EngineConfig
 from deltaserve.errors import ConfigError
 from deltaserve.model.layers.parallel import TensorParallel
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
@@ -41,12 +43,14 @@ GRAPH_RESERVE_BYTES = 256 << 20
 
 @dataclass(slots=True)
 class RankState:
-    """What one rank owns: its model shard and its caches."""
+    """What one rank owns: its model shard and its caches, and the config they were built for (its
+    max_num_seqs resolved, the same on every rank)."""
 
     model: Qwen35ForCausalLM
     caches: DeviceCaches
     device: torch.device
     dtype: torch.dtype
+    config: EngineConfig
 
 
 def build_rank(
@@ -105,10 +109,11 @@ def build_rank(
         f", tensor-parallel rank {tp.rank} of {tp.size}" if tp.size > 1 else "",
     )
     local = model.local_config
+    num_snapshots = plan_state_snapshots(config, local, device, dtype)
+    config = _resolve_max_num_seqs(config, local, device, dtype, num_snapshots, tp)
     if mtp:
         _log_speculative_memory(config, model, dtype)
     warmup = _warm_up(config, model, local, dtype, device) if device.type == "cuda" else None
-    num_snapshots = plan_state_snapshots(config, local, device, dtype)
     num_pages = _plan_kv_pages(config, local, device, dtype, warmup, num_snapshots, model.num_kv_layers)
     if tp.size > 1:
         num_snapshots = agree_on_minimum(num_snapshots, device)
@@ -117,13 +122,54 @@ def build_rank(
         local,
         num_pages=num_pages,
         page_size=config.page_size,
-        num_slots=config.max_num_seqs + 1 + verify_scratch_slots(config),
+        num_slots=config.num_seqs + 1 + verify_scratch_slots(config),
         dtype=dtype,
         device=device,
         num_snapshots=num_snapshots,
         num_kv_layers=model.num_kv_layers,
     )
-    return RankState(model, caches, device, dtype)
+    return RankState(model, caches, device, dtype, config)
+
+
+def choose_max_num_seqs(cache_bytes: float, state_bytes_per_sequence: int) -> int:
+    """The first of AUTO_MAX_NUM_SEQS whose state slots (and the reserved slot 0) take at most
+    AUTO_SEQS_STATE_SHARE of `cache_bytes` (the memory for state slots, KV pages and activations), else
+    the last."""
+    for seqs in AUTO_MAX_NUM_SEQS[:-1]:
+        if (seqs + 1) * state_bytes_per_sequence <= AUTO_SEQS_STATE_SHARE * cache_bytes:
+            return seqs
+    return AUTO_MAX_NUM_SEQS[-1]
+
+
+def _resolve_max_num_seqs(
+    config: EngineConfig,
+    local: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    num_snapshots: int,
+    tp: TensorParallel,
+) -> EngineConfig:
+    """The config with max_num_seqs given, or chosen from the memory left after the weights and the
+    snapshot pool (on CPU: the smaller default); the smallest choice over the ranks."""
+    if config.max_num_seqs is not None:
+        return config
+    per_sequence = local.state_bytes_per_sequence(dtype)
+    seqs = AUTO_MAX_NUM_SEQS[-1]
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        cache_bytes = config.gpu_memory_utilization * total - (total - free) - num_snapshots * per_sequence
+        seqs = choose_max_num_seqs(cache_bytes, per_sequence)
+    if tp.size > 1:
+        seqs = agree_on_minimum(seqs, device)
+    logger.info(
+        "max_num_seqs %d (--max-num-seqs by default: %s, the first whose state slots of %.1f MiB each take "
+        "at most %.0f%% of the memory for caches)",
+        seqs,
+        " or ".join(map(str, AUTO_MAX_NUM_SEQS)),
+        per_sequence / 2**20,
+        100 * AUTO_SEQS_STATE_SHARE,
+    )
+    return dataclasses.replace(config, max_num_seqs=seqs)
 
 
 def verify_scratch_slots(config: EngineConfig) -> int:
@@ -137,7 +183,7 @@ def verify_scratch_slots(config: EngineConfig) -> int:
 def _log_speculative_memory(config: EngineConfig, model: Qwen35ForCausalLM, dtype: torch.dtype) -> None:
     local = model.local_config
     scratch = verify_scratch_slots(config)
-    first = config.max_num_seqs + 1
+    first = config.num_seqs + 1
     kv_layer = local.kv_bytes_per_token(dtype, 1) * config.page_size
     logger.info(
         "speculative decoding: the MTP head (KV layer %d, %.1f KiB per page), %d verify scratch state "
@@ -159,12 +205,12 @@ def _warm_up(
         local,
         num_pages=2,
         page_size=cfg.page_size,
-        num_slots=cfg.max_num_seqs + 1 + verify_scratch_slots(cfg),
+        num_slots=cfg.num_seqs + 1 + verify_scratch_slots(cfg),
         dtype=dtype,
         device=device,
         num_kv_layers=model.num_kv_layers,
     )
-    report = warm_up(model, scratch, cfg.largest_step_tokens, cfg.max_num_seqs, sample=model.tp.rank == 0)
+    report = warm_up(model, scratch, cfg.largest_step_tokens, cfg.num_seqs, sample=model.tp.rank == 0)
     del scratch
     torch.cuda.empty_cache()
     logger.info(
@@ -219,7 +265,7 @@ def _plan_kv_pages(
     if cfg.num_kv_pages is not None:
         return cfg.num_kv_pages
     page_bytes = local.kv_bytes_per_token(dtype, num_kv_layers) * cfg.page_size
-    slots = cfg.max_num_seqs + 1 + verify_scratch_slots(cfg) + num_snapshots
+    slots = cfg.num_seqs + 1 + verify_scratch_slots(cfg) + num_snapshots
     state_bytes = slots * local.state_bytes_per_sequence(dtype)
     if device.type == "cuda":
         assert warmup is not None

@@ -144,12 +144,27 @@ def _impossible(req: PendingView, cap: AdmissionCapacity) -> Rejection | None:
     return None
 
 
-def step_token_budget(max_num_batched_tokens: int, saturated_tokens: int, num_waiting: int) -> int:
-    """This step's token budget (decode rows + prefill): `saturated_tokens` while requests wait for
-    admission and it is set, else max_num_batched_tokens. A server with a waiting queue is full: every
-    waiting request's first token depends on prefill throughput, and larger steps pay the running
-    decode rows' share of a step less often. Below that load the smaller budget keeps steps short."""
-    if num_waiting > 0 and saturated_tokens > max_num_batched_tokens:
+# The server counts as saturated while more than max_num_seqs / SATURATED_PREFILL_QUEUE_SHARE admitted
+# requests wait for their prefill: a burst of one request per client (64 clients on 512 slots) is not.
+SATURATED_PREFILL_QUEUE_SHARE = 8
+
+
+def step_token_budget(
+    max_num_batched_tokens: int,
+    saturated_tokens: int,
+    *,
+    num_waiting: int,
+    num_prefilling: int,
+    max_num_seqs: int,
+) -> int:
+    """This step's token budget (decode rows + prefill): `saturated_tokens` when it is set and the server
+    is saturated (requests wait for admission, or more than max_num_seqs / SATURATED_PREFILL_QUEUE_SHARE
+    admitted requests wait for their prefill), else max_num_batched_tokens. A saturated server's queued
+    first tokens depend on prefill throughput, and each larger step carries more prompt tokens per pass
+    over the weights; the queue keeps the slots full, so the decode rows grow with it. Below that load the
+    smaller budget keeps steps short."""
+    saturated = num_waiting > 0 or num_prefilling * SATURATED_PREFILL_QUEUE_SHARE > max_num_seqs
+    if saturated and saturated_tokens > max_num_batched_tokens:
         return saturated_tokens
     return max_num_batched_tokens
 

@@ -199,7 +199,11 @@ def _prefill_budget(sched: SchedulerState, decode: list[Request], pending: int =
     """This step's prefill tokens beside `decode` (`pending`: tokens each decoder has in flight)."""
     config = sched.config
     step_tokens = step_token_budget(
-        config.max_num_batched_tokens, config.max_num_batched_tokens_saturated, len(sched.waiting)
+        config.max_num_batched_tokens,
+        config.max_num_batched_tokens_saturated,
+        num_waiting=len(sched.waiting),
+        num_prefilling=len(sched.prefilling),
+        max_num_seqs=config.max_num_seqs,
     )
     budget = choose_prefill_budget(
         policy=config.policy,
