@@ -137,7 +137,8 @@ DEFAULT_PREFILL_GRAPH_TOKENS = 4608
 # 9B or 35B-A3B shape), else the smaller (the 27B shape); the CPU takes the smaller. A saturated server
 # decodes as many sequences as it has slots, and each step then carries as many prompt tokens as the
 # finished sequences free: more slots make larger steps, which the MoE's expert weights need (the 35B-A3B
-# saturated cell: 40.7k total tok/s with 512 against 34.7k with 256; the dense 9B: the same).
+# saturated cell on an H200: 39.4k total tok/s with these defaults against 34.7k with 256 sequences and
+# 2,048-token steps; the dense 9B: 32.6k against 31.6k; docs/benchmarks/2026-12-04-h200-saturated-defaults.md).
 AUTO_MAX_NUM_SEQS = (512, 256)
 AUTO_SEQS_STATE_SHARE = 2 / 3
 # The default saturated step: a decode row for every sequence beside this many prompt tokens.

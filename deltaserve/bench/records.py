@@ -87,18 +87,23 @@ REFERENCES: dict[str, CellReference] = {
         note="published elsewhere: SGLang, 4B on one H200, 128 multi-turn clients, prefix hit rate 0.83"
     ),
     "9b-shape:1024-128-c512": CellReference(
-        previous=(Figure("total", 32.1e3, "tok/s", text="32.1k tok/s"), Figure("ITL p99", 69.1, "ms")),
-        note="the 2026-12-04 record (saturated-9b-decode-apart; the GPU power-capped at ~1,620 MHz through the "
-        "run; 31.7k in saturated-9b-conv-tiles); 30.8k on 2026-12-01 with --max-num-seqs 512 "
-        "--max-num-batched-tokens 8192; vLLM 0.17.1 on an H100: 29.8k default, 34.5k tuned",
+        previous=(
+            Figure("total", 32.6e3, "tok/s", text="32.6k tok/s"),
+            Figure("TPOT", 112.6, "ms"),
+            Figure("ITL p99", 147.9, "ms"),
+        ),
+        note="the 2026-12-04 record (saturated-9b-auto-seqs: 512 sequences, saturated steps; the GPU "
+        "power-capped at ~1,600 MHz); 32.1k with 256 sequences and 2,048-token steps (saturated-9b-decode-apart, "
+        "TPOT 62.5 ms, ITL p99 69.1 ms); vLLM 0.17.1 on an H100: 29.8k default, 34.5k tuned",
     ),
     "35b-a3b-shape:1024-128-c512": CellReference(
         previous=(
-            Figure("total", 34.4e3, "tok/s", text="34.4k tok/s"),
-            Figure("TPOT", 55.5, "ms"),
-            Figure("ITL p99", 64.1, "ms"),
+            Figure("total", 39.4e3, "tok/s", text="39.4k tok/s"),
+            Figure("TPOT", 85.8, "ms"),
+            Figure("ITL p99", 141.7, "ms"),
         ),
-        note="the 2026-12-04 record (saturated-35b-seq-blocks; 33.2k on 2026-12-03, saturated-35b-tile-order); "
+        note="the 2026-12-04 record (saturated-35b-auto-seqs: 512 sequences, saturated steps); 34.4k with 256 "
+        "sequences and 2,048-token steps (saturated-35b-seq-blocks, TPOT 55.5 ms, ITL p99 64.1 ms); "
         "25.9k on 2026-12-01 with 512 prompts at concurrency 256",
     ),
     "27b-shape:1024-256-c1": CellReference(
