@@ -9,7 +9,7 @@ import os
 import sys
 
 from deltaserve import __version__
-from deltaserve.engine_config import AUTO_MAX_NUM_SEQS, LOAD_FORMATS, EngineConfig, SpeculativeConfig
+from deltaserve.engine_config import CPU_MAX_NUM_SEQS, LOAD_FORMATS, EngineConfig, SpeculativeConfig
 from deltaserve.errors import ConfigError, RequestValidationError
 
 
@@ -43,8 +43,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-num-seqs",
         type=int,
         default=d.max_num_seqs,
-        help="requests decoded at once (state slots); default: 512 where their state takes at most two "
-        "thirds of the memory left for caches, else 256",
+        help="requests decoded at once (state slots); default: the first of 512, 256, 128, 64, 32, 16 whose "
+        "state takes at most two thirds of the GPU memory left for caches (16 when none does); 256 on the CPU",
     )
     g.add_argument(
         "--max-num-batched-tokens",
@@ -272,7 +272,7 @@ def _cmd_bench_api_server(args: argparse.Namespace) -> int:
     synthetic = SyntheticEngineConfig(
         engine_config.model,
         args.step_ms / 1000,
-        engine_config.max_num_seqs or AUTO_MAX_NUM_SEQS[-1],
+        engine_config.max_num_seqs or CPU_MAX_NUM_SEQS,
         engine_config.max_model_len or 32768,
     )
     launch = spawn_synthetic_engine(synthetic)

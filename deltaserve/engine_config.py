@@ -132,15 +132,18 @@ class SpeculativeConfig:
 # carry a saturated server must replay.
 DEFAULT_PREFILL_GRAPH_TOKENS = 4608
 
-# --max-num-seqs by default: the larger where its state slots take at most AUTO_SEQS_STATE_SHARE of the
-# memory left for caches after the weights and the prefix cache's snapshot pool (an H200 serving the 4B,
-# 9B or 35B-A3B shape), else the smaller (the 27B shape); the CPU takes the smaller. A saturated server
-# decodes as many sequences as it has slots, and each step then carries as many prompt tokens as the
-# finished sequences free: more slots make larger steps, which the MoE's expert weights need (the 35B-A3B
-# saturated cell on an H200: 39.4k total tok/s with these defaults against 34.7k with 256 sequences and
-# 2,048-token steps; the dense 9B: 32.6k against 31.6k; docs/benchmarks/2026-12-04-h200-saturated-defaults.md).
-AUTO_MAX_NUM_SEQS = (512, 256)
+# --max-num-seqs by default: the first of AUTO_MAX_NUM_SEQS whose state slots take at most
+# AUTO_SEQS_STATE_SHARE of the memory left for caches after the weights and the prefix cache's snapshot
+# pool (on an H200: 512 for the 4B, 9B and 35B-A3B shapes, 256 for the 27B shape), the last when none
+# does: a smaller GPU starts with fewer slots instead of failing for want of KV pages. The CPU takes
+# CPU_MAX_NUM_SEQS. A saturated server decodes as many sequences as it has slots, and each step then
+# carries as many prompt tokens as the finished sequences free: more slots make larger steps, which the
+# MoE's expert weights need (the 35B-A3B saturated cell on an H200: 39.4k total tok/s with these defaults
+# against 34.7k with 256 sequences and 2,048-token steps; the dense 9B: 32.6k against 31.6k;
+# docs/benchmarks/2026-12-04-h200-saturated-defaults.md).
+AUTO_MAX_NUM_SEQS = (512, 256, 128, 64, 32, 16)
 AUTO_SEQS_STATE_SHARE = 2 / 3
+CPU_MAX_NUM_SEQS = 256
 # The default saturated step: a decode row for every sequence beside this many prompt tokens.
 SATURATED_PREFILL_TOKENS = 4096
 

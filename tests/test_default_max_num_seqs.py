@@ -1,5 +1,5 @@
-"""--max-num-seqs by default: 512 where the state slots of 512 sequences take at most two thirds of the
-memory left for caches after the weights and the snapshot pool, else 256 (and 256 on the CPU)."""
+"""--max-num-seqs by default: the first of 512, 256, ... 16 whose state slots take at most two thirds of
+the memory left for caches after the weights and the snapshot pool (256 on the CPU)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,9 @@ def test_512_when_its_slots_take_at_most_two_thirds_of_the_cache_memory():
     # 513 slots (slot 0 is reserved) of 1 MiB: 2/3 of 769.5 MiB is exactly 513 MiB.
     assert choose_max_num_seqs(769.5 * MIB, MIB) == 512
     assert choose_max_num_seqs(769.0 * MIB, MIB) == 256
-    assert choose_max_num_seqs(0, MIB) == 256  # no room at all: the smaller, and the KV plan says why
+    # a smaller GPU: 2/3 of 100 MiB holds 65 slots of 1 MiB but not 129
+    assert choose_max_num_seqs(100 * MIB, MIB) == 64
+    assert choose_max_num_seqs(0, MIB) == 16  # no room at all: the smallest, and the KV plan says why
 
 
 def test_the_shapes_on_an_h200():

@@ -26,7 +26,12 @@ import torch.distributed as dist
 from deltaserve.cache.device import DeviceCaches, build_device_caches
 from deltaserve.config import ModelConfig
 from deltaserve.engine.warmup import WarmupReport, warm_up
-from deltaserve.engine_config import AUTO_MAX_NUM_SEQS, AUTO_SEQS_STATE_SHARE, EngineConfig
+from deltaserve.engine_config import (
+    AUTO_MAX_NUM_SEQS,
+    AUTO_SEQS_STATE_SHARE,
+    CPU_MAX_NUM_SEQS,
+    EngineConfig,
+)
 from deltaserve.errors import ConfigError
 from deltaserve.model.layers.parallel import TensorParallel
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
@@ -150,11 +155,11 @@ def _resolve_max_num_seqs(
     tp: TensorParallel,
 ) -> EngineConfig:
     """The config with max_num_seqs given, or chosen from the memory left after the weights and the
-    snapshot pool (on CPU: the smaller default); the smallest choice over the ranks."""
+    snapshot pool (on CPU: CPU_MAX_NUM_SEQS); the smallest choice over the ranks."""
     if config.max_num_seqs is not None:
         return config
     per_sequence = local.state_bytes_per_sequence(dtype)
-    seqs = AUTO_MAX_NUM_SEQS[-1]
+    seqs = CPU_MAX_NUM_SEQS
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         cache_bytes = config.gpu_memory_utilization * total - (total - free) - num_snapshots * per_sequence
@@ -162,12 +167,13 @@ def _resolve_max_num_seqs(
     if tp.size > 1:
         seqs = agree_on_minimum(seqs, device)
     logger.info(
-        "max_num_seqs %d (--max-num-seqs by default: %s, the first whose state slots of %.1f MiB each take "
-        "at most %.0f%% of the memory for caches)",
+        "max_num_seqs %d (--max-num-seqs by default: the first of %s whose state slots of %.1f MiB each "
+        "take at most %.0f%% of the memory for caches; %d on the CPU)",
         seqs,
-        " or ".join(map(str, AUTO_MAX_NUM_SEQS)),
+        ", ".join(map(str, AUTO_MAX_NUM_SEQS)),
         per_sequence / 2**20,
         100 * AUTO_SEQS_STATE_SHARE,
+        CPU_MAX_NUM_SEQS,
     )
     return dataclasses.replace(config, max_num_seqs=seqs)
 
