@@ -46,12 +46,13 @@ def test_buckets_by_hand():
 
 
 def test_buckets_captured_ahead_of_need_by_hand():
-    # Chunks 1, 2 and 4 (not 8: more than four chunks in a step is rare), decode rows beside them or
-    # not; the largest tokens first in each.
-    assert ahead_of_need([16, 32, 512, 640], [1, 2, 4, 8]) == [
+    # Chunks 1, 2 and 4, decode rows beside them or not, the largest tokens first in each; more chunks
+    # only at the full budget (a saturated step).
+    assert ahead_of_need([16, 32, 512, 640], [1, 2, 4, 8, 16]) == [
         (640, 1), (512, 1), (32, 1), (16, 1),
         (640, 2), (512, 2), (32, 2), (16, 2),
         (640, 4), (512, 4), (32, 4), (16, 4),
+        (640, 8), (640, 16),
     ]  # fmt: skip
     assert ahead_of_need([16, 32], [1, 3]) == [(32, 1), (16, 1), (32, 3), (16, 3)]
     assert ahead_of_need([16], [1]) == [(16, 1)]

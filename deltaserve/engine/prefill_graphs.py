@@ -97,7 +97,7 @@ def bucket_for(value: int, buckets: Sequence[int]) -> int | None:
     return next((b for b in buckets if b >= value), None)
 
 
-AHEAD_MAX_CHUNKS = 4  # prompt chunks in one step: more than 4 is rare (a burst of short prompts)
+AHEAD_MAX_CHUNKS = 4  # prompt chunks in one step below the full budget: more than 4 is rare
 
 # A prefill graph's bucket: (tokens T, prompt chunks P).
 Bucket = tuple[int, int]
@@ -105,14 +105,18 @@ Bucket = tuple[int, int]
 
 def ahead_of_need(token_buckets: Sequence[int], chunk_buckets: Sequence[int]) -> list[Bucket]:
     """The buckets captured while idle, in order: one chunk (any prompt's steps, with decode rows or
-    not), then two and four chunks (a step where prompts meet); the largest token bucket first within
-    each, so smaller graphs reuse the shared pool's blocks instead of growing it."""
+    not), then two and four chunks (a step where prompts meet), the largest token bucket first within
+    each, so smaller graphs reuse the shared pool's blocks instead of growing it; then the largest token
+    bucket with each larger chunk count: a saturated server's steps fill the whole budget with as many
+    prompts as it holds (a 4,608-token step of 1,024-token prompts: 5 or 6 chunks), and a first-use
+    capture there stalls every decoder (234 ms at the 9B shape on an H200)."""
+    largest = max(token_buckets)
     return [
         (tokens, chunks)
         for chunks in chunk_buckets
         if chunks <= AHEAD_MAX_CHUNKS
         for tokens in sorted(token_buckets, reverse=True)
-    ]
+    ] + [(largest, chunks) for chunks in chunk_buckets if chunks > AHEAD_MAX_CHUNKS]
 
 
 def next_uncaptured(pending: list[Bucket], settled: Container[Bucket]) -> Bucket | None:
