@@ -1,10 +1,11 @@
 """One rank's device state: its model shard, weights, warm-up, memory plan and caches.
 
 `build_rank` runs in the same order on every rank (EngineCore for rank 0, engine/tp.py's rank processes
-for the others): under tensor parallelism the warm-up's forwards and the page-count agreement are
-collectives. Memory plan: weights (refused up front when they cannot fit) -> max_num_seqs (its default from the memory
-left: `choose_max_num_seqs`) -> warm-up at the real chunk shapes (activation peak measured) -> state slots
-for max_num_seqs -> KV pages from what is left under --gpu-memory-utilization.
+for the others): under tensor parallelism the warm-up's forwards and the agreements (max_num_seqs, page
+count) are collectives. Memory plan: weights (refused up front when they cannot fit) -> max_num_seqs
+(by default from the memory left: `choose_max_num_seqs`) -> warm-up at the real chunk shapes (activation
+peak measured) -> state slots for max_num_seqs -> KV pages from what is left under
+--gpu-memory-utilization.
 
 With --speculative-config the model carries the checkpoint's MTP head: its attention layer is the last
 layer of the KV pool (every page holds it), and the state pool ends with `verify_scratch_slots` slots
