@@ -464,6 +464,17 @@ def test_two_ranks_generate_what_one_rank_generates(checkpoints, preset, monkeyp
             assert abs(x.logprob - y.logprob) < LOGPROB_TOL  # partial sums added in another order
 
 
+def test_two_ranks_agree_on_the_default_max_num_seqs(checkpoints) -> None:
+    """Without --max-num-seqs every rank resolves it (one more all-reduce in build_rank, on every rank in
+    the same place) and rank 0 serves with the agreed value: 256 on the CPU."""
+    with LLM(str(checkpoints["tiny"]), tensor_parallel_size=2, max_model_len=256) as llm:
+        assert llm.engine.info.max_num_seqs == 256
+        assert llm.engine.config.max_num_seqs == 256
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], params)
+    assert out[0].error is None and len(out[0].outputs[0].token_ids) == 4
+
+
 def test_dummy_weights_of_a_rank_are_its_shard_of_the_single_rank_dummy_model(tmp_path) -> None:
     """--load-format dummy under TP runs the same model as one rank: the single-rank dummy weights,
     saved under their checkpoint names and loaded as rank r of 2, equal rank r's own dummy weights."""
