@@ -4,6 +4,7 @@ pages, slots, context) and owns every cache allocation; the backend only execute
 from __future__ import annotations
 
 import random
+import statistics
 import threading
 import time
 from collections import defaultdict
@@ -151,6 +152,42 @@ def test_while_more_than_an_eighth_of_the_slots_wait_for_prefill_steps_take_the_
     # then b alone prefills (one is not more than 8 / 8): 8 tokens, a's decode row and 7 of b.
     assert run(16) == [([], [(0, 16)]), ([], [(16, 4), (0, 12)]), ([(20, 1)], [(12, 7)])]
     assert run(0) == [([], [(0, 8)]), ([], [(8, 8)]), ([], [(16, 4), (0, 4)])]  # off: 8 tokens a step
+
+
+def _closed_loop_decode_rows(saturated: int) -> tuple[float, int]:
+    """64 clients on 64 slots, each sending a 128-token prompt for 16 tokens again as soon as its last
+    ends (300 requests), in 256-token steps: the median decode rows per step over the middle half of the
+    run, and the step count."""
+    sched, backend, updates = make(budget=256, seqs=64, saturated=saturated, pages=4096, max_model_len=1024)
+    sent, finished = 0, set()
+
+    def send() -> None:
+        nonlocal sent
+        sched.submit(AddRequest(f"r{sent}", list(range(128)), greedy(16)))
+        sent += 1
+
+    for _ in range(64):
+        send()
+    while sched.tick():
+        for rid, ups in list(updates.items()):
+            if rid not in finished and ups[-1].finished:
+                finished.add(rid)
+                if sent < 300:
+                    send()
+    rows = [len(p.decode) for p in backend.plans]
+    return statistics.median(rows[len(rows) // 4 : 3 * len(rows) // 4]), len(rows)
+
+
+def test_a_saturated_server_keeps_most_slots_decoding_with_the_saturated_budget():
+    # Without it the steady state is D decoders beside the prompts the finished ones free:
+    # 256 - D = (D / 16) * 128, D = 256 / 9 ~ 28; the other slots wait for their prefill.
+    plain, plain_steps = _closed_loop_decode_rows(0)
+    assert 24 <= plain <= 32
+    # With 64 + 512 tokens while more than 64 / 8 = 8 wait for their prefill, the queue hovers near 8:
+    # ~56 of the 64 slots decode, and the same work takes fewer steps.
+    saturated, saturated_steps = _closed_loop_decode_rows(64 + 512)
+    assert saturated >= 50
+    assert saturated_steps < 0.7 * plain_steps
 
 
 def test_the_scheduler_reserves_every_page_a_plan_names_and_the_backend_allocates_none():
