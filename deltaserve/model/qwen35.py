@@ -155,10 +155,14 @@ class Qwen35ForCausalLM(nn.Module):
         """[R, hidden] -> [rows, logits_vocab_size] float32 (rows: R by default; the GEMM runs over all
         R rows, so a caller can pad R to a row count whose GEMM kernel is already loaded). The GEMM runs
         over a width rounded up to a multiple of 64 rows of the (padded) vocabulary: an odd width like
-        248077 sends cuBLAS to slow, unaligned kernels."""
+        248077 sends cuBLAS to slow, unaligned kernels. The float32 copy is made at all R rows too (the
+        result is its first `rows`): its ~1 MB per row is then allocated at a caller's padded counts, which
+        the caching allocator reuses, not at a count that grows by a few rows each step of a filling server
+        (a new device allocation each step, and an allocator retry, a device synchronisation, once the
+        outgrown blocks fill the memory)."""
         n = self.logits_vocab_size
         width = min(self.config.vocab_size, -(-n // 64) * 64)
-        return linear(hidden, self.lm_head[:width])[:rows, :n].float()
+        return linear(hidden, self.lm_head[:width])[:, :n].float()[:rows]
 
     def draft_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """The MTP head's greedy proposals from its final-normed hidden [R, hidden]: [R] int64 ids, the
