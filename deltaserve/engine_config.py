@@ -144,7 +144,8 @@ DEFAULT_PREFILL_GRAPH_TOKENS = 4608
 AUTO_MAX_NUM_SEQS = (512, 256, 128, 64, 32, 16)
 AUTO_SEQS_STATE_SHARE = 2 / 3
 CPU_MAX_NUM_SEQS = 256
-# The default saturated step: a decode row for every sequence beside this many prompt tokens.
+# The default saturated step: a decode row for every sequence beside this many prompt tokens, or twice
+# --max-num-batched-tokens where that is less (a budget lowered for latency stays near its scale).
 SATURATED_PREFILL_TOKENS = 4096
 
 
@@ -161,9 +162,10 @@ class EngineConfig:
     max_num_seqs: int | None = None  # None: from memory (AUTO_MAX_NUM_SEQS), resolved by build_rank
     max_num_batched_tokens: int = 2048
     # The step budget while the server is saturated (requests wait for admission, or more than an eighth
-    # of max_num_seqs wait for their prefill: every queued request's first token depends on prefill
-    # throughput, and larger steps carry more prompt tokens per pass over the weights); None: a decode row
-    # per sequence beside SATURATED_PREFILL_TOKENS; 0: max_num_batched_tokens always.
+    # of max_num_seqs, and more than 8, wait for their prefill: every queued request's first token depends
+    # on prefill throughput, and larger steps carry more prompt tokens per pass over the weights); None: a
+    # decode row per sequence beside min(SATURATED_PREFILL_TOKENS, 2 x max_num_batched_tokens) prompt
+    # tokens; 0: max_num_batched_tokens always.
     max_num_batched_tokens_saturated: int | None = None
     page_size: int = 16
     num_kv_pages: int | None = None  # None = sized from memory
@@ -216,7 +218,7 @@ class EngineConfig:
         """The step budget while saturated; 0: off (never above max_num_batched_tokens)."""
         tokens = self.max_num_batched_tokens_saturated
         if tokens is None:
-            tokens = self.num_seqs + SATURATED_PREFILL_TOKENS
+            tokens = self.num_seqs + min(SATURATED_PREFILL_TOKENS, 2 * self.max_num_batched_tokens)
         return tokens if tokens > self.max_num_batched_tokens else 0
 
     @property

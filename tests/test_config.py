@@ -193,6 +193,9 @@ def test_warm_up_measures_the_largest_step_either_budget_allows():
     # the default saturated step: a row per sequence beside 4,096 prompt tokens
     assert EngineConfig(max_num_seqs=512).saturated_step_tokens == 4608
     assert EngineConfig(max_num_seqs=256).largest_step_tokens == 4352
+    # a budget lowered for latency: twice it beside the rows, not 4,096
+    assert EngineConfig(max_num_seqs=512, max_num_batched_tokens=1024).saturated_step_tokens == 512 + 2048
+    assert EngineConfig(max_num_seqs=8, max_num_batched_tokens=16).saturated_step_tokens == 8 + 32
     # off where the base budget is already larger
     assert EngineConfig(max_num_seqs=512, max_num_batched_tokens=8192).saturated_step_tokens == 0
     assert EngineConfig(max_num_seqs=512, max_num_batched_tokens=8192).largest_step_tokens == 8192

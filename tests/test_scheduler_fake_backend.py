@@ -139,19 +139,23 @@ def test_while_a_request_waits_for_admission_steps_take_the_saturated_budget():
     assert run(0) == [([], [(0, 5), (0, 3)]), ([(5, 1)], [(3, 7)])]  # off: 8 tokens a step
 
 
-def test_while_more_than_an_eighth_of_the_slots_wait_for_prefill_steps_take_the_saturated_budget():
+def test_while_more_than_eight_requests_wait_for_prefill_steps_take_the_saturated_budget():
     def run(saturated: int) -> list:
-        sched, backend, _ = make(budget=8, seqs=8, saturated=saturated, pages=128)
-        sched.submit(AddRequest("a", list(range(20)), greedy(3)))
-        sched.submit(AddRequest("b", list(range(20)), greedy(3)))  # both admitted: 8 slots
-        for _ in range(3):
+        sched, backend, _ = make(budget=8, seqs=16, saturated=saturated, pages=128)
+        for i in range(10):  # all admitted: 16 slots
+            sched.submit(AddRequest(f"r{i}", list(range(3)), greedy(3)))
+        for _ in range(2):
             sched.tick()
         return [shape(p) for p in backend.plans]
 
-    # Two of 8 slots prefilling (more than 8 / 8): 16 tokens a step, a's 16, then a's last 4 and b's 12;
-    # then b alone prefills (one is not more than 8 / 8): 8 tokens, a's decode row and 7 of b.
-    assert run(16) == [([], [(0, 16)]), ([], [(16, 4), (0, 12)]), ([(20, 1)], [(12, 7)])]
-    assert run(0) == [([], [(0, 8)]), ([], [(8, 8)]), ([], [(16, 4), (0, 4)])]  # off: 8 tokens a step
+    # Ten prefilling (more than max(16 / 8, 8)): 16 tokens, five whole prompts and one token of the sixth;
+    # then five prefilling: 8 tokens, the five decode rows beside the sixth's last 2 and the seventh's first.
+    whole = (0, 3)
+    assert run(16) == [
+        ([], [whole] * 5 + [(0, 1)]),
+        ([(3, 1)] * 5, [(1, 2), (0, 1)]),
+    ]
+    assert run(0) == [([], [whole, whole, (0, 2)]), ([(3, 1)] * 2, [(2, 1), whole, (0, 2)])]  # off
 
 
 def _closed_loop_decode_rows(saturated: int) -> tuple[float, int]:

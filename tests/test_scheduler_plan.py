@@ -153,6 +153,9 @@ def test_the_saturated_step_budget_applies_only_while_requests_queue():
     assert budget(8192, waiting=0, prefilling=65) == 8192
     assert budget(8192, waiting=0, prefilling=33, seqs=256) == 8192  # more than 256 / 8 = 32
     assert budget(8192, waiting=0, prefilling=32, seqs=256) == 2048
+    assert budget(8192, waiting=0, prefilling=8, seqs=16) == 2048  # never for 8 or fewer
+    assert budget(8192, waiting=0, prefilling=9, seqs=16) == 8192
+    assert budget(8192, waiting=1, prefilling=0, seqs=4) == 8192
     assert budget(0, waiting=100, prefilling=500) == 2048  # off
     assert budget(1024, waiting=5, prefilling=0) == 2048  # never below the base budget
 

@@ -145,8 +145,10 @@ def _impossible(req: PendingView, cap: AdmissionCapacity) -> Rejection | None:
 
 
 # The server counts as saturated while more than max_num_seqs / SATURATED_PREFILL_QUEUE_SHARE admitted
-# requests wait for their prefill: a burst of one request per client (64 clients on 512 slots) is not.
+# requests, and more than SATURATED_MIN_PREFILL_QUEUE, wait for their prefill: a burst of one request per
+# client (64 clients on 512 slots) is not, nor a few prompts on a server of a few slots.
 SATURATED_PREFILL_QUEUE_SHARE = 8
+SATURATED_MIN_PREFILL_QUEUE = 8
 
 
 def step_token_budget(
@@ -158,12 +160,13 @@ def step_token_budget(
     max_num_seqs: int,
 ) -> int:
     """This step's token budget (decode rows + prefill): `saturated_tokens` when it is set and the server
-    is saturated (requests wait for admission, or more than max_num_seqs / SATURATED_PREFILL_QUEUE_SHARE
-    admitted requests wait for their prefill), else max_num_batched_tokens. A saturated server's queued
-    first tokens depend on prefill throughput, and each larger step carries more prompt tokens per pass
-    over the weights; the queue keeps the slots full, so the decode rows grow with it. Below that load the
-    smaller budget keeps steps short."""
-    saturated = num_waiting > 0 or num_prefilling * SATURATED_PREFILL_QUEUE_SHARE > max_num_seqs
+    is saturated (requests wait for admission, or more than max(max_num_seqs / SATURATED_PREFILL_QUEUE_SHARE,
+    SATURATED_MIN_PREFILL_QUEUE) admitted requests wait for their prefill), else max_num_batched_tokens. A
+    saturated server's queued first tokens depend on prefill throughput, and each larger step carries more
+    prompt tokens per pass over the weights; the queue keeps the slots full, so the decode rows grow with
+    it. Below that load the smaller budget keeps steps short."""
+    queue = max(max_num_seqs / SATURATED_PREFILL_QUEUE_SHARE, SATURATED_MIN_PREFILL_QUEUE)
+    saturated = num_waiting > 0 or num_prefilling > queue
     if saturated and saturated_tokens > max_num_batched_tokens:
         return saturated_tokens
     return max_num_batched_tokens
