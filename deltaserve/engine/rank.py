@@ -163,7 +163,7 @@ def _resolve_max_num_seqs(
     seqs = CPU_MAX_NUM_SEQS
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        cache_bytes = config.gpu_memory_utilization * total - (total - free) - num_snapshots * per_sequence
+        cache_bytes = share_left(config.gpu_memory_utilization, free, total) - num_snapshots * per_sequence
         seqs = choose_max_num_seqs(cache_bytes, per_sequence)
     if tp.size > 1:
         seqs = agree_on_minimum(seqs, device)
@@ -279,7 +279,7 @@ def _plan_kv_pages(
         free, total = torch.cuda.mem_get_info(device)
         # The state pools are allocated after this; graph capture needs a little room of its own.
         reserve = state_bytes + warmup.peak_activation_bytes + GRAPH_RESERVE_BYTES
-        budget = cfg.gpu_memory_utilization * total - (total - free) - reserve
+        budget = share_left(cfg.gpu_memory_utilization, free, total) - reserve
         where = (
             f"GPU {total / 2**30:.1f} GiB x {cfg.gpu_memory_utilization} utilization, "
             f"{(total - free) / 2**30:.1f} GiB in use (weights, context), state slots and snapshots "
@@ -303,13 +303,18 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def share_left(utilization: float, free: int, total: int) -> float:
+    """Bytes this process may still allocate: --gpu-memory-utilization of the GPU, less what is in use."""
+    return utilization * total - (total - free)
+
+
 def check_weights_fit(
     needed: int, free: int, total: int, utilization: float, model_config: ModelConfig, tp: TensorParallel
 ) -> None:
     """Refuses, before anything is allocated, weights that cannot fit in this rank's share of the GPU
     (--gpu-memory-utilization of its memory, less what is already in use): a one-line error instead of
     an out-of-memory traceback part-way through loading."""
-    budget = utilization * total - (total - free)
+    budget = share_left(utilization, free, total)
     if needed <= budget:
         return
     what = (
