@@ -101,18 +101,27 @@ def build_rank(
             model_config,
             tp,
         )
+    checked = time.monotonic()
     model = build(device)
+    allocated = time.monotonic()
     if config.load_format == "dummy":
         init_dummy_weights(model, seed=config.seed)
     else:
         load_weights(model, model_dir)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    loaded = time.monotonic()
     logger.info(
-        "model loaded from %s in %.1f s (%s, %s%s)",
+        "model loaded from %s in %.1f s (%s, %s%s; device start and size check %.1f s, parameters "
+        "allocated %.1f s, weights %.1f s)",
         model_dir,
-        time.monotonic() - started,
+        loaded - started,
         device,
         dtype,
         f", tensor-parallel rank {tp.rank} of {tp.size}" if tp.size > 1 else "",
+        checked - started,
+        allocated - checked,
+        loaded - allocated,
     )
     local = model.local_config
     num_snapshots = plan_state_snapshots(config, local, device, dtype)
@@ -221,8 +230,9 @@ def _warm_up(
     del scratch
     torch.cuda.empty_cache()
     logger.info(
-        "warm-up at the real chunk shapes: %.1f s, activation peak %.2f GiB",
+        "warm-up at the real chunk shapes: %.1f s (%s), activation peak %.2f GiB",
         report.seconds,
+        report.phase_summary(),
         report.peak_activation_bytes / 2**30,
     )
     if report.fresh_attention_plans:

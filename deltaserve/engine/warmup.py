@@ -10,7 +10,7 @@ all work queued on the device: under load, a stall for every running request. He
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -55,6 +55,11 @@ class WarmupReport:
     peak_activation_bytes: int
     seconds: float
     fresh_attention_plans: int = 0  # cuDNN plans built for fresh prefill chunks (DELTASERVE_FRESH_SDPA)
+    # Seconds of each phase, in order (their sum is `seconds`): where a slow start-up spends its time.
+    phases: dict[str, float] = field(default_factory=dict)
+
+    def phase_summary(self) -> str:
+        return ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.phases.items())
 
 
 @torch.inference_mode()
@@ -73,6 +78,12 @@ def warm_up(
     device = model.device
     torch.cuda.synchronize(device)
     started = time.monotonic()
+    phases: dict[str, float] = {}
+
+    def phase_done(name: str) -> None:
+        torch.cuda.synchronize(device)
+        phases[name] = time.monotonic() - started - sum(phases.values())
+
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     page = cache.page_size
@@ -80,16 +91,24 @@ def warm_up(
     for seqs, tokens in shapes:
         batch = build_forward_batch(dummy_rows(seqs, tokens, page), page, device)
         model.compute_logits(model(batch, cache.kv, cache.states))
+    phase_done("prefill forwards")
     for seqs in sorted({1, min(8, max_num_seqs), max_num_seqs}):
         batch = build_forward_batch(dummy_rows(seqs, 1, page, context=page + 1), page, device)
         model.compute_logits(model(batch, cache.kv, cache.states))
+    phase_done("decode forwards")
     if sample:
         warm_sampler(Sampler(), model.logits_vocab_size, device, max_num_seqs)
+        phase_done("sampler")
     fresh_plans = warm_fresh_attention(model, max_batched_tokens)
+    if fresh_plans:
+        phase_done("cuDNN plans")
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - base
     return WarmupReport(
-        peak_activation_bytes=peak, seconds=time.monotonic() - started, fresh_attention_plans=fresh_plans
+        peak_activation_bytes=peak,
+        seconds=time.monotonic() - started,
+        fresh_attention_plans=fresh_plans,
+        phases=phases,
     )
 
 
