@@ -2,9 +2,12 @@
 
 The graph path must clear the state slot first (eager starts a prompt from zeros whatever the slot
 holds): the same one-token prompt gives bit-identical outputs whichever longer request used its slot
-before. Against eager, the tokens are the same; the first token's log-prob (the prompt's forward: the
-decode kernels against fla's chunked kernel, whose dots round through tf32) within 1e-3, later ones
-within 2e-2 (fp32 rounding compounding over the decode steps)."""
+before. Against eager, every prompt gives the same tokens. The log-probs of a one-token prompt compare
+the decode kernels (fp32 dots) with fla's chunked kernel (its dots round through tf32, a 10-bit
+mantissa), and a random model carries that difference through its 12 steps: measured on an H200 with
+the embedded checkpoint, 2.0e-3 and 3.8e-3 on the prompt's forward and up to 4.3e-2 on later steps,
+hence bounds of 1e-2 and 1e-1. Longer prompts take fla in both runs: measured within 6.4e-5, bound
+1e-3."""
 
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ def test_one_token_prompts_in_the_decode_graphs_equal_eager():
     graph, eager = outputs(False), outputs(True)
     assert graph[0] == graph[2] == graph[4], "a one-token prompt's output depends on its slot's history"
     for prompt, (g_tokens, g_lp), (e_tokens, e_lp) in zip(PROMPTS, graph, eager, strict=True):
+        first, later = (1e-2, 1e-1) if len(prompt) == 1 else (1e-3, 1e-3)
         assert g_tokens == e_tokens, prompt
-        assert g_lp[0] == pytest.approx(e_lp[0], abs=1e-3), prompt
-        assert g_lp == pytest.approx(e_lp, abs=2e-2), prompt
+        assert g_lp[0] == pytest.approx(e_lp[0], abs=first), (prompt, g_lp, e_lp)
+        assert g_lp == pytest.approx(e_lp, abs=later), (prompt, g_lp, e_lp)
