@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -54,3 +56,21 @@ def test_the_refusal_names_a_ranks_shard_and_dequantized_fp8_weights():
         match=r"^this rank's shard of the weights \(1 of 2\) needs 40.0 GiB \(FP8 weights are served dequantized: twice their size on disk\), but 0.0 GiB",
     ):
         check_weights_fit(40 * GIB, 10 * GIB, 80 * GIB, 0.5, fp8, TensorParallel(1, 2))
+
+
+def test_the_meta_build_of_the_size_check_does_not_import_torchs_compiler():
+    """The size check builds the model on the meta device. Arithmetic on a meta tensor runs torch's
+    Python references, whose first use imports torch._dynamo and sympy (~1.5 s of the engine's start)."""
+    code = (
+        "import sys, torch\n"
+        "from deltaserve.config import ModelConfig\n"
+        "from deltaserve.model.qwen35 import Qwen35ForCausalLM\n"
+        "from deltaserve.tiny import official_config\n"
+        "config = ModelConfig.from_dict(official_config('4b-shape'))\n"
+        "Qwen35ForCausalLM(config, dtype=torch.bfloat16, device=torch.device('meta'))\n"
+        "print('torch._dynamo' in sys.modules, 'sympy' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.split() == ["False", "False"], out.stdout + out.stderr
