@@ -58,8 +58,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.max_num_batched_tokens_saturated,
         metavar="N",
         help="tokens per step while the server is saturated (requests wait for admission, or more than "
-        "an eighth of --max-num-seqs, and more than 8, wait for their prefill); default: --max-num-seqs + "
-        "min(4096, 2 x --max-num-batched-tokens); 0: off",
+        "an eighth of --max-num-seqs, and more than 8, wait for their prefill; then until 8 or fewer do); "
+        "default: --max-num-seqs + min(4096, 2 x --max-num-batched-tokens); 0: off",
     )
     g.add_argument(
         "--page-size", type=int, default=d.page_size, help="KV page size in tokens (a power of two)"

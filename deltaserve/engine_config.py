@@ -161,11 +161,12 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the checkpoint's max_position_embeddings
     max_num_seqs: int | None = None  # None: from memory (AUTO_MAX_NUM_SEQS), resolved by build_rank
     max_num_batched_tokens: int = 2048
-    # The step budget while the server is saturated (requests wait for admission, or more than an eighth
-    # of max_num_seqs, and more than 8, wait for their prefill: every queued request's first token depends
-    # on prefill throughput, and larger steps carry more prompt tokens per pass over the weights); None: a
-    # decode row per sequence beside min(SATURATED_PREFILL_TOKENS, 2 x max_num_batched_tokens) prompt
-    # tokens; 0: max_num_batched_tokens always.
+    # The step budget while the server is saturated (plan.is_saturated: requests wait for admission, or
+    # more than an eighth of max_num_seqs, and more than 8, wait for their prefill, then until 8 or fewer
+    # do; every queued request's first token depends on prefill throughput, and larger steps carry more
+    # prompt tokens per pass over the weights); None: a decode row per sequence beside
+    # min(SATURATED_PREFILL_TOKENS, 2 x max_num_batched_tokens) prompt tokens; 0: max_num_batched_tokens
+    # always.
     max_num_batched_tokens_saturated: int | None = None
     page_size: int = 16
     num_kv_pages: int | None = None  # None = sized from memory

@@ -158,6 +158,27 @@ def test_while_more_than_eight_requests_wait_for_prefill_steps_take_the_saturate
     assert run(0) == [([], [whole, whole, (0, 2)]), ([(3, 1)] * 2, [(2, 1), whole, (0, 2)])]  # off
 
 
+def test_a_saturated_server_prefills_a_wave_in_large_steps_until_eight_or_fewer_wait():
+    def run(saturated: int) -> list:
+        sched, backend, _ = make(budget=8, seqs=128, saturated=saturated, pages=256)
+        for i in range(20):  # all admitted: 128 slots
+            sched.submit(AddRequest(f"r{i}", list(range(3)), greedy(3)))
+        for _ in range(2):
+            sched.tick()
+        return [shape(p) for p in backend.plans]
+
+    # Twenty prefilling, more than max(128 / 8, 8) = 16: 32 tokens, ten whole prompts and two tokens of
+    # the eleventh. Then ten prefilling: under the bar to enter but over the bar to stay (8), so 32 again:
+    # the ten decode rows beside the eleventh's last token and seven whole prompts.
+    whole = (0, 3)
+    assert run(32) == [
+        ([], [whole] * 10 + [(0, 2)]),
+        ([(3, 1)] * 10, [(2, 1)] + [whole] * 7),
+    ]
+    # Off: 8 tokens a step, and no prompt tokens beside eight or more decode rows.
+    assert run(0) == [([], [whole] * 2 + [(0, 2)]), ([(3, 1)] * 2, [(2, 1), (0, 3), (0, 2)])]
+
+
 def _closed_loop_decode_rows(saturated: int) -> tuple[float, int]:
     """64 clients on 64 slots, each sending a 128-token prompt for 16 tokens again as soon as its last
     ends (300 requests), in 256-token steps: the median decode rows per step over the middle half of the

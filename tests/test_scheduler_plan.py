@@ -14,6 +14,7 @@ from deltaserve.engine.scheduler.plan import (
     build_next_plan,
     choose_prefill_budget,
     even_prefill_budget,
+    is_saturated,
     max_kv_tokens,
     pages_for,
     plan_prefill_chunks,
@@ -141,23 +142,44 @@ def test_a_lone_prompts_chunks_are_evened_over_the_fewest_steps_in_graph_buckets
     assert even_prefill_budget(511, 1200, 1) == 511  # 3 steps of 400 -> 401 -> 512: never past the budget
 
 
-def test_the_saturated_step_budget_applies_only_while_requests_queue():
-    def budget(saturated: int, waiting: int, prefilling: int, seqs: int = 512) -> int:
-        return step_token_budget(
-            2048, saturated, num_waiting=waiting, num_prefilling=prefilling, max_num_seqs=seqs
+def test_a_server_becomes_saturated_while_requests_queue():
+    def saturated(waiting: int, prefilling: int, seqs: int = 512) -> bool:
+        return is_saturated(
+            was_saturated=False, num_waiting=waiting, num_prefilling=prefilling, max_num_seqs=seqs
         )
 
-    assert budget(8192, waiting=1, prefilling=0) == 8192  # a request waits for admission
-    assert budget(8192, waiting=0, prefilling=0) == 2048
-    assert budget(8192, waiting=0, prefilling=64) == 2048  # 64 of 512 slots: an eighth, not more
-    assert budget(8192, waiting=0, prefilling=65) == 8192
-    assert budget(8192, waiting=0, prefilling=33, seqs=256) == 8192  # more than 256 / 8 = 32
-    assert budget(8192, waiting=0, prefilling=32, seqs=256) == 2048
-    assert budget(8192, waiting=0, prefilling=8, seqs=16) == 2048  # never for 8 or fewer
-    assert budget(8192, waiting=0, prefilling=9, seqs=16) == 8192
-    assert budget(8192, waiting=1, prefilling=0, seqs=4) == 8192
-    assert budget(0, waiting=100, prefilling=500) == 2048  # off
-    assert budget(1024, waiting=5, prefilling=0) == 2048  # never below the base budget
+    assert saturated(waiting=1, prefilling=0)  # a request waits for admission
+    assert not saturated(waiting=0, prefilling=0)
+    assert not saturated(waiting=0, prefilling=64)  # 64 of 512 slots: an eighth, not more
+    assert saturated(waiting=0, prefilling=65)
+    assert saturated(waiting=0, prefilling=33, seqs=256)  # more than 256 / 8 = 32
+    assert not saturated(waiting=0, prefilling=32, seqs=256)
+    assert not saturated(waiting=0, prefilling=8, seqs=16)  # never for 8 or fewer
+    assert saturated(waiting=0, prefilling=9, seqs=16)
+    assert saturated(waiting=1, prefilling=0, seqs=4)
+
+
+def test_a_saturated_server_stays_saturated_until_eight_or_fewer_wait_for_prefill():
+    def after(prefilling: list[int], seqs: int = 512) -> list[bool]:
+        state, seen = False, []
+        for n in prefilling:
+            state = is_saturated(was_saturated=state, num_waiting=0, num_prefilling=n, max_num_seqs=seqs)
+            seen.append(state)
+        return seen
+
+    # Enters above 64 of 512, stays down to 9, leaves at 8, and enters again only above 64.
+    assert after([60, 65, 40, 9, 8, 40, 65]) == [False, True, True, True, False, False, True]
+    # At 64 slots or fewer the bars are the same (max(64 / 8, 8) = 8).
+    assert after([9, 8, 9], seqs=64) == [True, False, True]
+    # Requests waiting for admission keep it saturated whatever the queue.
+    assert is_saturated(was_saturated=True, num_waiting=3, num_prefilling=0, max_num_seqs=512)
+
+
+def test_the_saturated_step_budget_applies_only_to_saturated_steps():
+    assert step_token_budget(2048, 8192, saturated=True) == 8192
+    assert step_token_budget(2048, 8192, saturated=False) == 2048
+    assert step_token_budget(2048, 0, saturated=True) == 2048  # off
+    assert step_token_budget(2048, 1024, saturated=True) == 2048  # never below the base budget
 
 
 def test_fcfs_budget_subtracts_decode_rows():

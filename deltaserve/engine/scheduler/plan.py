@@ -144,29 +144,34 @@ def _impossible(req: PendingView, cap: AdmissionCapacity) -> Rejection | None:
     return None
 
 
-# The server counts as saturated while more than max_num_seqs / SATURATED_PREFILL_QUEUE_SHARE admitted
+# The server becomes saturated while more than max_num_seqs / SATURATED_PREFILL_QUEUE_SHARE admitted
 # requests, and more than SATURATED_MIN_PREFILL_QUEUE, wait for their prefill: a burst of one request per
-# client (64 clients on 512 slots) is not, nor a few prompts on a server of a few slots.
+# client (64 clients on 512 slots) is not, nor a few prompts on a server of a few slots. It stays
+# saturated until no more than SATURATED_MIN_PREFILL_QUEUE wait.
 SATURATED_PREFILL_QUEUE_SHARE = 8
 SATURATED_MIN_PREFILL_QUEUE = 8
 
 
-def step_token_budget(
-    max_num_batched_tokens: int,
-    saturated_tokens: int,
-    *,
-    num_waiting: int,
-    num_prefilling: int,
-    max_num_seqs: int,
-) -> int:
+def is_saturated(*, was_saturated: bool, num_waiting: int, num_prefilling: int, max_num_seqs: int) -> bool:
+    """Whether this step counts as saturated: requests wait for admission, or more than
+    max(max_num_seqs / SATURATED_PREFILL_QUEUE_SHARE, SATURATED_MIN_PREFILL_QUEUE) admitted requests wait
+    for their prefill, or the last step was saturated and more than SATURATED_MIN_PREFILL_QUEUE still
+    wait. The lower bar to stay makes a wave of admissions (the sequences that finished together) prefill
+    in large steps down to its last few prompts, not only down to the bar to enter, below which its
+    remaining ~max_num_seqs / 8 prompts would take steps of max_num_batched_tokens. On a server of at
+    most 64 slots the two bars are the same."""
+    if num_waiting > 0:
+        return True
+    enter = max(max_num_seqs / SATURATED_PREFILL_QUEUE_SHARE, SATURATED_MIN_PREFILL_QUEUE)
+    return num_prefilling > (SATURATED_MIN_PREFILL_QUEUE if was_saturated else enter)
+
+
+def step_token_budget(max_num_batched_tokens: int, saturated_tokens: int, *, saturated: bool) -> int:
     """This step's token budget (decode rows + prefill): `saturated_tokens` when it is set and the server
-    is saturated (requests wait for admission, or more than max(max_num_seqs / SATURATED_PREFILL_QUEUE_SHARE,
-    SATURATED_MIN_PREFILL_QUEUE) admitted requests wait for their prefill), else max_num_batched_tokens. A
-    saturated server's queued first tokens depend on prefill throughput, and each larger step carries more
-    prompt tokens per pass over the weights; the queue keeps the slots full, so the decode rows grow with
-    it. Below that load the smaller budget keeps steps short."""
-    queue = max(max_num_seqs / SATURATED_PREFILL_QUEUE_SHARE, SATURATED_MIN_PREFILL_QUEUE)
-    saturated = num_waiting > 0 or num_prefilling > queue
+    is saturated (`is_saturated`), else max_num_batched_tokens. A saturated server's queued first tokens
+    depend on prefill throughput, and each larger step carries more prompt tokens per pass over the
+    weights; the queue keeps the slots full, so the decode rows grow with it. Below that load the smaller
+    budget keeps steps short."""
     if saturated and saturated_tokens > max_num_batched_tokens:
         return saturated_tokens
     return max_num_batched_tokens

@@ -97,5 +97,8 @@ class SchedulerState:
                 f"manager has {len(self.cache.scratch_slots)}"
             )
         self.step_cost = StepCost()  # measured steps with decode rows and prefill (the latency budget)
+        # Whether the last step that planned prefill counted as saturated (plan.is_saturated: the bar to
+        # stay is lower than the bar to enter).
+        self.saturated = False
         self.stopped = False
         self._admitted = 0

@@ -51,6 +51,7 @@ from deltaserve.engine.scheduler.plan import (
     cap_prefill_for_latency,
     choose_prefill_budget,
     even_prefill_budget,
+    is_saturated,
     observe_step_cost,
     pages_for,
     plan_prefill_chunks,
@@ -198,12 +199,14 @@ def _plan_work(
 def _prefill_budget(sched: SchedulerState, decode: list[Request], pending: int = 0) -> int:
     """This step's prefill tokens beside `decode` (`pending`: tokens each decoder has in flight)."""
     config = sched.config
-    step_tokens = step_token_budget(
-        config.max_num_batched_tokens,
-        config.max_num_batched_tokens_saturated,
+    sched.saturated = is_saturated(
+        was_saturated=sched.saturated,
         num_waiting=len(sched.waiting),
         num_prefilling=len(sched.prefilling),
         max_num_seqs=config.max_num_seqs,
+    )
+    step_tokens = step_token_budget(
+        config.max_num_batched_tokens, config.max_num_batched_tokens_saturated, saturated=sched.saturated
     )
     budget = choose_prefill_budget(
         policy=config.policy,
