@@ -139,14 +139,19 @@ def test_while_a_request_waits_for_admission_steps_take_the_saturated_budget():
     assert run(0) == [([], [(0, 5), (0, 3)]), ([(5, 1)], [(3, 7)])]  # off: 8 tokens a step
 
 
+def _two_steps_of_three_token_prompts(count: int, seqs: int, saturated: int) -> list:
+    """The first two steps' shapes after `count` 3-token prompts, all admitted, in 8-token steps."""
+    sched, backend, _ = make(budget=8, seqs=seqs, saturated=saturated, pages=256)
+    for i in range(count):
+        sched.submit(AddRequest(f"r{i}", list(range(3)), greedy(3)))
+    for _ in range(2):
+        sched.tick()
+    return [shape(p) for p in backend.plans]
+
+
 def test_while_more_than_eight_requests_wait_for_prefill_steps_take_the_saturated_budget():
     def run(saturated: int) -> list:
-        sched, backend, _ = make(budget=8, seqs=16, saturated=saturated, pages=128)
-        for i in range(10):  # all admitted: 16 slots
-            sched.submit(AddRequest(f"r{i}", list(range(3)), greedy(3)))
-        for _ in range(2):
-            sched.tick()
-        return [shape(p) for p in backend.plans]
+        return _two_steps_of_three_token_prompts(10, seqs=16, saturated=saturated)
 
     # Ten prefilling (more than max(16 / 8, 8)): 16 tokens, five whole prompts and one token of the sixth;
     # then five prefilling: 8 tokens, the five decode rows beside the sixth's last 2 and the seventh's first.
@@ -160,12 +165,7 @@ def test_while_more_than_eight_requests_wait_for_prefill_steps_take_the_saturate
 
 def test_a_saturated_server_prefills_a_wave_in_large_steps_until_eight_or_fewer_wait():
     def run(saturated: int) -> list:
-        sched, backend, _ = make(budget=8, seqs=128, saturated=saturated, pages=256)
-        for i in range(20):  # all admitted: 128 slots
-            sched.submit(AddRequest(f"r{i}", list(range(3)), greedy(3)))
-        for _ in range(2):
-            sched.tick()
-        return [shape(p) for p in backend.plans]
+        return _two_steps_of_three_token_prompts(20, seqs=128, saturated=saturated)
 
     # Twenty prefilling, more than max(128 / 8, 8) = 16: 32 tokens, ten whole prompts and two tokens of
     # the eleventh. Then ten prefilling: under the bar to enter but over the bar to stay (8), so 32 again:
@@ -175,8 +175,7 @@ def test_a_saturated_server_prefills_a_wave_in_large_steps_until_eight_or_fewer_
         ([], [whole] * 10 + [(0, 2)]),
         ([(3, 1)] * 10, [(2, 1)] + [whole] * 7),
     ]
-    # Off: 8 tokens a step, and no prompt tokens beside eight or more decode rows.
-    assert run(0) == [([], [whole] * 2 + [(0, 2)]), ([(3, 1)] * 2, [(2, 1), (0, 3), (0, 2)])]
+    assert run(0) == [([], [whole, whole, (0, 2)]), ([(3, 1)] * 2, [(2, 1), whole, (0, 2)])]  # off
 
 
 def _closed_loop_decode_rows(saturated: int) -> tuple[float, int]:
