@@ -55,7 +55,8 @@ class WarmupReport:
     peak_activation_bytes: int
     seconds: float
     fresh_attention_plans: int = 0  # cuDNN plans built for fresh prefill chunks (DELTASERVE_FRESH_SDPA)
-    # Seconds of each phase, in order (their sum is `seconds`): where a slow start-up spends its time.
+    # Seconds of each phase, in order (together all of `seconds` but its last synchronisation): where a
+    # slow start-up spends its time.
     phases: dict[str, float] = field(default_factory=dict)
 
     def phase_summary(self) -> str:
