@@ -415,9 +415,12 @@ def test_smoke_group_runs_server_and_cells_end_to_end_on_cpu(tmp_path):
     }
     md = path.with_suffix(".md").read_text()
     assert "| tiny, 8 in / 4 out, concurrency 2 | 4 / 0 |" in md and "## Per turn: " in md
-    # Host CPU over each measured run: the server streamed the tokens, the engine computed them.
-    cpu = next(c for c in record["cells"] if c["name"] == "8-4-c2")["host_cpu"]
-    assert cpu["wall_s"] > 0 and cpu["server_s"] > 0 and cpu["engine_s"] > 0
+    # Host CPU over each measured run: the server streamed the tokens, the engine computed them. /proc
+    # counts CPU time in clock ticks (10 ms): one short cell's server time is 0 or 1 tick, so the server's
+    # is asserted over the group's cells (2-5 ticks measured).
+    cpus = [c["host_cpu"] for c in record["cells"]]
+    assert all(c["wall_s"] > 0 and c["server_s"] >= 0 and c["engine_s"] > 0 for c in cpus), cpus
+    assert sum(c["server_s"] for c in cpus) > 0, cpus
     assert "## Host CPU over each measured run" in md
 
 
