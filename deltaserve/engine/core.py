@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from deltaserve.cache.device import DeviceCaches
 from deltaserve.cache.manager import CacheManager
 from deltaserve.cachedir import use_kernel_cache
@@ -126,6 +128,7 @@ class EngineCore:
                 self.model_config,
                 self.tokenizer_vocab,
                 TensorParallel(0, config.tensor_parallel_size),
+                decode_graphs=tp.decode_graphs_wanted(config),
             )
             if self.workers is not None:
                 self.workers.wait_ready()
@@ -138,7 +141,7 @@ class EngineCore:
         capacity_tokens = self.cache.kv.capacity * config.page_size
         max_model_len = self._resolve_max_model_len(capacity_tokens)
         graphs = None
-        if device.type == "cuda" and not config.enforce_eager and (self.workers is None or tp.GRAPHS):
+        if device.type == "cuda" and tp.decode_graphs_wanted(config):
             graphs = self._capture_decode_graphs(caches, max_model_len)
         elif self.workers is not None:
             logger.info(
@@ -227,15 +230,17 @@ class EngineCore:
         config = self.config
         workers = self.workers
         mode = "global" if workers is None else tp.CAPTURE_ERROR_MODE
+        reserved = torch.cuda.memory_reserved(self.model.device)
         graphs = CudaGraphRunner(self.model, caches, config.num_seqs, max_model_len, capture_error_mode=mode)
         seconds = self._capture_on_every_rank(
             graphs.capture, lambda ranks: ranks.start_graph_capture(config.num_seqs, max_model_len)
         )
         logger.info(
-            "captured %d decode graphs (batch buckets up to %d) in %.1f s%s",
+            "captured %d decode graphs (batch buckets up to %d) in %.1f s, %.2f GiB of device memory%s",
             len(graphs.buckets),
             config.num_seqs,
             seconds,
+            (torch.cuda.memory_reserved(self.model.device) - reserved) / 2**30,
             self._on_each_rank(),
         )
         return graphs

@@ -5,7 +5,7 @@ for the others): under tensor parallelism the warm-up's forwards and the agreeme
 count) are collectives. Memory plan: weights (refused up front when they cannot fit) -> max_num_seqs
 (by default from the memory left: `choose_max_num_seqs`) -> warm-up at the real chunk shapes (activation
 peak measured) -> state slots for max_num_seqs -> KV pages from what is left under
---gpu-memory-utilization.
+--gpu-memory-utilization, less the graphs' shared logits buffers where graphs will be captured.
 
 With --speculative-config the model carries the checkpoint's MTP head: its attention layer is the last
 layer of the KV pool (every page holds it), and the state pool ends with `verify_scratch_slots` slots
@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from deltaserve.cache.device import DeviceCaches, build_device_caches
 from deltaserve.config import ModelConfig
+from deltaserve.engine.cuda_graphs import logits_buffer_bytes
 from deltaserve.engine.warmup import WarmupReport, warm_up
 from deltaserve.engine_config import (
     AUTO_MAX_NUM_SEQS,
@@ -60,11 +61,18 @@ class RankState:
 
 
 def build_rank(
-    config: EngineConfig, model_dir: Path, model_config: ModelConfig, tokenizer_vocab: int, tp: TensorParallel
+    config: EngineConfig,
+    model_dir: Path,
+    model_config: ModelConfig,
+    tokenizer_vocab: int,
+    tp: TensorParallel,
+    *,
+    decode_graphs: bool = False,
 ) -> RankState:
     """Model shard -> weights -> warm-up at the real chunk shapes (GPU) -> KV pages from what is left ->
     caches. Every rank runs this in the same order: under tensor parallelism the warm-up's forwards and
-    the page-count agreement are collectives."""
+    the page-count agreement are collectives. `decode_graphs`: this rank will capture decode graphs
+    (on CUDA), whose logits buffer the KV pages leave room for."""
     device = config.resolved_device()
     if tp.size > 1 and device.type == "cuda":
         device = torch.device("cuda", tp.rank)
@@ -129,7 +137,14 @@ def build_rank(
     if mtp:
         _log_speculative_memory(config, model, dtype)
     warmup = _warm_up(config, model, local, dtype, device) if device.type == "cuda" else None
-    num_pages = _plan_kv_pages(config, local, device, dtype, warmup, num_snapshots, model.num_kv_layers)
+    graph_bytes = (
+        logits_buffer_bytes(graph_logits_rows(config), tokenizer_vocab)
+        if decode_graphs and device.type == "cuda"
+        else 0
+    )
+    num_pages = _plan_kv_pages(
+        config, local, device, dtype, warmup, num_snapshots, model.num_kv_layers, graph_bytes
+    )
     if tp.size > 1:
         num_snapshots = agree_on_minimum(num_snapshots, device)
         num_pages = agree_on_minimum(num_pages, device)
@@ -186,6 +201,14 @@ def _resolve_max_num_seqs(
         CPU_MAX_NUM_SEQS,
     )
     return dataclasses.replace(config, max_num_seqs=seqs)
+
+
+def graph_logits_rows(config: EngineConfig) -> int:
+    """Rows of the graphs' shared float32 logits buffers: the decode graphs' (max_num_seqs) and, with
+    speculative decoding, the verify graphs' (a row per position of their largest bucket)."""
+    spec = config.speculative_config
+    verify = 0 if spec is None else min(spec.max_batch, config.num_seqs) * (spec.num_speculative_tokens + 1)
+    return config.num_seqs + verify
 
 
 def verify_scratch_slots(config: EngineConfig) -> int:
@@ -275,10 +298,12 @@ def _plan_kv_pages(
     warmup: WarmupReport | None,
     num_snapshots: int = 0,
     num_kv_layers: int | None = None,
+    graph_bytes: int = 0,
 ) -> int:
     """KV pages for this rank (`local` is its geometry: its KV heads and GDN heads), from what is left
-    after the state slots (the sequences' and the verify scratch slots) and the prefix cache's
-    snapshots. A page holds `num_kv_layers` layers (default: the full-attention layers)."""
+    after the state slots (the sequences' and the verify scratch slots), the prefix cache's snapshots
+    and `graph_bytes` (the decode graphs' logits buffer). A page holds `num_kv_layers` layers (default:
+    the full-attention layers)."""
     if cfg.num_kv_pages is not None:
         return cfg.num_kv_pages
     page_bytes = local.kv_bytes_per_token(dtype, num_kv_layers) * cfg.page_size
@@ -287,14 +312,16 @@ def _plan_kv_pages(
     if device.type == "cuda":
         assert warmup is not None
         free, total = torch.cuda.mem_get_info(device)
-        # The state pools are allocated after this; graph capture needs a little room of its own.
-        reserve = state_bytes + warmup.peak_activation_bytes + GRAPH_RESERVE_BYTES
+        # The state pools and the graphs' logits buffer are allocated after this; graph capture needs a
+        # little room of its own besides.
+        reserve = state_bytes + warmup.peak_activation_bytes + graph_bytes + GRAPH_RESERVE_BYTES
         budget = share_left(cfg.gpu_memory_utilization, free, total) - reserve
         where = (
             f"GPU {total / 2**30:.1f} GiB x {cfg.gpu_memory_utilization} utilization, "
             f"{(total - free) / 2**30:.1f} GiB in use (weights, context), state slots and snapshots "
             f"{state_bytes / 2**30:.2f} GiB, "
-            f"activations {warmup.peak_activation_bytes / 2**30:.2f} GiB"
+            f"activations {warmup.peak_activation_bytes / 2**30:.2f} GiB, "
+            f"decode graphs' logits {graph_bytes / 2**30:.2f} GiB"
         )
         flag = "raise --gpu-memory-utilization, or lower --max-num-seqs or --max-num-batched-tokens"
     else:

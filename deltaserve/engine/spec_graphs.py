@@ -142,6 +142,9 @@ class SpeculativeGraphs:
         self.mtp_ids = torch.zeros(n * t, dtype=torch.int64, device=dev)
         self.mtp_hidden_in = torch.zeros(n * t, hidden, dtype=model.dtype, device=dev)
         self.logits_indices = torch.arange(n * t, dtype=torch.int64, device=dev)
+        # Every verify graph writes its logits into the front of this one buffer (as the decode graphs
+        # share theirs: engine/cuda_graphs.py); a step reads them before the next verify replay.
+        self.verify_logits = torch.empty(n * t, model.logits_vocab_size, dtype=torch.float32, device=dev)
         self.query_starts = {
             k: torch.arange(n + 1, dtype=torch.int32, device=dev) * (k + 1) for k in range(0, max_drafts + 1)
         }
@@ -245,7 +248,7 @@ class SpeculativeGraphs:
 
                     def verify(batch: ForwardBatch = batch) -> tuple[torch.Tensor, ...]:
                         hidden = model(batch, caches.kv, caches.states, every_token=True)
-                        return hidden, model.compute_logits(hidden)
+                        return hidden, model.compute_logits(hidden, out=self.verify_logits)
 
                     def mtp(batch: ForwardBatch = batch, n: int = n) -> tuple[torch.Tensor, ...]:
                         return (
@@ -373,7 +376,8 @@ class SpeculativeGraphs:
 
     @torch.inference_mode()
     def verify(self, rows: Sequence[BatchRow]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden [n(k+1), H], logits [n(k+1), V]) of every token of the rows."""
+        """(hidden [n(k+1), H], logits [n(k+1), V]) of every token of the rows; the logits are a view
+        of the shared buffer, which the next verify replay overwrites."""
         n, t = len(rows), len(rows[0].token_ids)
         bucket = self.bucket(n)
         self._fill_verify(rows, bucket)

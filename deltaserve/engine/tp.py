@@ -76,6 +76,12 @@ class TensorParallelError(RuntimeError):
     """The rank group is poisoned: a rank failed, vanished or replied out of turn."""
 
 
+def decode_graphs_wanted(config: EngineConfig) -> bool:
+    """Whether every rank captures decode graphs (on CUDA): unless --enforce-eager, and over several
+    ranks only with DELTASERVE_TP_GRAPHS=1."""
+    return not config.enforce_eager and (config.tensor_parallel_size == 1 or GRAPHS)
+
+
 # ---- messages (rank 0 -> rank r, then rank r -> rank 0) -----------------------------------------
 
 
@@ -503,6 +509,7 @@ def run_rank(spec: RankSpec, channel: Connection) -> None:
             spec.model_config,
             spec.tokenizer_vocab,
             TensorParallel(spec.rank, spec.size),
+            decode_graphs=decode_graphs_wanted(spec.config),
         )
     except Exception as exc:
         logger.exception("rank %d failed to start", spec.rank)

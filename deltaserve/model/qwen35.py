@@ -151,7 +151,9 @@ class Qwen35ForCausalLM(nn.Module):
             input_ids, hidden, self.embed_tokens, batch, self.inv_freq, kv.layer(self.mtp_kv_index)
         )
 
-    def compute_logits(self, hidden: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+    def compute_logits(
+        self, hidden: torch.Tensor, rows: int | None = None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """[R, hidden] -> [rows, logits_vocab_size] float32 (rows: R by default; the GEMM runs over all
         R rows, so a caller can pad R to a row count whose GEMM kernel is already loaded). The GEMM runs
         over a width rounded up to a multiple of 64 rows of the (padded) vocabulary: an odd width like
@@ -159,10 +161,14 @@ class Qwen35ForCausalLM(nn.Module):
         result is its first `rows`): its ~1 MB per row is then allocated at a caller's padded counts, which
         the caching allocator reuses, not at a count that grows by a few rows each step of a filling server
         (a new device allocation each step, and an allocator retry, a device synchronisation, once the
-        outgrown blocks fill the memory)."""
+        outgrown blocks fill the memory). `out` (float32 [at least R, logits_vocab_size]): the copy is
+        written into its first R rows instead (the same bits), and the result is a view of it."""
         n = self.logits_vocab_size
         width = min(self.config.vocab_size, -(-n // 64) * 64)
-        return linear(hidden, self.lm_head[:width])[:, :n].float()[:rows]
+        logits = linear(hidden, self.lm_head[:width])[:, :n]
+        if out is None:
+            return logits.float()[:rows]
+        return out[: logits.shape[0]].copy_(logits)[:rows]
 
     def draft_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """The MTP head's greedy proposals from its final-normed hidden [R, hidden]: [R] int64 ids, the

@@ -1,0 +1,51 @@
+"""The decode graphs share one logits buffer: after capturing every bucket up to 64 sequences (11
+graphs, 295 rows in all) they hold about one buffer of 64 rows, not a buffer per bucket; and a replay
+of each bucket gives the eager forward's logits for its rows."""
+
+from __future__ import annotations
+
+import torch
+
+from deltaserve.cache.device import build_device_caches
+from deltaserve.config import ModelConfig
+from deltaserve.engine.cuda_graphs import CudaGraphRunner, graph_buckets, logits_buffer_bytes
+from deltaserve.engine.worker import ModelWorker
+from deltaserve.model.qwen35 import Qwen35ForCausalLM
+from deltaserve.model.weights import load_weights
+from deltaserve.ops.batch import BatchRow
+from deltaserve.tiny import default_model_dir
+
+DEVICE = torch.device("cuda")
+SEQS, PAGE = 64, 16
+
+
+def test_every_bucket_replays_into_one_shared_logits_buffer():
+    model_dir = default_model_dir()
+    cfg = ModelConfig.from_dir(model_dir)
+    model = Qwen35ForCausalLM(cfg, dtype=torch.float32, device=DEVICE)
+    load_weights(model, model_dir)
+    caches = build_device_caches(
+        cfg, num_pages=2 * SEQS + 1, page_size=PAGE, num_slots=SEQS + 1, dtype=torch.float32, device=DEVICE
+    )
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated(DEVICE)
+    graphs = CudaGraphRunner(model, caches, max_num_seqs=SEQS, max_model_len=2 * PAGE)
+    graphs.capture()
+    held = torch.cuda.memory_allocated(DEVICE) - before
+    vocab = model.logits_vocab_size
+    one = logits_buffer_bytes(SEQS, vocab)
+    per_bucket = sum(logits_buffer_bytes(b, vocab) for b in graph_buckets(SEQS))
+    assert one <= held < 1.5 * one, (held, one, per_bucket)  # per bucket it would be 4.6x one
+
+    eager = ModelWorker(model, caches)
+    prompts = [BatchRow([i + 1], 0, [i + 1], i + 1) for i in range(SEQS)]
+    eager.run(prompts)  # one token of context in each slot
+    for bucket in graph_buckets(SEQS):
+        rows = [BatchRow([7], 1, [i + 1], i + 1) for i in range(bucket)]
+        got = graphs.run(rows).clone()
+        caches.clear_states([r.state_slot for r in rows])  # the replay advanced the states: start again
+        eager.run([BatchRow([i + 1], 0, [i + 1], i + 1) for i in range(bucket)])
+        want = eager.run(rows)[0]
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        caches.clear_states([r.state_slot for r in rows])
+        eager.run([BatchRow([i + 1], 0, [i + 1], i + 1) for i in range(bucket)])
