@@ -15,7 +15,9 @@ surface. Every surface runs in two precisions:
   the tolerance (HF bf16 itself sits 0.16-0.21 nat from fp32 at the 4B shape); then HF fp32 on the same
   tokens decides: the engine must be no further from it than HF bf16 is, with 25% slack: on the mean and
   p99, and for an argmax, which may move only among tokens whose fp32 log-probs lie within HF bf16's own
-  p99 error of the best (or within its own pick's distance at that position). On the tiny MoE preset a
+  p99 error of the best (or within its own pick's distance at that position), or farther where both of
+  the engine's errors that moved it (at its pick and at the fp32 best) lie within that p99 error
+  (tests/gate_judge.py says why). On the tiny MoE preset a
   bf16 rounding flips top-2 routing decisions, and HF bf16 itself sits ~0.34 nat (mean) and ~3 nat (p99)
   from fp32: an argmax there lands ~3 nat off for HF bf16 as for the engine.
 
