@@ -25,6 +25,7 @@ per-chunk states scale with the prompt chunks, not with every row.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,7 @@ import triton.language as tl
 
 from deltaserve.ops.batch import ForwardBatch, fla_chunk_list, to_device
 from deltaserve.ops.triton.gdn_gating import gdn_gating
+from deltaserve.ops.triton.narrow_import import import_narrowly
 from deltaserve.ops.triton.pdl import gdc_enter, launch_options
 
 
@@ -356,6 +358,12 @@ def prefill_index(batch: ForwardBatch, first: int) -> PrefillIndex:
     return index
 
 
+def fla_chunk_gated_delta_rule() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """fla's chunked kernel, imported without the rest of fla (ops/triton/narrow_import.py) the first
+    time; after it, a lookup in sys.modules."""
+    return import_narrowly("fla.ops.gated_delta_rule", ("fla", "fla.ops"), "fla-core").chunk_gated_delta_rule
+
+
 def gdn_prefill(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -370,8 +378,7 @@ def gdn_prefill(
 ) -> torch.Tensor:
     """fla's sequences (prefill_index: eagerly the batch's sequences first..B-1, tokens from
     query_start_loc[first] on), any lengths, through fla's chunked kernel. Returns o for those tokens."""
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
+    chunk_gated_delta_rule = fla_chunk_gated_delta_rule()
     index = prefill_index(batch, first)
     start = index.start
     slots = index.state_slots
