@@ -26,9 +26,10 @@ VOCAB = 512
 LOGPROB_TOL = 5e-4
 
 
-def load_model(model_dir: Path, mtp: bool = False) -> Qwen35ForCausalLM:
+def load_model(model_dir: Path, mtp: bool = False, device: torch.device | None = None) -> Qwen35ForCausalLM:
+    """The checkpoint's model in float32, on the CPU unless `device` says otherwise."""
     model = Qwen35ForCausalLM(
-        ModelConfig.from_dir(model_dir), dtype=torch.float32, device=torch.device("cpu"), mtp=mtp
+        ModelConfig.from_dir(model_dir), dtype=torch.float32, device=device or torch.device("cpu"), mtp=mtp
     )
     load_weights(model, model_dir)
     return model

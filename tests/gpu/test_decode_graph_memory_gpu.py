@@ -5,13 +5,11 @@ of each bucket gives the eager forward's logits for its rows."""
 from __future__ import annotations
 
 import torch
+from scheduler_harness import load_model
 
 from deltaserve.cache.device import build_device_caches
-from deltaserve.config import ModelConfig
 from deltaserve.engine.cuda_graphs import CudaGraphRunner, graph_buckets, logits_buffer_bytes
 from deltaserve.engine.worker import ModelWorker
-from deltaserve.model.qwen35 import Qwen35ForCausalLM
-from deltaserve.model.weights import load_weights
 from deltaserve.ops.batch import BatchRow
 from deltaserve.tiny import default_model_dir
 
@@ -20,12 +18,14 @@ SEQS, PAGE = 64, 16
 
 
 def test_every_bucket_replays_into_one_shared_logits_buffer():
-    model_dir = default_model_dir()
-    cfg = ModelConfig.from_dir(model_dir)
-    model = Qwen35ForCausalLM(cfg, dtype=torch.float32, device=DEVICE)
-    load_weights(model, model_dir)
+    model = load_model(default_model_dir(), device=DEVICE)
     caches = build_device_caches(
-        cfg, num_pages=2 * SEQS + 1, page_size=PAGE, num_slots=SEQS + 1, dtype=torch.float32, device=DEVICE
+        model.config,
+        num_pages=2 * SEQS + 1,
+        page_size=PAGE,
+        num_slots=SEQS + 1,
+        dtype=torch.float32,
+        device=DEVICE,
     )
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated(DEVICE)

@@ -7,16 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from scheduler_harness import load_model
 
 from deltaserve.cache.device import build_device_caches
 from deltaserve.cache.kv_pages import DUMMY_PAGE
 from deltaserve.cache.state_slots import DUMMY_SLOT
-from deltaserve.config import ModelConfig
 from deltaserve.engine.cuda_graphs import CudaGraphRunner
 from deltaserve.engine.prefill_graphs import PrefillGraphRunner, ahead_of_need
 from deltaserve.engine.worker import ModelWorker
-from deltaserve.model.qwen35 import Qwen35ForCausalLM
-from deltaserve.model.weights import load_weights
 from deltaserve.ops.batch import BatchRow, build_forward_batch
 from deltaserve.tiny import default_model_dir
 
@@ -27,12 +25,14 @@ NUM_PAGES, NUM_SLOTS = 48, 9
 
 @pytest.fixture(scope="module")
 def setup():
-    model_dir = default_model_dir()
-    cfg = ModelConfig.from_dir(model_dir)
-    model = Qwen35ForCausalLM(cfg, dtype=torch.float32, device=DEVICE)
-    load_weights(model, model_dir)
+    model = load_model(default_model_dir(), device=DEVICE)
     caches = build_device_caches(
-        cfg, num_pages=NUM_PAGES, page_size=PAGE, num_slots=NUM_SLOTS, dtype=torch.float32, device=DEVICE
+        model.config,
+        num_pages=NUM_PAGES,
+        page_size=PAGE,
+        num_slots=NUM_SLOTS,
+        dtype=torch.float32,
+        device=DEVICE,
     )
     decode = CudaGraphRunner(model, caches, max_num_seqs=8, max_model_len=512)
     decode.capture()
