@@ -16,8 +16,8 @@ the process gets what the ordinary import gives). While it imports,
 compiles, and outside a compilation a disabled function runs as itself.
 
 Where a package is already imported (by the caller's own import of fla, say), or the narrow import
-fails (another layout of the package), the module is imported the ordinary way, and nothing of the
-narrow attempt stays in `sys.modules`.
+fails (another layout of the package), the module is imported the ordinary way, after the package's
+modules of the narrow attempt leave `sys.modules`.
 """
 
 from __future__ import annotations
@@ -44,14 +44,16 @@ def import_narrowly(
     the installed distribution whose version the outermost package reports as `__version__`."""
     if module in sys.modules or any(p in sys.modules for p in packages):
         return importlib.import_module(module)
-    before = set(sys.modules)
+    top = packages[0]
     try:
         with _compiler_decorators_as_identity():
             for name in packages:
-                sys.modules[name] = _plain_package(name, distribution if name == packages[0] else None)
+                sys.modules[name] = _plain_package(name, distribution if name == top else None)
             return importlib.import_module(module)
     except Exception:
-        for name in set(sys.modules) - before:
+        # The package's modules go (their packages were the plain ones); what else the attempt
+        # imported stays, as an ordinary import would have left it.
+        for name in [m for m in sys.modules if m == top or m.startswith(top + ".")]:
             del sys.modules[name]
         logger.warning("importing %s narrowly failed; importing it with its packages", module, exc_info=True)
         return importlib.import_module(module)
