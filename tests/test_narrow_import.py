@@ -95,6 +95,21 @@ def test_a_narrow_import_that_fails_leaves_nothing_behind_and_imports_the_ordina
     assert kern is sys.modules["narrowpkg.ops.kern"] and hasattr(kern.disabled, "__wrapped__")
 
 
+def test_a_failed_attempt_removes_the_packages_modules_and_keeps_the_others_it_imported(package, tmp_path):
+    (tmp_path / "narrowpkg_side.py").write_text(
+        "import narrowpkg_marker\nnarrowpkg_marker.ran.append('side')\n"
+    )
+    (tmp_path / PACKAGE / "ops" / "broken.py").write_text(
+        "import narrowpkg_side\nraise ImportError('boom')\n"
+    )
+    with pytest.raises(ImportError, match="boom"):  # narrowly, then the ordinary way
+        import_narrowly("narrowpkg.ops.broken", ("narrowpkg", "narrowpkg.ops"))
+    # The module outside the package ran once (the ordinary import found it imported); the ordinary
+    # import ran the initialisers.
+    assert package == ["side", "narrowpkg", "narrowpkg.ops"]
+    del sys.modules["narrowpkg_side"]
+
+
 def test_torch_compiler_is_not_imported(tmp_path):
     """In a fresh interpreter (torch's compiler is imported by other tests of this process)."""
     root = tmp_path / PACKAGE / "ops" / "kern"
