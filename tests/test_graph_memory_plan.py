@@ -45,7 +45,8 @@ def test_kv_pages_leave_room_for_the_graph_buffer(monkeypatch):
     cuda = torch.device("cuda")
 
     def pages(graph_bytes: int) -> int:
-        return rank._plan_kv_pages(config, local, cuda, torch.bfloat16, warmup, graph_bytes=graph_bytes)
+        fixed = {"decode graphs' logits": graph_bytes}
+        return rank._plan_kv_pages(config, local, cuda, torch.bfloat16, warmup, fixed=fixed)
 
     page_bytes = local.kv_bytes_per_token(torch.bfloat16) * config.page_size
     without, with_graphs = pages(0), pages(logits_buffer_bytes(512, VOCAB))

@@ -363,3 +363,53 @@ def test_allowed_token_ids_restrict_greedy_and_sampled_rows_and_leave_the_others
     assert mixed.token_ids.tolist() == [4, 3]
     processed = process_logits(logits, [row(allowed_token_ids=[5, 7])])
     assert torch.equal(processed[0, [5, 7]], logits[0, [5, 7]]) and processed[0].isinf().sum() == 6
+
+
+def test_penalties_counted_on_the_device_equal_penalties_counted_from_the_lists() -> None:
+    """A row with a penalty slot starts from the slot's device counts (outputs the host had at the last
+    launch) plus its extra tokens (a verify position's drafts) and its fed token (in flight): the same
+    logits as counting its whole output list, for every penalty and beside rows counted from lists."""
+    from deltaserve.engine.penalty_counts import PenaltyCounts, PenaltyReset
+
+    vocab = 12
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, vocab, generator=gen) * 3
+    params = [
+        dict(repetition_penalty=1.7),
+        dict(frequency_penalty=0.6, presence_penalty=0.4),
+        dict(repetition_penalty=1.3, presence_penalty=1.5),
+        dict(frequency_penalty=0.2),
+    ]
+    prompts = [(1, 2, 2), (3,), (4, 5), (6, 6)]
+    outputs = [(7, 7, 8), (3, 3, 9, 10), (5, 11), (1, 2, 3, 3, 3)]
+    listed = [row(prompt=p, output=o, **kw) for p, o, kw in zip(prompts, outputs, params, strict=True)]
+    want = process_logits(logits, listed)
+
+    counts = PenaltyCounts(num_slots=6, vocab=vocab, device=torch.device("cpu"))
+    # Slot 5 holds a stale row of someone else's: the reset rewrites it.
+    counts.apply([(5, 0), (5, 0)], [PenaltyReset(2, [1, 1], (9,))])
+    counts.apply([], [PenaltyReset(5, [7], ())])
+    counts.apply([(5, 7)], [])  # slot 5 (row 0) has output 7, 7; 8 is in flight (fed)
+    counts.apply([], [PenaltyReset(3, [3, 3], ())])  # row 1: 3, 3 counted; 9 and 10 are drafts
+    counts.apply([], [PenaltyReset(4, [5], (4, 5))])  # row 2: 5; 11 in flight
+    fed = torch.tensor([8, 0, 11])  # the step's first three rows are fed
+    on_device = [
+        row(prompt=prompts[0], output=outputs[0][:2], **params[0]),
+        row(prompt=prompts[1], output=outputs[1], **params[1]),
+        row(prompt=prompts[2], output=outputs[2][:1], **params[2]),
+        listed[3],  # counted from its lists, beside the others
+    ]
+    on_device[0].penalty_slot, on_device[0].penalty_pending = 5, True
+    on_device[1].penalty_slot, on_device[1].penalty_extra = 3, (9, 10)
+    on_device[2].penalty_slot, on_device[2].penalty_pending = 4, True
+    on_device[0].prompt_token_ids = on_device[2].prompt_token_ids = ()  # the device rows hold the prompts
+    counts.apply([], [PenaltyReset(5, [7, 7], (1, 2, 2))])  # row 0's prompt, for its repetition penalty
+    got = process_logits(logits, on_device, counts, fed)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+    sampler = Sampler(counts)
+    assert torch.equal(sampler(logits, on_device, fed).token_ids, Sampler()(logits, listed).token_ids)
+    with pytest.raises(ValueError, match="need a sampler with penalty counts"):
+        Sampler()(logits, on_device, fed)
+    with pytest.raises(ValueError, match="one of the step's fed rows"):
+        sampler(logits, on_device, fed[:2])

@@ -543,18 +543,52 @@ def test_abort_while_a_step_is_ahead_emits_nothing_after_the_terminal(model):
     assert run.sched.load.kv_pages_used == 0 and run.sched.load.state_slots_free == 16
 
 
-def test_penalised_requests_decode_synchronously_with_the_same_tokens(model):
-    params = SamplingParams(temperature=0.0, max_tokens=10, repetition_penalty=1.3, ignore_eos=True)
+PENALISED = {
+    "rep": SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=1.3, ignore_eos=True),
+    "freq": SamplingParams(temperature=0.0, max_tokens=24, frequency_penalty=0.8, ignore_eos=True),
+    "pres": SamplingParams(temperature=0.7, seed=3, max_tokens=24, presence_penalty=1.5, ignore_eos=True),
+}
+
+
+def test_penalised_requests_decode_ahead_with_the_tokens_of_synchronous_steps(model):
+    """Penalties count the outputs on the device, the token in flight included, so their requests
+    launch ahead like any other, with the tokens of steps read one at a time."""
     outs = {}
     for ahead in (False, True):
         run = Run(model, decode_ahead=ahead)
         log = _log_launches(run)
-        run.add("p", [9, 9, 9, 2], params)
+        for name, params in PENALISED.items():
+            run.add(name, [9, 9, 9, 2], params)
         run.add("q", [5, 6], GREEDY8)
         run.run_until_idle()
-        outs[ahead] = (run.tokens("p"), run.tokens("q"))
-        assert all(entry[1] is None for entry in log if entry[0] == "launch")
+        outs[ahead] = {name: run.tokens(name) for name in [*PENALISED, "q"]}
+        fed = [entry[1] for entry in log if entry[0] == "launch" and entry[1] is not None]
+        assert bool(fed) == ahead
     assert outs[True] == outs[False]
+    # The penalties act: greedy decoding of the same prompt without them repeats itself sooner.
+    plain = Run(model)
+    plain.add("rep", [9, 9, 9, 2], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    plain.run_until_idle()
+    assert plain.tokens("rep") != outs[True]["rep"]
+    assert len(set(outs[True]["rep"])) > len(set(plain.tokens("rep")))
+
+
+def test_penalised_requests_preempted_and_resumed_keep_their_tokens(model):
+    """A request resumed after preemption gets a slot whose counts another request wrote: its row is
+    rewritten from the outputs it has before it samples again."""
+    rng = random.Random(7)
+    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randrange(1, 16))] for _ in range(24)]
+    kinds = list(PENALISED.values())
+    params = [kinds[i % 3] for i in range(24)]
+    free = Run(model, max_num_seqs=24, num_pages=4096)
+    tight = Run(model, max_num_seqs=12, num_pages=65, max_num_batched_tokens=32)
+    for run in (free, tight):
+        for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+            run.add(f"r{i}", p, sp)
+        run.run_until_idle()
+    assert tight.sched.num_preemptions > 0
+    for i in range(24):
+        assert tight.tokens(f"r{i}") == free.tokens(f"r{i}"), f"request {i}"
 
 
 def test_a_request_leaving_under_a_running_decode_step_keeps_its_caches_until_the_step_is_waited(model):

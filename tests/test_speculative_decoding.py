@@ -230,7 +230,15 @@ def test_seeded_sampling_with_speculation_draws_the_same_tokens(model, tmp_path)
     params = [
         SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=10, ignore_eos=True),
         SamplingParams(temperature=1.0, top_k=20, seed=1234, max_tokens=10, ignore_eos=True, logprobs=1),
-        SamplingParams(temperature=0.7, seed=99, max_tokens=10, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(
+            temperature=0.7,
+            seed=99,
+            max_tokens=10,
+            ignore_eos=True,
+            repetition_penalty=1.3,
+            presence_penalty=1.5,
+            frequency_penalty=0.5,
+        ),
     ]
     prompts = list(PROMPTS.items())
 
@@ -454,3 +462,26 @@ def test_a_prefix_cache_hit_on_positions_without_mtp_kv_does_not_draft(model, mo
     assert (_drafting_rows(plans) == 0) == gaps
     monkeypatch.undo()
     assert_same_outputs(run, serve(model, {"t2": turn2}, params), ["t2"])
+
+
+def test_penalised_requests_with_speculation_keep_the_plain_tokens(model, tmp_path):
+    """A verify position's penalties count the drafts before it (on top of its slot's device counts):
+    with every draft accepted (replayed), the tokens of plain decoding."""
+    params = SamplingParams(
+        temperature=0.0, max_tokens=16, ignore_eos=True, presence_penalty=2.0, repetition_penalty=1.5
+    )
+
+    def run_all(speculative):
+        run = Run(model, speculative=speculative, vocab_size=VOCAB)
+        for rid, prompt in PROMPTS.items():
+            run.add(rid, prompt, params)
+        run.run_until_idle()
+        return run
+
+    path = tmp_path / "penalised.jsonl"
+    plain = run_all(None)
+    run_all(spec(3, benchmark_draft="record", benchmark_draft_file=str(path)))
+    fast = run_all(spec(3, benchmark_draft="replay", benchmark_draft_file=str(path)))
+    for rid in PROMPTS:
+        assert fast.tokens(rid) == plain.tokens(rid), rid
+    assert counters(fast).num_accepted_tokens == counters(fast).num_draft_tokens > 0

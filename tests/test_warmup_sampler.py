@@ -20,6 +20,14 @@ def test_the_sampler_warm_up_takes_every_stage_at_each_row_count(monkeypatch):
 
         return wrapper
 
+    output_counts = sampler_module._output_counts
+
+    def counting(prows, *args, **kwargs):
+        where = " on the device" if any(r.penalty_slot is not None for r in prows) else ""
+        seen.append(("_output_counts" + where, len(prows)))
+        return output_counts(prows, *args, **kwargs)
+
+    monkeypatch.setattr(sampler_module, "_output_counts", counting)
     for name in ("_apply_penalties", "_gumbel_argmax", "logprobs_of"):
         monkeypatch.setattr(sampler_module, name, recording(name, getattr(sampler_module, name)))
     monkeypatch.setattr(
@@ -44,6 +52,8 @@ def test_the_sampler_warm_up_takes_every_stage_at_each_row_count(monkeypatch):
         stages = {name for name, n in seen if n == rows}
         assert stages >= {
             "_apply_penalties",
+            "_output_counts",
+            "_output_counts on the device",
             "_gumbel_argmax",
             "logprobs_of",
             "top_k_top_p",

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from deltaserve.cache.device import DeviceCaches
+from deltaserve.engine.penalty_counts import PenaltyCounts
 from deltaserve.engine.protocol import TokenLogprobs
 from deltaserve.engine.sampler import Sampler, logprobs_of
 from deltaserve.engine.spec_graphs import SpeculativeGraphs
@@ -67,7 +68,9 @@ class Backend:
     ) -> None:
         self.model = model
         self.caches = caches
-        self.sampler = sampler or Sampler()
+        self.sampler = sampler or Sampler(
+            PenaltyCounts(caches.states.num_slots, model.logits_vocab_size, model.device)
+        )
         self.worker = worker or ModelWorker(model, caches)  # eager unless given a worker with graphs
         self.device = model.device
         self.speculative = (
@@ -129,6 +132,11 @@ class Backend:
 
     @torch.inference_mode()
     def _launch(self, plan: StepPlan, decode_graphs: bool = True) -> PendingStep:
+        if plan.penalty_tokens or plan.penalty_resets:
+            counts = self.sampler.penalty_counts
+            if counts is None:
+                raise ValueError("a plan with penalty counts needs a sampler that keeps them")
+            counts.apply(plan.penalty_tokens, plan.penalty_resets)
         if plan.num_drafts:
             if self.speculative is None:
                 raise ValueError("a speculative step needs a model with an MTP head")
@@ -147,7 +155,7 @@ class Backend:
         sampling = [r.sampling for r in planned if r.sampling is not None]
         if not sampling:
             return PendingStep(None, None, sampling, prompt)
-        token_ids, staged = sample_and_stage(self.sampler, logits, sampling)
+        token_ids, staged = sample_and_stage(self.sampler, logits, sampling, fed)
         return PendingStep(token_ids, staged, sampling, prompt)
 
     def _score_prompts(

@@ -5,7 +5,8 @@ for the others): under tensor parallelism the warm-up's forwards and the agreeme
 count) are collectives. Memory plan: weights (refused up front when they cannot fit) -> max_num_seqs
 (by default from the memory left: `choose_max_num_seqs`) -> warm-up at the real chunk shapes (activation
 peak measured) -> state slots for max_num_seqs -> KV pages from what is left under
---gpu-memory-utilization, less the graphs' shared logits buffers where graphs will be captured.
+--gpu-memory-utilization, less the buffers allocated after it (the graphs' shared logits, the
+sampler's penalty counts).
 
 With --speculative-config the model carries the checkpoint's MTP head: its attention layer is the last
 layer of the KV pool (every page holds it), and the state pool ends with `verify_scratch_slots` slots
@@ -27,6 +28,7 @@ import torch.distributed as dist
 from deltaserve.cache.device import DeviceCaches, build_device_caches
 from deltaserve.config import ModelConfig
 from deltaserve.engine.cuda_graphs import logits_buffer_bytes
+from deltaserve.engine.penalty_counts import penalty_counts_bytes
 from deltaserve.engine.warmup import WarmupReport, warm_up
 from deltaserve.engine_config import (
     AUTO_MAX_NUM_SEQS,
@@ -137,13 +139,15 @@ def build_rank(
     if mtp:
         _log_speculative_memory(config, model, dtype)
     warmup = _warm_up(config, model, local, dtype, device) if device.type == "cuda" else None
-    graph_bytes = (
-        logits_buffer_bytes(graph_logits_rows(config), tokenizer_vocab)
-        if decode_graphs and device.type == "cuda"
-        else 0
-    )
+    fixed: dict[str, int] = {}
+    if device.type == "cuda":
+        if decode_graphs:
+            fixed["decode graphs' logits"] = logits_buffer_bytes(graph_logits_rows(config), tokenizer_vocab)
+        if tp.rank == 0:  # the rank that samples
+            slots = config.num_seqs + 1 + verify_scratch_slots(config)
+            fixed["penalty counts"] = penalty_counts_bytes(slots, tokenizer_vocab)
     num_pages = _plan_kv_pages(
-        config, local, device, dtype, warmup, num_snapshots, model.num_kv_layers, graph_bytes
+        config, local, device, dtype, warmup, num_snapshots, model.num_kv_layers, fixed
     )
     if tp.size > 1:
         num_snapshots = agree_on_minimum(num_snapshots, device)
@@ -298,11 +302,12 @@ def _plan_kv_pages(
     warmup: WarmupReport | None,
     num_snapshots: int = 0,
     num_kv_layers: int | None = None,
-    graph_bytes: int = 0,
+    fixed: dict[str, int] | None = None,
 ) -> int:
     """KV pages for this rank (`local` is its geometry: its KV heads and GDN heads), from what is left
     after the state slots (the sequences' and the verify scratch slots), the prefix cache's snapshots
-    and `graph_bytes` (the decode graphs' logits buffer). A page holds `num_kv_layers` layers (default:
+    and the `fixed` buffers allocated later (by what they hold: the graphs' logits, the sampler's penalty
+    counts). A page holds `num_kv_layers` layers (default:
     the full-attention layers)."""
     if cfg.num_kv_pages is not None:
         return cfg.num_kv_pages
@@ -314,14 +319,15 @@ def _plan_kv_pages(
         free, total = torch.cuda.mem_get_info(device)
         # The state pools and the graphs' logits buffer are allocated after this; graph capture needs a
         # little room of its own besides.
-        reserve = state_bytes + warmup.peak_activation_bytes + graph_bytes + GRAPH_RESERVE_BYTES
+        fixed = fixed or {}
+        reserve = state_bytes + warmup.peak_activation_bytes + sum(fixed.values()) + GRAPH_RESERVE_BYTES
         budget = share_left(cfg.gpu_memory_utilization, free, total) - reserve
         where = (
             f"GPU {total / 2**30:.1f} GiB x {cfg.gpu_memory_utilization} utilization, "
             f"{(total - free) / 2**30:.1f} GiB in use (weights, context), state slots and snapshots "
             f"{state_bytes / 2**30:.2f} GiB, "
-            f"activations {warmup.peak_activation_bytes / 2**30:.2f} GiB, "
-            f"decode graphs' logits {graph_bytes / 2**30:.2f} GiB"
+            f"activations {warmup.peak_activation_bytes / 2**30:.2f} GiB"
+            + "".join(f", {what} {size / 2**30:.2f} GiB" for what, size in fixed.items())
         )
         flag = "raise --gpu-memory-utilization, or lower --max-num-seqs or --max-num-batched-tokens"
     else:

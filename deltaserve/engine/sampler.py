@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deltaserve.engine.penalty_counts import PenaltyCounts
 from deltaserve.engine.structured import RequestGrammar
 from deltaserve.ops.batch import to_device
 from deltaserve.sampling_params import SamplingParams
@@ -54,6 +55,13 @@ class SamplingRow:
     output_token_ids: Sequence[int]  # tokens generated so far (len == step)
     suppressed_token_ids: Sequence[int] = ()  # never sampled this step (EOS/stop ids while step < min_tokens)
     grammar: RequestGrammar | None = None  # structured output: masks what the grammar forbids
+    # Penalties counted on the device (engine/penalty_counts.py): the slot whose row holds the outputs
+    # the host had at the last launch, plus `penalty_extra` (a verify position's drafts before it) and,
+    # with `penalty_pending`, the row's own input token, fed from the device (a step launched ahead).
+    # None: counted here from output_token_ids (and prompt_token_ids).
+    penalty_slot: int | None = None
+    penalty_extra: Sequence[int] = ()
+    penalty_pending: bool = False
 
 
 @dataclass(slots=True)
@@ -76,18 +84,31 @@ class Sampler:
     """Samples one token per row of `logits` [B, V] (float32 or bf16, already cut to the tokenizer's V ids).
 
     Never writes `logits`, never synchronises with the device; host row data travels in one copy per
-    per-step tensor (pinned and asynchronous on CUDA)."""
+    per-step tensor (pinned and asynchronous on CUDA). `penalty_counts`: the device rows that rows with
+    a `penalty_slot` are counted from."""
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+    def __init__(self, penalty_counts: PenaltyCounts | None = None) -> None:
+        self.penalty_counts = penalty_counts
+
+    def __call__(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], fed: torch.Tensor | None = None
+    ) -> SamplerOutput:
+        """`fed`: the input tokens of the step's first rows, on the device (a step launched ahead): row
+        i < len(fed) with `penalty_pending` counts fed[i] as an output."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [rows={len(rows)}, vocab], got {tuple(logits.shape)}")
-        token_ids = _sample(process_logits(logits, rows), rows)
+        token_ids = _sample(process_logits(logits, rows, self.penalty_counts, fed), rows)
         asked = [r.params.logprobs for r in rows if r.params.logprobs is not None]
         logprobs = logprobs_of(logits, token_ids, max(asked)) if asked else None
         return SamplerOutput(token_ids, logprobs)
 
 
-def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+def process_logits(
+    logits: torch.Tensor,
+    rows: Sequence[SamplingRow],
+    penalty_counts: PenaltyCounts | None = None,
+    fed: torch.Tensor | None = None,
+) -> torch.Tensor:
     """logit_bias, then suppressed ids (-inf), then every id outside a row's allowed_token_ids (-inf), then
     repetition, frequency and presence penalties.
 
@@ -118,7 +139,7 @@ def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
         x[restricted] = float("-inf")
         x[index[0], index[1]] = kept
     if penalised:
-        x = _apply_penalties(x, rows, penalised)
+        x = _apply_penalties(x, rows, penalised, penalty_counts, fed)
     return x
 
 
@@ -137,8 +158,14 @@ def _flat_token_index(token_lists: Sequence[Sequence[int]], vocab: int, device: 
     return pairs[0] * vocab + pairs[1]
 
 
-def _apply_penalties(x: torch.Tensor, rows: Sequence[SamplingRow], penalised: list[int]) -> torch.Tensor:
-    """Penalties over the penalised rows only; token counts come from one scatter over their token ids."""
+def _apply_penalties(
+    x: torch.Tensor,
+    rows: Sequence[SamplingRow],
+    penalised: list[int],
+    penalty_counts: PenaltyCounts | None,
+    fed: torch.Tensor | None,
+) -> torch.Tensor:
+    """Penalties over the penalised rows only (their output counts: `_output_counts`)."""
     prows = [rows[i] for i in penalised]
     n, vocab = len(prows), x.shape[1]
     params = to_device(
@@ -154,22 +181,63 @@ def _apply_penalties(x: torch.Tensor, rows: Sequence[SamplingRow], penalised: li
     row_index = None if whole else to_device(penalised, torch.int64, x.device)
     sub = x if whole else x.index_select(0, row_index)
 
-    out_index = _flat_token_index([r.output_token_ids for r in prows], vocab, x.device)
-    counts = torch.zeros(n * vocab, dtype=torch.float32, device=x.device)
-    counts.index_add_(0, out_index, torch.ones_like(out_index, dtype=torch.float32))
-    counts = counts.view(n, vocab)
-    if any(r.params.repetition_penalty != 1.0 for r in prows):
-        # Prompt ids are shipped only for rows with a repetition penalty; the others' factor is exactly 1.
-        prompts = [r.prompt_token_ids if r.params.repetition_penalty != 1.0 else () for r in prows]
-        seen = (counts > 0).view(-1)
-        seen[_flat_token_index(prompts, vocab, x.device)] = True
+    repetition = any(r.params.repetition_penalty != 1.0 for r in prows)
+    counts, in_prompt = _output_counts(prows, penalised, vocab, x.device, penalty_counts, fed, repetition)
+    if repetition:
+        assert in_prompt is not None
         rep = params[0, :, None]
-        sub = torch.where(seen.view(n, vocab), torch.where(sub > 0, sub / rep, sub * rep), sub)
+        sub = torch.where((counts > 0) | in_prompt, torch.where(sub > 0, sub / rep, sub * rep), sub)
     if any(r.params.frequency_penalty != 0.0 or r.params.presence_penalty != 0.0 for r in prows):
         sub = sub - (params[1, :, None] * counts + params[2, :, None] * (counts > 0))
     if whole:
         return sub
     return x.index_copy_(0, row_index, sub)
+
+
+def _output_counts(
+    prows: Sequence[SamplingRow],
+    penalised: list[int],
+    vocab: int,
+    device: torch.device,
+    penalty_counts: PenaltyCounts | None,
+    fed: torch.Tensor | None,
+    repetition: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[P, vocab] float32: how often each penalised row has output each token; with `repetition`,
+    [P, vocab] bool: the tokens of its prompt (rows without a repetition penalty: none, so their factor
+    is exactly 1). A row with a penalty slot starts from its device row, plus its extra tokens and its
+    fed token; any other row is counted from its token lists (one scatter for all)."""
+    n = len(prows)
+    counts = torch.zeros(n, vocab, dtype=torch.float32, device=device)
+    in_prompt = torch.zeros(n, vocab, dtype=torch.bool, device=device) if repetition else None
+    on_device = [j for j, r in enumerate(prows) if r.penalty_slot is not None]
+    if on_device:
+        if penalty_counts is None:
+            raise ValueError("rows with a penalty slot need a sampler with penalty counts")
+        at = to_device([on_device, [prows[j].penalty_slot for j in on_device]], torch.int64, device)
+        slot_counts, slot_prompt = penalty_counts.rows(at[1])
+        counts.index_copy_(0, at[0], slot_counts)
+        if in_prompt is not None:
+            in_prompt.index_copy_(0, at[0], slot_prompt)
+    listed = [r.output_token_ids if r.penalty_slot is None else r.penalty_extra for r in prows]
+    if any(listed):
+        index = _flat_token_index(listed, vocab, device)
+        counts.view(-1).index_add_(0, index, torch.ones_like(index, dtype=torch.float32))
+    pending = [j for j, r in enumerate(prows) if r.penalty_pending]
+    if pending:
+        if fed is None or penalised[pending[-1]] >= fed.shape[0]:
+            raise ValueError("a row counting its fed token must be one of the step's fed rows")
+        at = to_device([pending, [penalised[j] for j in pending]], torch.int64, device)
+        ones = torch.ones(len(pending), dtype=torch.float32, device=device)
+        counts.index_put_((at[0], fed.index_select(0, at[1])), ones, accumulate=True)
+    if in_prompt is not None:
+        prompts = [
+            r.prompt_token_ids if r.penalty_slot is None and r.params.repetition_penalty != 1.0 else ()
+            for r in prows
+        ]
+        if any(prompts):
+            in_prompt.view(-1)[_flat_token_index(prompts, vocab, device)] = True
+    return counts, in_prompt
 
 
 def is_plain_argmax(row: SamplingRow) -> bool:

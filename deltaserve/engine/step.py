@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from deltaserve.cache.copies import CacheCopy
+from deltaserve.engine.penalty_counts import PenaltyReset
 from deltaserve.engine.protocol import TokenLogprobs
 from deltaserve.engine.sampler import Sampler, SamplingRow
 from deltaserve.engine.structured import apply_grammars
@@ -143,6 +144,11 @@ class StepPlan:
     # Benchmark only ("accept" drafts): every verify row accepts its drafts up to its acceptance cap,
     # whatever the target samples.
     force_accept: bool = False
+    # Penalties counted on the device (engine/penalty_counts.py), applied before the step samples: the
+    # (slot, token) outputs the host has seen since the last launch, then the slots' rows rewritten for
+    # requests that got them.
+    penalty_tokens: list[tuple[int, int]] = field(default_factory=list)
+    penalty_resets: list[PenaltyReset] = field(default_factory=list)
 
     @property
     def rows(self) -> list[PlannedRow]:
@@ -214,13 +220,14 @@ class StagedResult:
 
 
 def sample_and_stage(
-    sampler: Sampler, logits: torch.Tensor, rows: Sequence[SamplingRow]
+    sampler: Sampler, logits: torch.Tensor, rows: Sequence[SamplingRow], fed: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, StagedResult]:
     """One token per row (grammars masked first), and their copy to the host started: the sampled ids
-    on the device, and the staged ids and logprobs."""
+    on the device, and the staged ids and logprobs. `fed`: the input tokens of the step's first rows,
+    on the device (penalties count them: Sampler)."""
     if any(row.grammar is not None for row in rows):
         apply_grammars(logits, [row.grammar for row in rows])
-    out = sampler(logits, rows)
+    out = sampler(logits, rows, fed)
     sources = [out.token_ids]
     if out.logprobs is not None:
         lp = out.logprobs

@@ -17,6 +17,7 @@ import torch
 from deltaserve.cache.device import DeviceCaches
 from deltaserve.cache.kv_pages import DUMMY_PAGE
 from deltaserve.cache.state_slots import DUMMY_SLOT
+from deltaserve.engine.penalty_counts import PenaltyCounts, PenaltyReset
 from deltaserve.engine.sampler import Sampler, SamplingRow
 from deltaserve.engine.step import sample_and_stage
 from deltaserve.model.layers.attention import GatedAttention
@@ -135,7 +136,11 @@ def warm_fresh_attention(model: Qwen35ForCausalLM, max_batched_tokens: int) -> i
 @torch.inference_mode()
 def warm_sampler(sampler: Sampler, vocab: int, device: torch.device, max_rows: int) -> None:
     """Every SAMPLER_STAGES entry alone and all of them in one step (greedy rows beside sampled ones),
-    at 1, 8 and `max_rows` rows, through to the staged host copy a step reads."""
+    at 1, 8 and `max_rows` rows, through to the staged host copy a step reads; and the penalties
+    counted on the device (a slot's row, drafts before a position, a fed token), as serving counts them."""
+    counted = Sampler(PenaltyCounts(2, vocab, device))
+    assert counted.penalty_counts is not None
+    counted.penalty_counts.apply([(1, 3)], [PenaltyReset(1, [3], [1, 2])])
     for rows in sorted({1, min(8, max_rows), max_rows}):
         # Varied values without the global generator (the warm-up leaves every random stream as it was).
         logits = torch.arange(rows * vocab, device=device, dtype=torch.float32).view(rows, vocab).sin_()
@@ -148,3 +153,11 @@ def warm_sampler(sampler: Sampler, vocab: int, device: torch.device, max_rows: i
             ]
             sampling[0].suppressed_token_ids = (4,)
             sample_and_stage(sampler, logits, sampling)[1].read(sampling)
+        sampling = [
+            SamplingRow(SAMPLER_STAGES[-1], seed=i, step=2, prompt_token_ids=(), output_token_ids=[3])
+            for i in range(rows)
+        ]
+        for row in sampling:
+            row.penalty_slot, row.penalty_extra, row.penalty_pending = 1, (5,), True
+        fed = torch.zeros(rows, dtype=torch.int64, device=device)
+        sample_and_stage(counted, logits, sampling, fed)[1].read(sampling)

@@ -125,6 +125,8 @@ def _keep_proposals(sched: SchedulerState, req: Request, proposals: list[int], e
 def _append_token(sched: SchedulerState, req: Request, token: int, logprobs: TokenLogprobs | None) -> bool:
     """Appends a sampled token, emits it, and retires the request if it stopped. True if it finished."""
     req.output_token_ids.append(token)
+    if req.seq is not None and req.penalties_seq is req.seq:  # its slot's device counts (rows.py)
+        sched.penalty_tokens.append((req.seq.slot, token))
     if req.grammar is not None and not req.grammar.accept(token):
         lifecycle.retire(
             sched,

@@ -69,6 +69,9 @@ class Request:
     # snapshot with such a position. It never drafts again: its drafts would attend to stale K/V, and
     # their low acceptance would steer the guard for every request.
     mtp_gaps: bool = False
+    # Penalties: the admission (its cache handle) for which its slot's device counts row was written
+    # (engine/penalty_counts.py); any other value: the row belongs to someone else until rewritten.
+    penalties_seq: SequenceCache | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -5,6 +5,7 @@ min_tokens and bad words suppressed, the outputs so far, prompt logprobs to scor
 
 from __future__ import annotations
 
+from deltaserve.engine.penalty_counts import PenaltyReset
 from deltaserve.engine.sampler import SamplingRow, uses_penalties
 from deltaserve.engine.scheduler.request import Request, ScheduledChunk
 from deltaserve.engine.scheduler.spec_plan import SpeculativePlan
@@ -99,12 +100,34 @@ def sampling_row(
     outputs = req.output_token_ids if not drafts else [*req.output_token_ids, *drafts]
     step = len(outputs) + pending
     suppressed = params.suppressed_ids(step, outputs, sched.config.eos_token_ids)
-    return SamplingRow(params, req.seed, step, req.prompt_token_ids, outputs, suppressed, req.grammar)
+    row = SamplingRow(params, req.seed, step, req.prompt_token_ids, outputs, suppressed, req.grammar)
+    if uses_penalties(params):
+        _count_penalties_on_device(sched, req, row, pending, drafts or ())
+    return row
+
+
+def _count_penalties_on_device(
+    sched: SchedulerState, req: Request, row: SamplingRow, pending: int, drafts: list[int]
+) -> None:
+    """The row's penalties read its slot's device counts (engine/penalty_counts.py): written from the
+    request's outputs at its first sampled row of this admission, then kept up by each launch."""
+    seq = req.seq
+    assert seq is not None, "a sampled row's request holds a slot"
+    if req.penalties_seq is not seq:
+        assert pending == 0, "a request's first sampled row of an admission has no token in flight"
+        prompt = req.prompt_token_ids if req.params.repetition_penalty != 1.0 else ()
+        sched.penalty_resets.append(PenaltyReset(seq.slot, list(req.output_token_ids), prompt))
+        req.penalties_seq = seq
+    assert pending <= 1, "one token in flight at most: the row's fed input"
+    row.penalty_slot = seq.slot
+    row.penalty_extra = drafts
+    row.penalty_pending = pending == 1
 
 
 def needs_output_on_host(params: SamplingParams) -> bool:
-    """Penalties count output tokens and a bad word of several tokens is matched against them."""
-    return uses_penalties(params) or any(len(w) > 1 for w in params.bad_words_token_ids or ())
+    """A bad word of several tokens is matched against the output tokens on the host (penalties count
+    them on the device)."""
+    return any(len(w) > 1 for w in params.bad_words_token_ids or ())
 
 
 def prompt_scoring(req: Request, c: ScheduledChunk) -> PromptScoring | None:

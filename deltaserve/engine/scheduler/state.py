@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from deltaserve.cache.manager import CacheManager
 from deltaserve.engine.backend import Backend
+from deltaserve.engine.penalty_counts import PenaltyReset
 from deltaserve.engine.protocol import ClientMessage, LoadSnapshot, RequestUpdate, StepOutputs
 from deltaserve.engine.scheduler.benchmark_drafts import BenchmarkDrafts
 from deltaserve.engine.scheduler.plan import StepCost
@@ -102,3 +103,16 @@ class SchedulerState:
         self.saturated = False
         self.stopped = False
         self._admitted = 0
+        # Penalties counted on the device (engine/penalty_counts.py): outputs the host has seen and rows
+        # to rewrite, both for the next launch.
+        self.penalty_tokens: list[tuple[int, int]] = []
+        self.penalty_resets: list[PenaltyReset] = []
+
+    def take_penalty_work(self, *, tokens: bool = True) -> tuple[list[tuple[int, int]], list[PenaltyReset]]:
+        """The queued penalty outputs (unless not `tokens`: they then wait for a later launch) and row
+        rewrites, for the plan being built."""
+        taken = self.penalty_tokens if tokens else []
+        if tokens:
+            self.penalty_tokens = []
+        resets, self.penalty_resets = self.penalty_resets, []
+        return taken, resets

@@ -18,9 +18,10 @@ from the prompts' cursors, which moved at launch. Only then are the running step
 dispatched, so the host's planning, input building, dispatch and emission overlap the device's step.
 A request whose token ends it (a stop token) has had one step too many computed; that step's token is
 dropped. A token is dispatched only to a request still running. What needs a token on the host before
-the next step can be planned runs synchronously: penalties, grammars, prompt logprobs, speculation,
-an async prefill, the latency budget's timed steps, and preemption (a step short of pages is planned
-after the tokens are known).
+the next step can be planned runs synchronously: grammars, bad words of several tokens, prompt
+logprobs, speculation, an async prefill, the latency budget's timed steps, and preemption (a step short
+of pages is planned after the tokens are known). Penalties need no token on the host: they count the
+outputs on the device (engine/penalty_counts.py), the token in flight included.
 
 Speculative decoding (the guard in speculation.py decides k per step): a decoder holding the MTP
 head's proposals becomes a verify row (its last token and k drafts, after the plain decode rows), and
@@ -294,12 +295,17 @@ def _launch(
         else:
             decode_rows = speculative_decode_rows(sched, decode, spec)
             chunk_rows = [speculative_chunk_row(sched, c, spec) for c in chunks]
+        # An overlapped step runs on its own stream: it rewrites only its own rows' penalty counts, and
+        # the outputs seen since the last launch wait for the next step on the main stream.
+        penalty_tokens, penalty_resets = sched.take_penalty_work(tokens=not overlapped)
         plan = StepPlan(
             decode=decode_rows,
             prefill=chunk_rows,
             feed=feed,
             num_drafts=0 if spec is None else spec.num_drafts,
             force_accept=spec is not None and _forced_acceptance(sched),
+            penalty_tokens=penalty_tokens,
+            penalty_resets=penalty_resets,
         )
         after = prefix.save_at_chunk_ends(sched, chunks)  # after every row's pages are reserved
         plan.copies_before, plan.copies_after = before.copies, after.copies
@@ -391,9 +397,9 @@ def apply_step(sched: SchedulerState, step: LaunchedStep, result: StepResult) ->
 
 
 def _may_decode_ahead(sched: SchedulerState, decode: list[Request]) -> bool:
-    """Launching ahead needs no host knowledge of the token in flight: penalties count output tokens
-    on the host, a bad word of several tokens is matched against them and a grammar's next mask needs the
-    sampled token, so a step with such a row runs synchronously."""
+    """Launching ahead needs no host knowledge of the token in flight: a bad word of several tokens is
+    matched against the output tokens and a grammar's next mask needs the sampled token, so a step with
+    such a row runs synchronously. (Penalties count the token in flight on the device.)"""
     return sched.config.decode_ahead and not any(needs_output_on_host(r.params) or r.grammar for r in decode)
 
 
