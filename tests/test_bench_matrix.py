@@ -33,6 +33,7 @@ STANDARD_GROUPS = [
     "prefill-4b",
     "mixed-4b",
     "multiturn-4b",
+    "penalties-4b",
     "saturated-9b",
     "saturated-35b",
     "decode-27b",
@@ -83,6 +84,15 @@ def test_decode_4b_runs_the_standard_decode_cells_with_ignore_eos():
     ]
     assert all("--ignore-eos" in c.streams[0].flags for c in cells)
     assert GROUPS["decode-4b"].preset == "4b-shape" and GROUPS["decode-4b"].server_flags == ()
+
+
+def test_penalties_4b_runs_greedy_and_the_cards_sampling_at_c1_and_c64():
+    cells = GROUPS["penalties-4b"].cells
+    assert [_shape(c.streams[0]) for c in cells] == [(1, 2048, 1, 4), (1, 2048, 1, 4), (1024, 2048, 64, 128)]
+    assert _flag(cells[0].streams[0].flags, "--presence-penalty") is None
+    for cell in cells[1:]:
+        for flags in (cell.streams[0].flags, cell.streams[0].warmup_flags):
+            assert _flag(flags, "--presence-penalty") == "1.5" and _flag(flags, "--top-k") == "20"
 
 
 def test_prefill_4b_measures_8k_32k_128k_prompts_within_its_context_window():

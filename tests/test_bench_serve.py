@@ -443,3 +443,17 @@ def test_custom_jsonl_cycles_to_num_prompts_and_names_the_bad_line(tmp_path):
     bad = _jsonl(tmp_path / "bad.jsonl", [{"prompt": "ok", "output_len": 1}, {"prompt": "x"}])
     with pytest.raises(ValueError, match=r"bad\.jsonl:2: 'output_len'"):
         load_custom_jsonl(bad, 1)
+
+
+def test_sampling_flags_given_are_sent_with_every_request_and_the_others_are_not(stub):
+    """vLLM's names: `--presence-penalty 1.5 --top-p 0.95 --top-k 20` (Qwen3.5's card) reach the server
+    in each request; a flag not given leaves the server's default."""
+    args = _args(
+        stub, "--num-prompts", "2", "--random-input-len", "4", "--presence-penalty", "1.5", "--top-p", "0.95"
+    )
+    args.top_k = 20
+    args.random_output_len = 2
+    assert run_bench_serve(args).completed == 2
+    for payload in stub.payloads:
+        assert payload["presence_penalty"] == 1.5 and payload["top_p"] == 0.95 and payload["top_k"] == 20
+        assert "frequency_penalty" not in payload and "min_p" not in payload

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -29,6 +29,9 @@ class Endpoint:
     ignore_eos: bool
     temperature: float
     chat_template_kwargs: dict[str, Any] | None = None  # sent with chat requests when set
+    # The other sampling fields asked for on the command line (top_p, presence_penalty, ...): sent with
+    # every request; the server's defaults apply to the rest.
+    sampling: dict[str, float | int] = field(default_factory=dict)
 
 
 def completion_payload(endpoint: Endpoint, request: BenchRequest) -> dict[str, Any]:
@@ -51,6 +54,7 @@ def chat_payload(endpoint: Endpoint, messages: list[dict[str, str]], output_len:
 def _sampling_fields(endpoint: Endpoint) -> dict[str, Any]:
     fields: dict[str, Any] = {
         "temperature": endpoint.temperature,
+        **endpoint.sampling,
         "stream": True,
         "stream_options": {"include_usage": True},
     }

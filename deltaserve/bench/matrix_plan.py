@@ -60,8 +60,10 @@ def random_stream(
     request_rate: float | None = None,
     name: str = "",
     seed: int = TIMED_SEED,
+    sampling: tuple[str, ...] = (),
 ) -> Stream:
-    """vLLM's random dataset (token-id prompts of exactly `input_len`), ignore_eos."""
+    """vLLM's random dataset (token-id prompts of exactly `input_len`), ignore_eos; `sampling`: bench
+    serve's sampling flags, for the warm-up too (default: greedy)."""
 
     def flags(prompts: int, out: int, run_seed: int, rate: float | None) -> tuple[str, ...]:
         f = ["--dataset-name", "random", "--random-input-len", str(input_len)]
@@ -69,7 +71,7 @@ def random_stream(
         if concurrency is not None:
             f += ["--max-concurrency", str(concurrency)]
         f += ["--request-rate", "inf" if rate is None else f"{rate:g}", "--seed", str(run_seed)]
-        return tuple(f)
+        return (*f, *sampling)
 
     warmup_prompts = min(num_prompts, concurrency or 1, WARMUP_MAX_PROMPTS)
     warmup = flags(warmup_prompts, min(output_len, WARMUP_MAX_OUTPUT), seed + WARMUP_SEED_OFFSET, None)
@@ -174,6 +176,27 @@ def _groups() -> dict[str, Group]:
         ),
         expected_wall_s=180,
     )
+    # Qwen3.5's card, thinking mode, general tasks: the sampling a production server sees most.
+    card = ("--temperature", "1.0", "--top-p", "0.95", "--top-k", "20", "--presence-penalty", "1.5")
+    penalties_4b = Group(
+        "penalties-4b",
+        "4b-shape",
+        "Qwen3.5-4B shape",
+        (
+            _random_cell("4B", 1, 2048, 1, 4),
+            Cell(
+                "1-2048-c1-card",
+                "4B, 1 in / 2048 out, concurrency 1, the card's sampling (presence penalty 1.5)",
+                (random_stream(1, 2048, 4, 1, sampling=card),),
+            ),
+            Cell(
+                "1024-2048-c64-card",
+                "4B, 1024 in / 2048 out, concurrency 64, the card's sampling (presence penalty 1.5)",
+                (random_stream(1024, 2048, 128, 64, sampling=card),),
+            ),
+        ),
+        expected_wall_s=180,
+    )
     decode_27b = Group(
         "decode-27b",
         "27b-shape",
@@ -228,6 +251,7 @@ def _groups() -> dict[str, Group]:
         prefill_4b,
         mixed_4b,
         multiturn_4b,
+        penalties_4b,
         _saturated("saturated-9b", "9b-shape", "9B", 270),
         _saturated("saturated-35b", "35b-a3b-shape", "35B-A3B", 300),
         decode_27b,

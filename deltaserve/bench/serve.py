@@ -55,6 +55,15 @@ _REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=6 * 60 * 60)
 _MAX_ERRORS_SHOWN = 10
 _COMPLETIONS = "/v1/completions"
 _CHAT = "/v1/chat/completions"
+# vLLM's `bench serve` sampling flags besides --temperature, as the request fields they set.
+SAMPLING_FLAGS: dict[str, type] = {
+    "--top-p": float,
+    "--top-k": int,
+    "--min-p": float,
+    "--repetition-penalty": float,
+    "--frequency-penalty": float,
+    "--presence-penalty": float,
+}
 T = TypeVar("T")
 
 
@@ -177,6 +186,8 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "multi-turn)",
     )
     sampling.add_argument("--temperature", type=float, default=0.0)
+    for flag, kind in SAMPLING_FLAGS.items():
+        sampling.add_argument(flag, type=kind, default=None, help="sent with every request when given")
 
     report = parser.add_argument_group("report")
     report.add_argument("--percentile-metrics", default=",".join(METRIC_NAMES))
@@ -257,6 +268,7 @@ async def _bench(args: argparse.Namespace) -> BenchResult:
             ignore_eos,
             args.temperature,
             _chat_template_kwargs(args),
+            sampling_fields(args),
         )
         if args.num_warmups > 0:
             print(f"Warming up with {args.num_warmups} requests...")
@@ -357,6 +369,12 @@ def _endpoint_path(args: argparse.Namespace) -> str:
     if args.endpoint not in (None, _CHAT):
         raise ValueError(f"--dataset-name multi-turn sends chat messages; use --endpoint {_CHAT}")
     return _CHAT
+
+
+def sampling_fields(args: argparse.Namespace) -> dict[str, float | int]:
+    """The request fields of the sampling flags given (the server's defaults apply to the others)."""
+    names = [flag.removeprefix("--").replace("-", "_") for flag in SAMPLING_FLAGS]
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 
 def _chat_template_kwargs(args: argparse.Namespace) -> dict[str, Any] | None:
