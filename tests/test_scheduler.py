@@ -241,6 +241,20 @@ def test_a_prefill_step_that_fails_still_gives_its_requests_their_terminal(model
     assert run.sched.cache.kv.num_used == 0
 
 
+def _ample_and_tight(
+    model, prompts: list[list[int]], params: list[SamplingParams], *, seqs: int, pages: int, budget: int
+) -> tuple[Run, Run]:
+    """The requests r0, r1, ... run to the end on an ample pool (`seqs` sequences), then on `pages`
+    pages, half the sequences and `budget`-token steps: a pool short of pages preempts (recompute)."""
+    free = Run(model, max_num_seqs=seqs, num_pages=4096)
+    tight = Run(model, max_num_seqs=seqs // 2, num_pages=pages, max_num_batched_tokens=budget)
+    for run in (free, tight):
+        for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+            run.add(f"r{i}", p, sp)
+        run.run_until_idle()
+    return free, tight
+
+
 def test_kv_pressure_every_request_finishes_or_is_rejected_and_outputs_match(model):
     """64 requests with large max_tokens on a pool far too small for all at once: recompute preemption
     lets each finish with the same tokens as an unpressured run; impossible ones are rejected."""
@@ -252,12 +266,7 @@ def test_kv_pressure_every_request_finishes_or_is_rejected_and_outputs_match(mod
     params[10] = SamplingParams(
         temperature=0.0, max_tokens=600, ignore_eos=True
     )  # can never fit: 128 pages x 4
-    free = Run(model, max_num_seqs=64, num_pages=4096)
-    tight = Run(model, max_num_seqs=32, num_pages=129, max_num_batched_tokens=64)
-    for run in (free, tight):
-        for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
-            run.add(f"r{i}", p, sp)
-        run.run_until_idle()
+    free, tight = _ample_and_tight(model, prompts, params, seqs=64, pages=129, budget=64)
     assert tight.sched.num_preemptions > 0
     for i in range(64):
         end = tight.terminal(f"r{i}")
@@ -580,12 +589,7 @@ def test_penalised_requests_preempted_and_resumed_keep_their_tokens(model):
     prompts = [[rng.randrange(VOCAB) for _ in range(rng.randrange(1, 16))] for _ in range(24)]
     kinds = list(PENALISED.values())
     params = [kinds[i % 3] for i in range(24)]
-    free = Run(model, max_num_seqs=24, num_pages=4096)
-    tight = Run(model, max_num_seqs=12, num_pages=65, max_num_batched_tokens=32)
-    for run in (free, tight):
-        for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
-            run.add(f"r{i}", p, sp)
-        run.run_until_idle()
+    free, tight = _ample_and_tight(model, prompts, params, seqs=24, pages=65, budget=32)
     assert tight.sched.num_preemptions > 0
     for i in range(24):
         assert tight.tokens(f"r{i}") == free.tokens(f"r{i}"), f"request {i}"
