@@ -295,20 +295,19 @@ def _launch(
         else:
             decode_rows = speculative_decode_rows(sched, decode, spec)
             chunk_rows = [speculative_chunk_row(sched, c, spec) for c in chunks]
-        # An overlapped step runs on its own stream: it rewrites only its own rows' penalty counts, and
-        # the outputs seen since the last launch wait for the next step on the main stream.
-        penalty_tokens, penalty_resets = sched.take_penalty_work(tokens=not overlapped)
         plan = StepPlan(
             decode=decode_rows,
             prefill=chunk_rows,
             feed=feed,
             num_drafts=0 if spec is None else spec.num_drafts,
             force_accept=spec is not None and _forced_acceptance(sched),
-            penalty_tokens=penalty_tokens,
-            penalty_resets=penalty_resets,
         )
         after = prefix.save_at_chunk_ends(sched, chunks)  # after every row's pages are reserved
         plan.copies_before, plan.copies_after = before.copies, after.copies
+        # Taken last, so that a plan that fails before its launch leaves them for the next one. An
+        # overlapped step runs on its own stream: it rewrites only its own rows' penalty counts, and the
+        # outputs seen since the last launch wait for the next step on the main stream.
+        plan.penalty_tokens, plan.penalty_resets = sched.take_penalty_work(tokens=not overlapped)
         if telemetry.ITL_DEBUG:
             telemetry.mark("plan")
         launched = sched.backend.launch(plan, overlapped=True) if overlapped else sched.backend.launch(plan)
