@@ -760,3 +760,42 @@ def test_bad_words_are_never_completed_with_or_without_decode_ahead(model):
             decode_ahead
         )  # the ban bites at its first chance
         assert all(out[i : i + 2] != greedy[1:3] for i in range(len(out) - 1)), decode_ahead
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_penalised_traffic_launched_ahead_gives_the_tokens_of_synchronous_steps(model, seed):
+    """Arrivals over time, penalised requests beside plain ones, stop tokens, aborts and a pool short of
+    pages (preemption): slots pass from request to request, and every request not aborted gets the
+    same tokens and end launched ahead as read step by step."""
+    rng = random.Random(seed)
+    kinds = [
+        *PENALISED.values(),
+        GREEDY8,
+        SamplingParams(temperature=0.0, max_tokens=12, presence_penalty=1.5),
+    ]
+    events: dict[int, list] = {}
+    names = [f"r{i}" for i in range(16)]
+    for name in names:
+        prompt = [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 20))]
+        events.setdefault(rng.randrange(0, 10), []).append(("add", name, prompt, rng.choice(kinds)))
+    aborted = set(rng.sample(names, 3))
+    for name in aborted:
+        events.setdefault(rng.randrange(0, 60), []).append(("abort", name))
+    ends, preempted = {}, []
+    for ahead in (False, True):
+        run = Run(
+            model, max_num_seqs=6, num_pages=28, max_num_batched_tokens=24, decode_ahead=ahead, eos=(7,)
+        )
+        for tick in range(5000):
+            for event in events.get(tick, []):
+                if event[0] == "add":
+                    run.add(event[1], event[2], event[3])
+                else:
+                    run.abort(event[1])
+            if not run.sched.tick() and tick > 60:
+                break
+        ends[ahead] = {n: (run.tokens(n), run.terminal(n).finish_reason) for n in names if n not in aborted}
+        assert run.sched.cache.kv.num_used == 0
+        preempted.append(run.sched.num_preemptions)
+    assert ends[True] == ends[False]
+    assert max(preempted) > 0
