@@ -94,3 +94,35 @@ def test_a_grammar_with_a_start_token_constrains_nothing_before_it(backend: Gram
 def test_compile_errors_are_structured_output_errors() -> None:
     with pytest.raises(StructuredOutputError, match="cannot be compiled"):
         GrammarBackend(lambda: ["a", "b"], [1]).grammar(schema({"type": "nope"}))
+
+
+def test_grammar_rows_launch_ahead_and_sample_after_the_tokens_before_them(monkeypatch) -> None:
+    """A step with grammar rows launches its forward ahead and samples once the step before it is
+    dispatched (its masks need the matchers advanced): the tokens of steps read one at a time, for
+    the constrained requests and the free ones beside them."""
+    from deltaserve.engine.scheduler import steps
+
+    deferred = []
+    sample_after_dispatch = steps._sample_after_dispatch
+
+    def recording(step):
+        deferred.append(step.pending.awaits_sampling)
+        sample_after_dispatch(step)
+
+    monkeypatch.setattr(steps, "_sample_after_dispatch", recording)
+    obj = SamplingParams(max_tokens=60, temperature=1.0, seed=5, structured_output=schema(OBJECT_SCHEMA))
+    enum = SamplingParams(
+        max_tokens=20, temperature=1.0, seed=4, structured_output=schema({"enum": ["yes", "no"]})
+    )
+    free = SamplingParams(max_tokens=24, temperature=0.8, seed=9, ignore_eos=True)
+    prompts, params = ["Give JSON:", "Answer:", "Free text:", "More JSON:"], [obj, enum, free, obj]
+    outs = {}
+    for ahead in (False, True):
+        deferred.clear()
+        with LLM(None, max_num_seqs=8, decode_ahead=ahead) as engine:
+            outs[ahead] = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
+        assert any(deferred) == ahead
+    assert outs[True] == outs[False]
+    tokenizer = Tokenizer.from_dir(default_model_dir())
+    for i in (0, 3):
+        assert set(json.loads(tokenizer.decode(outs[True][i]))) == {"a", "b"}

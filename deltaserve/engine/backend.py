@@ -40,10 +40,17 @@ import torch
 from deltaserve.cache.device import DeviceCaches
 from deltaserve.engine.penalty_counts import PenaltyCounts
 from deltaserve.engine.protocol import TokenLogprobs
-from deltaserve.engine.sampler import Sampler, logprobs_of
+from deltaserve.engine.sampler import Sampler, SamplingRow, logprobs_of
 from deltaserve.engine.spec_graphs import SpeculativeGraphs
 from deltaserve.engine.speculative import SpeculativeStep
-from deltaserve.engine.step import PendingStep, PlannedRow, StepPlan, TokenFeed, sample_and_stage
+from deltaserve.engine.step import (
+    PendingStep,
+    PlannedRow,
+    StagedResult,
+    StepPlan,
+    TokenFeed,
+    sample_and_stage,
+)
 from deltaserve.engine.worker import ModelWorker
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
 from deltaserve.ops.batch import BatchRow, to_device
@@ -155,8 +162,26 @@ class Backend:
         sampling = [r.sampling for r in planned if r.sampling is not None]
         if not sampling:
             return PendingStep(None, None, sampling, prompt)
+        if fed is not None and any(r.grammar is not None for r in sampling):
+            # A grammar's mask needs the token in flight on the host: the scheduler samples the step once
+            # it has dispatched the step before (PendingStep.sample), on the stream of this launch.
+            stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+            return PendingStep(
+                None, None, sampling, prompt, lambda: self._sample_later(stream, logits, sampling, fed)
+            )
         token_ids, staged = sample_and_stage(self.sampler, logits, sampling, fed)
         return PendingStep(token_ids, staged, sampling, prompt)
+
+    @torch.inference_mode()
+    def _sample_later(
+        self,
+        stream: torch.cuda.Stream | None,
+        logits: torch.Tensor,
+        sampling: list[SamplingRow],
+        fed: torch.Tensor,
+    ) -> tuple[torch.Tensor, StagedResult]:
+        with contextlib.nullcontext() if stream is None else torch.cuda.stream(stream):
+            return sample_and_stage(self.sampler, logits, sampling, fed)
 
     def _score_prompts(
         self, planned: Sequence[PlannedRow], hidden: torch.Tensor

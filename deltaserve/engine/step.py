@@ -10,7 +10,7 @@ cursors at launch and applies the `StepResult` when it reads it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -81,7 +81,12 @@ class PlannedRow:
 
 class PendingStep:
     """A launched step whose result is read later. `token_ids` holds the sampled tokens on the device
-    (what a later step's TokenFeed reads); `wait()` returns the host copy."""
+    (what a later step's TokenFeed reads); `wait()` returns the host copy.
+
+    A step whose sampling is deferred (`sample_later`) has launched its forward only: its rows' grammar
+    masks need the tokens in flight before it on the host. `sample()` launches the sampler once they
+    are dispatched (the matchers advanced); until then it has no `token_ids`, and waiting samples it
+    first."""
 
     def __init__(
         self,
@@ -89,15 +94,32 @@ class PendingStep:
         staged: StagedResult | None,
         rows: Sequence[SamplingRow],
         prompt_logprobs: list[list[TokenLogprobs] | None] | None = None,
+        sample_later: Callable[[], tuple[torch.Tensor, StagedResult]] | None = None,
     ) -> None:
         self.token_ids = token_ids  # [sampled rows] int64 on the device; None when nothing samples
         self._staged = staged
         self._rows = rows
         self._prompt_logprobs = prompt_logprobs or []
         self._result: StepResult | None = None
+        self._sample_later = sample_later
         # An overlapped step's (engine/backend.py): recorded after all of its device work, the pages and
         # state it writes included; it is not ready, nor read, before that.
         self.finished: torch.cuda.Event | None = None
+
+    @property
+    def rows(self) -> Sequence[SamplingRow]:
+        """What the step samples, in row order."""
+        return self._rows
+
+    @property
+    def awaits_sampling(self) -> bool:
+        return self._sample_later is not None
+
+    def sample(self) -> None:
+        """Launches the deferred sampling (no-op when there is none left)."""
+        if self._sample_later is not None:
+            sample, self._sample_later = self._sample_later, None
+            self.token_ids, self._staged = sample()
 
     @classmethod
     def done(cls, result: StepResult) -> PendingStep:
@@ -107,11 +129,14 @@ class PendingStep:
         return step
 
     def ready(self) -> bool:
+        if self._sample_later is not None:
+            return False
         if self.finished is not None:
             return self.finished.query()
         return self._staged is None or self._staged.done is None or self._staged.done.query()
 
     def wait(self) -> StepResult:
+        self.sample()
         if self.finished is not None:
             self.finished.synchronize()
         if self._result is None:

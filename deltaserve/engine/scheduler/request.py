@@ -131,13 +131,14 @@ class LaunchedStep:
     def requests(self) -> list[Request]:
         return self.decode + [c.request for c in self.chunks]
 
+    def sampled_requests(self) -> list[Request]:
+        """The requests of the step's sampled rows, in row order: every decode row, then the chunks that
+        complete."""
+        return self.decode + [c.request for c in self.chunks if c.completes]
+
     def sampled_rows(self) -> dict[int, int]:
-        """id(request) -> its row among the step's sampled tokens: every decode row, then the chunks that
-        complete, in order."""
-        rows = {id(r): i for i, r in enumerate(self.decode)}
-        completing = (c.request for c in self.chunks if c.completes)
-        rows.update((id(r), i) for i, r in enumerate(completing, start=len(self.decode)))
-        return rows
+        """id(request) -> its row among the step's sampled tokens."""
+        return {id(r): i for i, r in enumerate(self.sampled_requests())}
 
     def wait(self, cache: CacheManager) -> StepResult:
         result = self.pending.wait()

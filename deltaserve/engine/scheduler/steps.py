@@ -18,10 +18,12 @@ from the prompts' cursors, which moved at launch. Only then are the running step
 dispatched, so the host's planning, input building, dispatch and emission overlap the device's step.
 A request whose token ends it (a stop token) has had one step too many computed; that step's token is
 dropped. A token is dispatched only to a request still running. What needs a token on the host before
-the next step can be planned runs synchronously: grammars, bad words of several tokens, prompt
+the next step can be planned runs synchronously: bad words of several tokens, prompt
 logprobs, speculation, an async prefill, the latency budget's timed steps, and preemption (a step short
 of pages is planned after the tokens are known). Penalties need no token on the host: they count the
-outputs on the device (engine/penalty_counts.py), the token in flight included.
+outputs on the device (engine/penalty_counts.py), the token in flight included. A step with grammar
+rows launches its forward ahead and its sampler once the tokens before it are dispatched (the masks
+need the matchers advanced): the forward still overlaps the host's dispatch.
 
 Speculative decoding (the guard in speculation.py decides k per step): a decoder holding the MTP
 head's proposals becomes a verify row (its last token and k drafts, after the plain decode rows), and
@@ -149,6 +151,7 @@ def run_step(sched: SchedulerState) -> None:
         sched.decode_ahead = follow
         finish_decode_ahead(sched, ahead)
         if follow is not None:
+            _sample_after_dispatch(follow)
             if telemetry.ITL_DEBUG:
                 _log_delivered_ahead(ahead, started)
             return
@@ -396,10 +399,11 @@ def apply_step(sched: SchedulerState, step: LaunchedStep, result: StepResult) ->
 
 
 def _may_decode_ahead(sched: SchedulerState, decode: list[Request]) -> bool:
-    """Launching ahead needs no host knowledge of the token in flight: a bad word of several tokens is
-    matched against the output tokens and a grammar's next mask needs the sampled token, so a step with
-    such a row runs synchronously. (Penalties count the token in flight on the device.)"""
-    return sched.config.decode_ahead and not any(needs_output_on_host(r.params) or r.grammar for r in decode)
+    """Launching ahead needs no host knowledge of the token in flight, but for a bad word of several
+    tokens, which is matched against the output tokens: a step with such a row runs synchronously.
+    (Penalties count the token in flight on the device; a grammar row's step launches its forward
+    ahead and samples once the token before it is dispatched: `_sample_after_dispatch`.)"""
+    return sched.config.decode_ahead and not any(needs_output_on_host(r.params) for r in decode)
 
 
 def _may_launch_ahead(sched: SchedulerState, decode: list[Request], chunks: list[ScheduledChunk]) -> bool:
@@ -476,6 +480,18 @@ def _launch_following(sched: SchedulerState, ahead: LaunchedStep) -> LaunchedSte
         return None
     feed = TokenFeed(ahead.pending, [fed[id(r)] for r in follow]) if follow else None
     return _launch_ahead(sched, follow, chunks, feed)
+
+
+def _sample_after_dispatch(step: LaunchedStep) -> None:
+    """Samples a step launched ahead whose grammar rows waited for the tokens before them (dispatched
+    now: their matchers have accepted them). A row whose request has ended since gets no mask: its
+    matcher may have terminated, and its token is dropped."""
+    if not step.pending.awaits_sampling:
+        return
+    for req, row in zip(step.sampled_requests(), step.pending.rows, strict=True):
+        if req.phase is Phase.DONE:
+            row.grammar = None
+    step.pending.sample()
 
 
 def finish_decode_ahead(sched: SchedulerState, ahead: LaunchedStep) -> None:
