@@ -33,7 +33,7 @@ STANDARD_GROUPS = [
     "prefill-4b",
     "mixed-4b",
     "multiturn-4b",
-    "penalties-4b",
+    "sampling-4b",
     "saturated-9b",
     "saturated-35b",
     "decode-27b",
@@ -86,13 +86,23 @@ def test_decode_4b_runs_the_standard_decode_cells_with_ignore_eos():
     assert GROUPS["decode-4b"].preset == "4b-shape" and GROUPS["decode-4b"].server_flags == ()
 
 
-def test_penalties_4b_runs_greedy_and_the_cards_sampling_at_c1_and_c64():
-    cells = GROUPS["penalties-4b"].cells
-    assert [_shape(c.streams[0]) for c in cells] == [(1, 2048, 1, 4), (1, 2048, 1, 4), (1024, 2048, 64, 128)]
+def test_sampling_4b_runs_greedy_the_cards_sampling_and_a_constrained_stream_beside_free_ones():
+    cells = GROUPS["sampling-4b"].cells
+    assert [_shape(c.streams[0]) for c in cells] == [
+        (1, 2048, 1, 4),
+        (1, 2048, 1, 4),
+        (1024, 2048, 64, 128),
+        (1024, 512, 64, 128),
+        (1024, 512, 60, 120),
+    ]
     assert _flag(cells[0].streams[0].flags, "--presence-penalty") is None
-    for cell in cells[1:]:
+    for cell in cells[1:3]:
         for flags in (cell.streams[0].flags, cell.streams[0].warmup_flags):
             assert _flag(flags, "--presence-penalty") == "1.5" and _flag(flags, "--top-k") == "20"
+    free, regex = cells[4].streams
+    assert _shape(regex) == (1024, 512, 4, 8) and _flag(free.flags, "--extra-body") is None
+    body = json.loads(_flag(regex.flags, "--extra-body"))
+    assert body == {"structured_outputs": {"regex": "([a-z]+ )+"}}
 
 
 def test_prefill_4b_measures_8k_32k_128k_prompts_within_its_context_window():

@@ -457,3 +457,18 @@ def test_sampling_flags_given_are_sent_with_every_request_and_the_others_are_not
     for payload in stub.payloads:
         assert payload["presence_penalty"] == 1.5 and payload["top_p"] == 0.95 and payload["top_k"] == 20
         assert "frequency_penalty" not in payload and "min_p" not in payload
+
+
+def test_extra_body_is_merged_into_every_request_and_must_be_a_json_object(stub):
+    constraint = {"structured_outputs": {"regex": "[a-z ]+"}}
+    args = _args(
+        stub, "--num-prompts", "2", "--random-input-len", "4", "--extra-body", json.dumps(constraint)
+    )
+    args.random_output_len = 2
+    assert run_bench_serve(args).completed == 2
+    assert all(
+        p["structured_outputs"] == constraint["structured_outputs"] and p["stream"] for p in stub.payloads
+    )
+    for bad in ("[1, 2]", "{not json"):
+        with pytest.raises(SystemExit):
+            _args(stub, "--extra-body", bad)

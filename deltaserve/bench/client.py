@@ -29,9 +29,9 @@ class Endpoint:
     ignore_eos: bool
     temperature: float
     chat_template_kwargs: dict[str, Any] | None = None  # sent with chat requests when set
-    # The other sampling fields asked for on the command line (top_p, presence_penalty, ...): sent with
-    # every request; the server's defaults apply to the rest.
-    sampling: dict[str, float | int] = field(default_factory=dict)
+    # The other sampling fields asked for on the command line (top_p, presence_penalty, ..., and
+    # --extra-body's): sent with every request; the server's defaults apply to the rest.
+    sampling: dict[str, Any] = field(default_factory=dict)
 
 
 def completion_payload(endpoint: Endpoint, request: BenchRequest) -> dict[str, Any]:

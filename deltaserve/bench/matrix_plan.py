@@ -11,6 +11,7 @@ first prefill on a GPU autotunes kernels (~40 s), which the warm-up absorbs.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 
 TIMED_SEED = 0
@@ -178,8 +179,10 @@ def _groups() -> dict[str, Group]:
     )
     # Qwen3.5's card, thinking mode, general tasks: the sampling a production server sees most.
     card = ("--temperature", "1.0", "--top-p", "0.95", "--top-k", "20", "--presence-penalty", "1.5")
-    penalties_4b = Group(
-        "penalties-4b",
+    # A structured-output constraint that never completes: the grammar masks every step of the request.
+    words = ("--extra-body", json.dumps({"structured_outputs": {"regex": "([a-z]+ )+"}}))
+    sampling_4b = Group(
+        "sampling-4b",
         "4b-shape",
         "Qwen3.5-4B shape",
         (
@@ -194,8 +197,17 @@ def _groups() -> dict[str, Group]:
                 "4B, 1024 in / 2048 out, concurrency 64, the card's sampling (presence penalty 1.5)",
                 (random_stream(1024, 2048, 128, 64, sampling=card),),
             ),
+            _random_cell("4B", 1024, 512, 64, 128),
+            Cell(
+                "1024-512-c60-free-c4-regex",
+                "4B, 1024 in / 512 out: 60 free streams beside 4 constrained by a regex",
+                (
+                    random_stream(1024, 512, 120, 60, name="free"),
+                    random_stream(1024, 512, 8, 4, name="regex", seed=1, sampling=words),
+                ),
+            ),
         ),
-        expected_wall_s=240,  # a cold first start takes ~100 s of it
+        expected_wall_s=300,  # a cold first start takes ~100 s of it
     )
     decode_27b = Group(
         "decode-27b",
@@ -251,7 +263,7 @@ def _groups() -> dict[str, Group]:
         prefill_4b,
         mixed_4b,
         multiturn_4b,
-        penalties_4b,
+        sampling_4b,
         _saturated("saturated-9b", "9b-shape", "9B", 270),
         _saturated("saturated-35b", "35b-a3b-shape", "35B-A3B", 300),
         decode_27b,

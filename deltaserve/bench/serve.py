@@ -188,6 +188,13 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
     sampling.add_argument("--temperature", type=float, default=0.0)
     for flag, kind in SAMPLING_FLAGS.items():
         sampling.add_argument(flag, type=kind, default=None, help="sent with every request when given")
+    sampling.add_argument(
+        "--extra-body",
+        type=_json_object,
+        default=None,
+        help='a JSON object merged into every request\'s body (e.g. \'{"structured_outputs": {"regex": '
+        '"[a-z ]+"}}\')',
+    )
 
     report = parser.add_argument_group("report")
     report.add_argument("--percentile-metrics", default=",".join(METRIC_NAMES))
@@ -371,10 +378,22 @@ def _endpoint_path(args: argparse.Namespace) -> str:
     return _CHAT
 
 
-def sampling_fields(args: argparse.Namespace) -> dict[str, float | int]:
-    """The request fields of the sampling flags given (the server's defaults apply to the others)."""
+def sampling_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The request fields of the sampling flags given (the server's defaults apply to the others), then
+    those of --extra-body."""
     names = [flag.removeprefix("--").replace("-", "_") for flag in SAMPLING_FLAGS]
-    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    fields: dict[str, Any] = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    return fields | (getattr(args, "extra_body", None) or {})
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"--extra-body must be a JSON object, got {text!r} ({exc})") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"--extra-body must be a JSON object, got {text!r}")
+    return value
 
 
 def _chat_template_kwargs(args: argparse.Namespace) -> dict[str, Any] | None:
