@@ -96,11 +96,23 @@ def multi_turn_stream(
     return Stream("", flags(conversations, turns, concurrency, TIMED_SEED), warmup)
 
 
-def _random_cell(model: str, input_len: int, output_len: int, concurrency: int, prompts: int) -> Cell:
+def _random_cell(
+    model: str,
+    input_len: int,
+    output_len: int,
+    concurrency: int,
+    prompts: int,
+    *,
+    sampling: tuple[str, ...] = (),
+    tag: str = "",
+    what: str = "",
+) -> Cell:
+    """`sampling`: bench serve's sampling flags, named `tag` in the cell's name and `what` in its title."""
     return Cell(
-        f"{input_len}-{output_len}-c{concurrency}",
-        f"{model}, {input_len} in / {output_len} out, concurrency {concurrency}",
-        (random_stream(input_len, output_len, prompts, concurrency),),
+        f"{input_len}-{output_len}-c{concurrency}" + (f"-{tag}" if tag else ""),
+        f"{model}, {input_len} in / {output_len} out, concurrency {concurrency}"
+        + (f", {what}" if what else ""),
+        (random_stream(input_len, output_len, prompts, concurrency, sampling=sampling),),
     )
 
 
@@ -179,6 +191,7 @@ def _groups() -> dict[str, Group]:
     )
     # Qwen3.5's card, thinking mode, general tasks: the sampling a production server sees most.
     card = ("--temperature", "1.0", "--top-p", "0.95", "--top-k", "20", "--presence-penalty", "1.5")
+    card_title = "the card's sampling (presence penalty 1.5)"
     # A structured-output constraint that never completes: the grammar masks every step of the request.
     words = ("--extra-body", json.dumps({"structured_outputs": {"regex": "([a-z]+ )+"}}))
     sampling_4b = Group(
@@ -187,16 +200,8 @@ def _groups() -> dict[str, Group]:
         "Qwen3.5-4B shape",
         (
             _random_cell("4B", 1, 2048, 1, 4),
-            Cell(
-                "1-2048-c1-card",
-                "4B, 1 in / 2048 out, concurrency 1, the card's sampling (presence penalty 1.5)",
-                (random_stream(1, 2048, 4, 1, sampling=card),),
-            ),
-            Cell(
-                "1024-2048-c64-card",
-                "4B, 1024 in / 2048 out, concurrency 64, the card's sampling (presence penalty 1.5)",
-                (random_stream(1024, 2048, 128, 64, sampling=card),),
-            ),
+            _random_cell("4B", 1, 2048, 1, 4, sampling=card, tag="card", what=card_title),
+            _random_cell("4B", 1024, 2048, 64, 128, sampling=card, tag="card", what=card_title),
             _random_cell("4B", 1024, 512, 64, 128),
             Cell(
                 "1024-512-c60-free-c4-regex",

@@ -144,8 +144,7 @@ def build_rank(
         if decode_graphs:
             fixed["decode graphs' logits"] = logits_buffer_bytes(graph_logits_rows(config), tokenizer_vocab)
         if tp.rank == 0:  # the rank that samples
-            slots = config.num_seqs + 1 + verify_scratch_slots(config)
-            fixed["penalty counts"] = penalty_counts_bytes(slots, tokenizer_vocab)
+            fixed["penalty counts"] = penalty_counts_bytes(state_pool_slots(config), tokenizer_vocab)
     num_pages = _plan_kv_pages(
         config, local, device, dtype, warmup, num_snapshots, model.num_kv_layers, fixed
     )
@@ -156,7 +155,7 @@ def build_rank(
         local,
         num_pages=num_pages,
         page_size=config.page_size,
-        num_slots=config.num_seqs + 1 + verify_scratch_slots(config),
+        num_slots=state_pool_slots(config),
         dtype=dtype,
         device=device,
         num_snapshots=num_snapshots,
@@ -215,6 +214,11 @@ def graph_logits_rows(config: EngineConfig) -> int:
     return config.num_seqs + verify
 
 
+def state_pool_slots(config: EngineConfig) -> int:
+    """Slots of the state pool: the reserved slot 0, one per sequence, then the verify scratch slots."""
+    return config.num_seqs + 1 + verify_scratch_slots(config)
+
+
 def verify_scratch_slots(config: EngineConfig) -> int:
     """State slots a speculative verify step works in (one per drafted position of each speculating
     row: max_batch x num_speculative_tokens); 0 without speculation. They follow the sequences' slots:
@@ -248,7 +252,7 @@ def _warm_up(
         local,
         num_pages=2,
         page_size=cfg.page_size,
-        num_slots=cfg.num_seqs + 1 + verify_scratch_slots(cfg),
+        num_slots=state_pool_slots(cfg),
         dtype=dtype,
         device=device,
         num_kv_layers=model.num_kv_layers,
@@ -307,18 +311,17 @@ def _plan_kv_pages(
     """KV pages for this rank (`local` is its geometry: its KV heads and GDN heads), from what is left
     after the state slots (the sequences' and the verify scratch slots), the prefix cache's snapshots
     and the `fixed` buffers allocated later (by what they hold: the graphs' logits, the sampler's penalty
-    counts). A page holds `num_kv_layers` layers (default:
-    the full-attention layers)."""
+    counts). A page holds `num_kv_layers` layers (default: the full-attention layers)."""
     if cfg.num_kv_pages is not None:
         return cfg.num_kv_pages
     page_bytes = local.kv_bytes_per_token(dtype, num_kv_layers) * cfg.page_size
-    slots = cfg.num_seqs + 1 + verify_scratch_slots(cfg) + num_snapshots
+    slots = state_pool_slots(cfg) + num_snapshots
     state_bytes = slots * local.state_bytes_per_sequence(dtype)
     if device.type == "cuda":
         assert warmup is not None
         free, total = torch.cuda.mem_get_info(device)
-        # The state pools and the graphs' logits buffer are allocated after this; graph capture needs a
-        # little room of its own besides.
+        # The state pools and the `fixed` buffers are allocated after this; graph capture needs a little
+        # room of its own besides.
         fixed = fixed or {}
         reserve = state_bytes + warmup.peak_activation_bytes + sum(fixed.values()) + GRAPH_RESERVE_BYTES
         budget = share_left(cfg.gpu_memory_utilization, free, total) - reserve

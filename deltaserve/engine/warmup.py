@@ -138,9 +138,9 @@ def warm_sampler(sampler: Sampler, vocab: int, device: torch.device, max_rows: i
     """Every SAMPLER_STAGES entry alone and all of them in one step (greedy rows beside sampled ones),
     at 1, 8 and `max_rows` rows, through to the staged host copy a step reads; and the penalties
     counted on the device (a slot's row, drafts before a position, a fed token), as serving counts them."""
-    counted = Sampler(PenaltyCounts(2, vocab, device))
-    assert counted.penalty_counts is not None
-    counted.penalty_counts.apply([(1, 3)], [PenaltyReset(1, [3], [1, 2])])
+    counts = PenaltyCounts(2, vocab, device)
+    counts.apply([(1, 3)], [PenaltyReset(1, [3], [1, 2])])
+    counted = Sampler(counts)
     for rows in sorted({1, min(8, max_rows), max_rows}):
         # Varied values without the global generator (the warm-up leaves every random stream as it was).
         logits = torch.arange(rows * vocab, device=device, dtype=torch.float32).view(rows, vocab).sin_()
