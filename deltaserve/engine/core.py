@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,8 +111,10 @@ class EngineCore:
             self.model_config = dataclasses.replace(
                 self.model_config, ssm_state_dtype=config.mamba_ssm_cache_dtype
             )
+        loading = time.monotonic()
         tokenizer = Tokenizer.from_dir(self.model_dir)
         self.tokenizer_vocab = tokenizer.vocab_size
+        logger.info("tokenizer loaded in %.1f s (%d ids)", time.monotonic() - loading, self.tokenizer_vocab)
         # The grammar compiler (seconds of CPU) builds while the model loads, warms up and captures its
         # graphs, which mostly wait on the GPU; start() waits for it.
         self._grammars = _BackgroundGrammars(

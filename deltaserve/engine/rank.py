@@ -102,6 +102,9 @@ def build_rank(
         )
 
     if device.type == "cuda":
+        torch.cuda.init()  # the driver and the context: timed apart from the size check below
+    device_started = time.monotonic()
+    if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         check_weights_fit(
             weight_bytes(build(torch.device("meta"))),
@@ -122,14 +125,15 @@ def build_rank(
         torch.cuda.synchronize(device)
     loaded = time.monotonic()
     logger.info(
-        "model loaded from %s in %.1f s (%s, %s%s; device start and size check %.1f s, parameters "
+        "model loaded from %s in %.1f s (%s, %s%s; device start %.1f s, size check %.1f s, parameters "
         "allocated %.1f s, weights %.1f s)",
         model_dir,
         loaded - started,
         device,
         dtype,
         f", tensor-parallel rank {tp.rank} of {tp.size}" if tp.size > 1 else "",
-        checked - started,
+        device_started - started,
+        checked - device_started,
         allocated - checked,
         loaded - allocated,
     )
