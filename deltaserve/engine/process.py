@@ -41,6 +41,7 @@ from deltaserve.heap import freeze_startup_heap
 from deltaserve.process_clock import since_start_note
 from deltaserve.process_name import set_process_name
 from deltaserve.stack_dumps import dump_stacks_on_sigusr1
+from deltaserve.startup_profile import profiled_startup
 
 if TYPE_CHECKING:
     from deltaserve.engine.core import EngineCore
@@ -115,10 +116,11 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str, 
     dump_stacks_on_sigusr1()
     parent = os.getppid()
     try:
-        from deltaserve.engine.core import EngineCore
+        with profiled_startup("engine"):
+            from deltaserve.engine.core import EngineCore
 
-        logger.info("engine process: imports done%s", since_start_note())
-        core = EngineCore(config)
+            logger.info("engine process: imports done%s", since_start_note())
+            core = EngineCore(config)
         freeze_startup_heap()
         logger.info("engine ready%s", since_start_note())
     except ConfigError as exc:  # a flag or checkpoint that cannot be served: its one-line message is all

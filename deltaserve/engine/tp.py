@@ -60,6 +60,7 @@ from deltaserve.model.qwen35 import Qwen35ForCausalLM
 from deltaserve.ops.batch import BatchRow
 from deltaserve.process_name import set_process_name
 from deltaserve.stack_dumps import dump_stacks_on_sigusr1
+from deltaserve.startup_profile import profiled_startup
 
 logger = logging.getLogger(__name__)
 
@@ -501,16 +502,17 @@ def run_rank(spec: RankSpec, channel: Connection) -> None:
     dump_stacks_on_sigusr1()
     channel.send(RankStarted(spec.rank))
     try:
-        device_type = spec.config.resolved_device().type
-        init_process_group(device_type, spec.init_method, spec.rank, spec.size)
-        state = build_rank(
-            spec.config,
-            Path(spec.model_dir),
-            spec.model_config,
-            spec.tokenizer_vocab,
-            TensorParallel(spec.rank, spec.size),
-            decode_graphs=decode_graphs_wanted(spec.config),
-        )
+        with profiled_startup(f"rank{spec.rank}"):
+            device_type = spec.config.resolved_device().type
+            init_process_group(device_type, spec.init_method, spec.rank, spec.size)
+            state = build_rank(
+                spec.config,
+                Path(spec.model_dir),
+                spec.model_config,
+                spec.tokenizer_vocab,
+                TensorParallel(spec.rank, spec.size),
+                decode_graphs=decode_graphs_wanted(spec.config),
+            )
     except Exception as exc:
         logger.exception("rank %d failed to start", spec.rank)
         channel.send(RankReady(spec.rank, f"{type(exc).__name__}: {exc}"))
