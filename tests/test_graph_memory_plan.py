@@ -11,7 +11,7 @@ import torch
 
 from deltaserve.config import ModelConfig
 from deltaserve.engine import rank
-from deltaserve.engine.cuda_graphs import graph_buckets, logits_buffer_bytes
+from deltaserve.engine.cuda_graphs import graph_buckets, logits_buffer_bytes, next_ahead, startup_buckets
 from deltaserve.engine.warmup import WarmupReport
 from deltaserve.engine_config import EngineConfig, SpeculativeConfig
 from deltaserve.tiny import official_config
@@ -51,3 +51,16 @@ def test_kv_pages_leave_room_for_the_graph_buffer(monkeypatch):
     page_bytes = local.kv_bytes_per_token(torch.bfloat16) * config.page_size
     without, with_graphs = pages(0), pages(logits_buffer_bytes(512, VOCAB))
     assert without - with_graphs == pytest.approx(logits_buffer_bytes(512, VOCAB) / page_bytes, abs=1)
+
+
+def test_start_up_captures_the_buckets_of_at_most_64_rows_and_idle_time_the_rest_largest_first() -> None:
+    buckets = graph_buckets(512)
+    assert startup_buckets(buckets) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert startup_buckets(graph_buckets(48)) == [1, 2, 4, 8, 16, 24, 32, 40, 48]
+    assert startup_buckets([128, 256], startup_rows=64) == [128]  # the smallest at least
+    settled = set(startup_buckets(buckets))
+    assert next_ahead(buckets, settled) == 512
+    assert next_ahead(buckets, settled | {512, 480}) == 448
+    assert next_ahead(buckets, settled | set(buckets[11:]) - {72}) == 72
+    assert next_ahead(buckets, set(buckets)) is None
+    assert len(buckets) - len(startup_buckets(buckets)) == 24  # left to idle time at 512 sequences

@@ -420,6 +420,20 @@ def test_rank_0s_idle_capture_is_a_step_of_every_rank_until_its_list_is_done() -
     assert workers.group.poisoned is None
 
 
+def test_decode_buckets_left_to_idle_time_are_captured_as_steps_of_every_rank() -> None:
+    """Decode graphs above the start-up buckets, like prefill graphs, are captured by every rank at once."""
+    log: list = []
+    replies = {r: tuple(RankReply(r, step) for step in (0, 1, 2)) for r in (1, 2)}
+    workers = RankWorkers([], [FakeChannel(r, log, replies=replies[r]) for r in (1, 2)])
+    model = type("Model", (), {"device": torch.device("cpu")})()
+    worker = TensorParallelWorker(
+        model, None, workers, graphs=FakePrefillGraphs(1), prefill_graphs=FakePrefillGraphs(1)
+    )
+    assert [worker.capture_ahead() for _ in range(4)] == [True, True, False, False]
+    steps = [msg for _, msg in log if isinstance(msg, RankStep)]
+    assert [s.step_id for s in steps] == [0, 0, 1, 1, 2, 2] and all(s.capture_ahead for s in steps)
+
+
 # ---- two ranks end to end (CPU processes over gloo) -------------------------------------------------
 
 

@@ -87,6 +87,39 @@ def test_a_failed_capture_runs_nothing_and_leaves_the_step_eager():
     assert decode.calls == [] and [rows for rows, _ in prefill.calls] == [[1, 2, 3]]
 
 
+def test_a_decode_bucket_whose_capture_fails_on_first_use_runs_in_a_prefill_graph():
+    decode, prefill = Runner(one_token, fails=True), Runner(lambda rows: True)
+    logits, _ = worker(decode, prefill).run(DECODE)
+    assert logits.flatten().tolist() == [1.0, 2.0]
+    assert decode.calls == [([1, 2], None)] and prefill.calls == [([1, 2], None)]
+
+
+class AheadList:
+    """capture_ahead as the runners': True per bucket left, then False, setting ahead_done."""
+
+    def __init__(self, name: str, left: int, log: list) -> None:
+        self.name, self.left, self.log, self.ahead_done = name, left, log, False
+
+    def capture_ahead(self) -> bool:
+        if self.left == 0:
+            self.ahead_done = True
+            return False
+        self.left -= 1
+        self.log.append(self.name)
+        return True
+
+
+def test_idle_captures_take_the_decode_buckets_first_then_the_prefill_graphs():
+    log: list = []
+    w = worker(AheadList("decode", 2, log), AheadList("prefill", 1, log))
+    calls = []
+    while not w.captures_ahead_done:
+        calls.append(w.capture_ahead())
+    assert log == ["decode", "decode", "prefill"] and calls == [True, True, True, False]
+    assert w.capture_ahead() is False
+    assert worker(None, None).captures_ahead_done and worker(None, None).capture_ahead() is False
+
+
 def test_leading_decode_rows():
     prompt = BatchRow([9], 0, [4], 4)  # a one-token prompt is not a decode row
     verify = BatchRow([1, 2], 5, [1], 1, state_after=(6,))

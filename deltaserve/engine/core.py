@@ -234,17 +234,28 @@ class EngineCore:
         workers = self.workers
         mode = "global" if workers is None else tp.CAPTURE_ERROR_MODE
         reserved = torch.cuda.memory_reserved(self.model.device)
-        graphs = CudaGraphRunner(self.model, caches, config.num_seqs, max_model_len, capture_error_mode=mode)
+        graphs = CudaGraphRunner(
+            self.model,
+            caches,
+            config.num_seqs,
+            max_model_len,
+            capture_error_mode=mode,
+            agree=None if workers is None else tp.all_ranks_agree(self.model.device),
+        )
         seconds = self._capture_on_every_rank(
             graphs.capture, lambda ranks: ranks.start_graph_capture(config.num_seqs, max_model_len)
         )
+        later = len(graphs.buckets) - len(graphs.graphs) - len(graphs.failed)
         logger.info(
-            "captured %d decode graphs (batch buckets up to %d) in %.1f s, %.2f GiB of device memory%s",
-            len(graphs.buckets),
-            config.num_seqs,
+            "captured %d decode graphs (batch buckets up to %d) in %.1f s, %.2f GiB of device memory%s; "
+            "the %d larger buckets up to %d are captured while idle or on first use",
+            len(graphs.graphs),
+            max(graphs.graphs, default=0),
             seconds,
             (torch.cuda.memory_reserved(self.model.device) - reserved) / 2**30,
             self._on_each_rank(),
+            later,
+            config.num_seqs,
         )
         return graphs
 
@@ -341,7 +352,7 @@ class EngineCore:
 
     def wait_for_captures_ahead(self, timeout_s: float) -> bool:
         """Blocks until the started scheduler's idle ticks have no graph capture left (at once
-        without prefill graphs); False if `timeout_s` passed first."""
+        without graphs to capture); False if `timeout_s` passed first."""
         assert self.scheduler is not None, "start() the engine first"
         return self.scheduler.captures_ahead_done.wait(timeout_s)
 

@@ -1,8 +1,13 @@
 """CUDA-graph decode (GPU only): one graph per batch bucket over static input buffers.
 
-Graphs are captured at batch buckets up to --max-num-seqs once the KV pool is sized. Padding rows
-(bucket > live rows) point at the reserved KV page 0 and the reserved state slot 0, so they never touch
-a live sequence.
+Graphs cover batch buckets up to --max-num-seqs. Those of at most STARTUP_ROWS rows are captured at
+start-up, once the KV pool is sized; the larger ones (24 of the 35 at 512 sequences, ~1.6 s of a 4B
+start on an H200) while the engine is idle, largest first, or on the first step that needs one,
+whichever comes first: a step waits for at most its own bucket's capture. A bucket whose capture failed
+(out of memory) runs its steps as a prefill graph or eagerly. Under tensor parallelism every rank
+captures the same bucket at the same step, and a failure on any rank fails it on all (`agree`).
+Padding rows (bucket > live rows) point at the reserved KV page 0 and the reserved state slot 0, so
+they never touch a live sequence.
 
 Every graph writes its float32 logits into the front of one output buffer, [max_num_seqs, vocab]: an
 output of each graph's own would stay allocated for the life of the graphs, ~1 MB per row for each
@@ -13,8 +18,9 @@ launched after its replay (sampler, grammar masks) before the next replay writes
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Container, Sequence
 
 import numpy as np
 import torch
@@ -25,13 +31,18 @@ from deltaserve.cache.state_slots import DUMMY_SLOT
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
 from deltaserve.ops.batch import BatchRow, ForwardBatch, kv_slot
 
+logger = logging.getLogger(__name__)
+
+# Decode buckets captured at start-up: every row count of a batch-1 to concurrency-64 server.
+STARTUP_ROWS = 64
+
 
 def padded_logits_rows(rows: int, buckets: Sequence[int]) -> int:
     """The row count to run the LM head's GEMM at for `rows` rows outside a decode graph: their bucket
     (none for none: a step of partial prompt chunks reads no LM head; beyond the largest, `rows` itself). A GEMM at a row count that takes a cuBLAS kernel not run before
     in the process loads that kernel (CUDA's lazy loading), which waits for the work queued on the device:
     ~3 ms on an idle H200, ~130 ms behind a step launched ahead (the 9B's LM head at 129, 140, 160...
-    rows), a stall for every decoder. The decode graphs' capture has run every bucket's GEMM."""
+    rows), a stall for every decoder. The warm-up runs every bucket's GEMM (engine/warmup.py)."""
     if rows == 0:
         return 0
     return next((b for b in buckets if b >= rows), rows)
@@ -51,6 +62,17 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
         b += 8 if b < 128 else 16 if b < 256 else 32
     buckets.append(max_num_seqs)
     return buckets
+
+
+def startup_buckets(buckets: Sequence[int], startup_rows: int = STARTUP_ROWS) -> list[int]:
+    """The buckets captured at start-up: those of at most `startup_rows` rows (the smallest at least)."""
+    return [b for b in buckets if b <= startup_rows] or list(buckets[:1])
+
+
+def next_ahead(buckets: Sequence[int], settled: Container[int]) -> int | None:
+    """The bucket an idle tick captures next: the largest not captured (or failed) yet, so that the
+    smaller ones reuse its memory in the graph pool, as start-up's largest-first order does."""
+    return next((b for b in reversed(buckets) if b not in settled), None)
 
 
 def fill_decode_inputs(
@@ -124,11 +146,15 @@ class CudaGraphRunner:
         max_model_len: int,
         *,
         capture_error_mode: str = "global",
+        agree: Callable[[bool], bool] | None = None,
     ) -> None:
-        """`capture_error_mode`: torch.cuda.graph's; "thread_local" under tensor parallelism (engine/tp.py)."""
+        """`capture_error_mode`: torch.cuda.graph's at start-up; "thread_local" under tensor parallelism
+        (engine/tp.py) and for every later capture (serving threads may touch the device meanwhile).
+        `agree`: tensor parallelism, whether every rank's capture of a bucket succeeded."""
         self.model = model
         self.cache = cache
         self.capture_error_mode = capture_error_mode
+        self.agree = agree
         self.device = model.device
         self.buckets = graph_buckets(max_num_seqs)
         self.max_rows = self.buckets[-1]
@@ -154,7 +180,11 @@ class CudaGraphRunner:
         self.logits_indices = torch.arange(n, dtype=torch.int64, device=dev)
         self.logits = torch.empty(n, model.logits_vocab_size, dtype=torch.float32, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.failed: set[int] = set()  # buckets whose capture failed: their steps run without
         self.pool = None
+        self._stream: torch.cuda.Stream | None = None
+        self._ahead_seconds = 0.0
+        self._ahead_done = False
 
     def _batch(self, rows: int) -> ForwardBatch:
         return decode_batch_over(
@@ -181,40 +211,116 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> float:
+        """Start-up: captures the buckets of `startup_buckets`, largest first (the smaller ones reuse its
+        pool memory). Returns the seconds taken."""
         started = time.monotonic()
-        self._reset_padding()
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for rows in reversed(self.buckets):  # largest first: later graphs reuse its pool memory
-                batch = self._batch(rows)
-                for _ in range(2):  # compile/warm every kernel at this shape outside the capture
-                    self._forward(batch)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(
-                    graph, pool=self.pool, stream=stream, capture_error_mode=self.capture_error_mode
-                ):
-                    logits = self._forward(batch)
-                if self.pool is None:
-                    self.pool = graph.pool()
-                self.graphs[rows] = (graph, logits)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
+        for rows in reversed(startup_buckets(self.buckets)):
+            self._capture(rows, why="")
         torch.cuda.synchronize(self.device)
         return time.monotonic() - started
+
+    @property
+    def ahead_done(self) -> bool:
+        """Whether `capture_ahead` has found nothing left to capture."""
+        return self._ahead_done
+
+    @torch.inference_mode()
+    def capture_ahead(self) -> bool:
+        """Idle time: captures the next bucket of `next_ahead`; False when none is left (the first time,
+        it logs that they are all done). It blocks for one capture."""
+        if self._ahead_done:
+            return False
+        rows = next_ahead(self.buckets, self.graphs.keys() | self.failed)
+        if rows is None:
+            self._ahead_done = True
+            logger.info(
+                "decode graphs ahead of need: done, %d of %d buckets captured, %.1f s of idle time",
+                len(self.graphs),
+                len(self.buckets),
+                self._ahead_seconds,
+            )
+            return False
+        started = time.monotonic()
+        self._capture(rows, why="while idle")
+        self._ahead_seconds += time.monotonic() - started
+        return True
+
+    def _capture(self, rows: int, *, why: str) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
+        """Captures bucket `rows` over padding inputs, two eager forwards first (they load every kernel
+        at this shape); None when it failed here or, with `agree`, on another rank: the bucket's steps
+        then run without it. `why`: empty at start-up, where a failure raises (and every rank captures
+        the same buckets without agreeing on each), else what the log line says."""
+        error_mode = "thread_local" if why else self.capture_error_mode
+        started = time.monotonic()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        stream = self._stream
+        current = torch.cuda.current_stream(self.device)
+        try:
+            self._copied.synchronize()  # a replay's inputs have left the host twins before they change
+            self._reset_padding()
+            stream.wait_stream(current)
+            with torch.cuda.stream(stream):
+                batch = self._batch(rows)
+                for _ in range(2):
+                    self._forward(batch)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode=error_mode):
+                    logits = self._forward(batch)
+            captured: tuple[torch.cuda.CUDAGraph, torch.Tensor] | None = (graph, logits)
+        except Exception:  # out of memory, or a kernel that cannot be captured
+            if not why:
+                raise  # at start-up a bucket that cannot be captured fails the start, naming its error
+            logger.warning(
+                "decode graph for %d rows not captured; those steps run without", rows, exc_info=True
+            )
+            captured = None
+        current.wait_stream(stream)
+        if captured is not None and self.pool is None:
+            self.pool = captured[0].pool()
+        if why and self.agree is not None and not self.agree(captured is not None):
+            if captured is not None:
+                logger.warning(
+                    "decode graph for %d rows not captured on another rank; those steps run without", rows
+                )
+            captured = None
+        if captured is None:
+            self.failed.add(rows)
+            return None
+        self.graphs[rows] = captured
+        if why:
+            logger.info(
+                "captured the decode graph for %d rows %s in %.0f ms",
+                rows,
+                why,
+                (time.monotonic() - started) * 1e3,
+            )
+        return captured
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.model.compute_logits(self.model(batch, self.cache.kv, self.cache.states), out=self.logits)
 
+    def bucket(self, rows: int) -> int:
+        return next(b for b in self.buckets if b >= rows)
+
     def can_run(self, rows: Sequence[BatchRow]) -> bool:
-        """One-token rows: decode rows, and one-token prompts (context 0, whose state is cleared)."""
-        return 0 < len(rows) <= self.max_rows and all(len(r.token_ids) == 1 for r in rows)
+        """One-token rows (decode rows, and one-token prompts: context 0, whose state is cleared) in a
+        bucket whose capture has not failed."""
+        return (
+            0 < len(rows) <= self.max_rows
+            and all(len(r.token_ids) == 1 for r in rows)
+            and self.bucket(len(rows)) not in self.failed
+        )
 
     @torch.inference_mode()
-    def run(self, rows: Sequence[BatchRow], fed: torch.Tensor | None = None) -> torch.Tensor:
+    def run(self, rows: Sequence[BatchRow], fed: torch.Tensor | None = None) -> torch.Tensor | None:
         """`fed`: input tokens of the first fed.shape[0] rows, on the device (their host token ids are
-        placeholders), copied in after the host inputs."""
+        placeholders), copied in after the host inputs. A bucket not captured yet is captured first;
+        None when that failed (the caller runs the rows another way)."""
         n = len(rows)
-        bucket = next(b for b in self.buckets if b >= n)
+        bucket = self.bucket(n)
+        if bucket not in self.graphs and self._capture(bucket, why="on first use") is None:
+            return None
         page = self.cache.page_size
         self._copied.synchronize()  # the previous replay's inputs have left the host twins
         fill_decode_inputs(self._longs_host.numpy(), self._ints_host.numpy(), rows, bucket, page)

@@ -95,7 +95,7 @@ class RankStep:
     fed_rows: int = 0  # the first rows' input tokens come from rank 0's broadcast, not from `rows`
     logits: bool = False  # rank 0's: with decode graphs a rank takes rank 0's path (ModelWorker._forward)
     decode_graphs: bool = True  # rank 0's ModelWorker.run argument
-    capture_ahead: bool = False  # instead of a forward: the next prefill graph ahead of need (idle time)
+    capture_ahead: bool = False  # instead of a forward: the next graph ahead of need (idle time)
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,9 +272,9 @@ class TensorParallelWorker(ModelWorker):
         self.workers = workers
 
     def capture_ahead(self) -> bool:
-        """Idle time: every rank captures the same next prefill graph, as a step of the group (the
+        """Idle time: every rank captures the same next graph, as a step of the group (the
         captures' warm-up all-reduces meet); nothing is sent once rank 0's list is done."""
-        if self.prefill_graphs is None or self.prefill_graphs.ahead_done:
+        if self.captures_ahead_done:
             return False
         step_id = self.workers.group.dispatch([], capture_ahead=True)
         return self._rank_0s_part(step_id, super().capture_ahead)
@@ -553,9 +553,10 @@ def capture_decode_graphs(worker: ModelWorker, command: CaptureGraphs) -> CudaGr
         command.max_num_seqs,
         command.max_model_len,
         capture_error_mode=CAPTURE_ERROR_MODE,
+        agree=all_ranks_agree(worker.device),
     )
     seconds = graphs.capture()
-    logger.info("captured %d decode graphs in %.1f s", len(graphs.buckets), seconds)
+    logger.info("captured %d decode graphs in %.1f s", len(graphs.graphs), seconds)
     return graphs
 
 

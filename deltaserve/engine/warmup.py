@@ -17,6 +17,7 @@ import torch
 from deltaserve.cache.device import DeviceCaches
 from deltaserve.cache.kv_pages import DUMMY_PAGE
 from deltaserve.cache.state_slots import DUMMY_SLOT
+from deltaserve.engine.cuda_graphs import graph_buckets
 from deltaserve.engine.penalty_counts import PenaltyCounts, PenaltyReset
 from deltaserve.engine.sampler import Sampler, SamplingRow
 from deltaserve.engine.step import sample_and_stage
@@ -96,8 +97,15 @@ def warm_up(
     phase_done("prefill forwards")
     for seqs in sorted({1, min(8, max_num_seqs), max_num_seqs}):
         batch = build_forward_batch(dummy_rows(seqs, 1, page, context=page + 1), page, device)
-        model.compute_logits(model(batch, cache.kv, cache.states))
+        hidden = model(batch, cache.kv, cache.states)
+        model.compute_logits(hidden)
     phase_done("decode forwards")
+    # The LM head's GEMM at every decode bucket's row count, where steps outside a decode graph run it
+    # (cuda_graphs.padded_logits_rows): each loads its kernel here, not behind a step launched ahead,
+    # whether or not that bucket's graph has been captured yet.
+    for rows in graph_buckets(max_num_seqs):
+        model.compute_logits(hidden[:rows])
+    phase_done("LM head at each bucket")
     if sample:
         warm_sampler(Sampler(), model.logits_vocab_size, device, max_num_seqs)
         phase_done("sampler")

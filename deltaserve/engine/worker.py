@@ -55,9 +55,18 @@ class ModelWorker:
         return out
 
     def capture_ahead(self) -> bool:
-        """Idle time: captures one prefill graph serving is likely to need; False when there is none
-        left to capture (or no prefill graphs)."""
+        """Idle time: captures one graph serving is likely to need, the decode buckets not captured at
+        start-up first, then prefill graphs; False when there is none left to capture (or no graphs)."""
+        if self.graphs is not None and self.graphs.capture_ahead():
+            return True
         return self.prefill_graphs is not None and self.prefill_graphs.capture_ahead()
+
+    @property
+    def captures_ahead_done(self) -> bool:
+        """Whether idle time has no graph left to capture."""
+        return (self.graphs is None or self.graphs.ahead_done) and (
+            self.prefill_graphs is None or self.prefill_graphs.ahead_done
+        )
 
     def _in_graphs(self, rows: list[BatchRow], fed: torch.Tensor | None) -> torch.Tensor | None:
         """Logits of a step with prompt chunks replayed from a prefill graph, decode rows and chunks in
@@ -73,7 +82,9 @@ class ModelWorker:
         graphs = self.graphs if decode_graphs else None
         scoring = any(r.scored for r in rows)
         if logits and graphs is not None and not scoring and _all_need_logits(rows) and graphs.can_run(rows):
-            return graphs.run(rows, fed), None
+            replayed = graphs.run(rows, fed)
+            if replayed is not None:  # else its capture failed just now: a prefill graph or eager
+                return replayed, None
         if logits and self.prefill_graphs is not None and not scoring:
             out = self._in_graphs(rows, fed)
             if out is not None:

@@ -1,6 +1,7 @@
 """The decode graphs share one logits buffer: after capturing every bucket up to 64 sequences (11
 graphs, 295 rows in all) they hold about one buffer of 64 rows, not a buffer per bucket; and a replay
-of each bucket gives the eager forward's logits for its rows."""
+of each bucket gives the eager forward's logits for its rows. Above 64 rows a bucket is captured on its
+first use or while idle (largest first), and replays what eager computes."""
 
 from __future__ import annotations
 
@@ -49,3 +50,35 @@ def test_every_bucket_replays_into_one_shared_logits_buffer():
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         caches.clear_states([r.state_slot for r in rows])
         eager.run([BatchRow([i + 1], 0, [i + 1], i + 1) for i in range(bucket)])
+
+
+def test_buckets_above_64_rows_are_captured_on_first_use_or_while_idle_and_replay_what_eager_computes():
+    seqs = 128
+    model = load_model(default_model_dir(), device=DEVICE)
+    caches = build_device_caches(
+        model.config,
+        num_pages=2 * seqs + 1,
+        page_size=PAGE,
+        num_slots=seqs + 1,
+        dtype=torch.float32,
+        device=DEVICE,
+    )
+    graphs = CudaGraphRunner(model, caches, max_num_seqs=seqs, max_model_len=2 * PAGE)
+    graphs.capture()
+    assert sorted(graphs.graphs) == [b for b in graph_buckets(seqs) if b <= 64]
+    eager = ModelWorker(model, caches)
+    rows = [BatchRow([7], 1, [i + 1], i + 1) for i in range(90)]  # bucket 96: captured on first use
+    eager.run([BatchRow([i + 1], 0, [i + 1], i + 1) for i in range(90)])
+    got = graphs.run(rows).clone()
+    assert 96 in graphs.graphs and not graphs.failed
+    caches.clear_states([r.state_slot for r in rows])
+    eager.run([BatchRow([i + 1], 0, [i + 1], i + 1) for i in range(90)])
+    torch.testing.assert_close(got, eager.run(rows)[0], rtol=1e-4, atol=1e-4)
+    captured = []
+    before = set(graphs.graphs)
+    while graphs.capture_ahead():
+        [new] = set(graphs.graphs) - before
+        captured.append(new)
+        before.add(new)
+    assert captured == [128, 120, 112, 104, 88, 80, 72] and graphs.ahead_done
+    assert sorted(graphs.graphs) == graph_buckets(seqs)
