@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deltaserve.engine.row_buffers import row_buffer
 from deltaserve.ops.batch import to_device
 
 
@@ -76,7 +77,15 @@ class PenaltyCounts:
             if reset.prompt_token_ids:
                 prompt[reset.slot, to_device(reset.prompt_token_ids, torch.int64, self.device)] = True
 
-    def rows(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The output counts (float32) and prompt tokens (bool) of `slots` [P], [P, vocab] each."""
-        counts, prompt = self._tensors()
-        return counts.index_select(0, slots).float(), prompt.index_select(0, slots)
+    def rows(self, slots: torch.Tensor, *, prompt: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The output counts (float32) and, with `prompt`, the prompt tokens (bool) of `slots` [P]:
+        [P, vocab] each, in row buffers (engine/row_buffers.py)."""
+        counts, in_prompt = self._tensors()
+        n, device = slots.shape[0], self.device
+        selected = torch.index_select(counts, 0, slots, out=row_buffer(n, self.vocab, torch.int32, device))
+        as_float = row_buffer(n, self.vocab, torch.float32, device).copy_(selected)
+        if not prompt:
+            return as_float, None
+        return as_float, torch.index_select(
+            in_prompt, 0, slots, out=row_buffer(n, self.vocab, torch.bool, device)
+        )

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from deltaserve.engine.penalty_counts import PenaltyCounts
+from deltaserve.engine.row_buffers import row_buffer
 from deltaserve.engine.structured import RequestGrammar
 from deltaserve.ops.batch import to_device
 from deltaserve.sampling_params import SamplingParams
@@ -124,7 +125,7 @@ def process_logits(
     penalised = [i for i, r in enumerate(rows) if uses_penalties(r.params)]
     if not (bias or suppressed or allowed or penalised):
         return logits
-    x = logits.to(torch.float32, copy=True)
+    x = row_buffer(logits.shape[0], logits.shape[1], torch.float32, logits.device).copy_(logits)
     if bias:
         row_ids, tok_ids, values = zip(*bias, strict=True)
         index = to_device([row_ids, tok_ids], torch.int64, x.device)
@@ -177,18 +178,36 @@ def _apply_penalties(
         torch.float32,
         x.device,
     )
+    device = x.device
     whole = n == x.shape[0]
-    row_index = None if whole else to_device(penalised, torch.int64, x.device)
-    sub = x if whole else x.index_select(0, row_index)
+    row_index = None if whole else to_device(penalised, torch.int64, device)
+    # `sub` is the step's own copy (process_logits), or a copy of its penalised rows: changed in place.
+    sub = x if whole else torch.index_select(x, 0, row_index, out=row_buffer(n, vocab, x.dtype, device))
+
+    def floats() -> torch.Tensor:
+        return row_buffer(n, vocab, torch.float32, device)
+
+    def flags() -> torch.Tensor:
+        return row_buffer(n, vocab, torch.bool, device)
 
     repetition = any(r.params.repetition_penalty != 1.0 for r in prows)
-    counts, in_prompt = _output_counts(prows, penalised, vocab, x.device, penalty_counts, fed, repetition)
+    counts, in_prompt = _output_counts(prows, penalised, vocab, device, penalty_counts, fed, repetition)
     if repetition:
         assert in_prompt is not None
         rep = params[0, :, None]
-        sub = torch.where((counts > 0) | in_prompt, torch.where(sub > 0, sub / rep, sub * rep), sub)
+        seen = torch.gt(counts, 0, out=flags()).logical_or_(in_prompt)
+        scaled = torch.where(
+            torch.gt(sub, 0, out=flags()),
+            torch.div(sub, rep, out=floats()),
+            torch.mul(sub, rep, out=floats()),
+            out=floats(),
+        )
+        sub = torch.where(seen, scaled, sub, out=floats())
     if any(r.params.frequency_penalty != 0.0 or r.params.presence_penalty != 0.0 for r in prows):
-        sub = sub - (params[1, :, None] * counts + params[2, :, None] * (counts > 0))
+        # sub - (frequency * counts + presence * (counts > 0)), in that order
+        shift = torch.mul(counts, params[1, :, None], out=floats())
+        shift.add_(torch.mul(torch.gt(counts, 0, out=flags()), params[2, :, None], out=floats()))
+        sub.sub_(shift)
     if whole:
         return sub
     return x.index_copy_(0, row_index, sub)
@@ -208,16 +227,17 @@ def _output_counts(
     is exactly 1). A row with a penalty slot starts from its device row, plus its extra tokens and its
     fed token; any other row is counted from its token lists (one scatter for all)."""
     n = len(prows)
-    counts = torch.zeros(n, vocab, dtype=torch.float32, device=device)
-    in_prompt = torch.zeros(n, vocab, dtype=torch.bool, device=device) if repetition else None
+    counts = row_buffer(n, vocab, torch.float32, device).zero_()
+    in_prompt = row_buffer(n, vocab, torch.bool, device).zero_() if repetition else None
     on_device = [j for j, r in enumerate(prows) if r.penalty_slot is not None]
     if on_device:
         if penalty_counts is None:
             raise ValueError("rows with a penalty slot need a sampler with penalty counts")
         at = to_device([on_device, [prows[j].penalty_slot for j in on_device]], torch.int64, device)
-        slot_counts, slot_prompt = penalty_counts.rows(at[1])
+        slot_counts, slot_prompt = penalty_counts.rows(at[1], prompt=in_prompt is not None)
         counts.index_copy_(0, at[0], slot_counts)
         if in_prompt is not None:
+            assert slot_prompt is not None
             in_prompt.index_copy_(0, at[0], slot_prompt)
     listed = [r.output_token_ids if r.penalty_slot is None else r.penalty_extra for r in prows]
     if any(listed):
@@ -285,7 +305,9 @@ def _sample(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         x.device,
     )
     whole = len(sampled) == len(rows)
-    scores = (x if whole else x.index_select(0, ints[0])) / floats[0, :, None]  # a new float32 tensor
+    n = len(srows)
+    picked = x if whole else torch.index_select(x, 0, ints[0], out=row_buffer(n, vocab, x.dtype, x.device))
+    scores = torch.div(picked, floats[0, :, None], out=row_buffer(n, vocab, torch.float32, x.device))
     any_top_p = any(r.params.top_p < 1.0 for r in srows)
     if any(top_k) or any_top_p:
         _top_k_top_p_(scores, ints[3], floats[1], k_max=max(top_k), all_top_k=all(top_k), any_top_p=any_top_p)
@@ -317,9 +339,16 @@ def _top_k_top_p_(
     vocab = scores.shape[1]
     # topk(k_max) holds every value a threshold can come from, unless a row without top_k needs top_p.
     width = k_max if k_max and (all_top_k or not any_top_p) else vocab
-    ordered = (
-        scores.topk(width, dim=-1).values if width < vocab else scores.sort(dim=-1, descending=True).values
-    )
+    if width < vocab:
+        ordered = scores.topk(width, dim=-1).values
+    else:
+        rows, device = scores.shape[0], scores.device
+        ordered, _ = torch.sort(
+            scores,
+            dim=-1,
+            descending=True,
+            out=(row_buffer(rows, vocab, scores.dtype, device), row_buffer(rows, vocab, torch.int64, device)),
+        )
     threshold = ordered.gather(1, (top_k.clamp(1, width) - 1)[:, None])
     threshold.masked_fill_(top_k[:, None] == 0, float("-inf"))
     if any_top_p:
