@@ -33,4 +33,5 @@ def test_growing_batches_allocate_only_at_powers_of_two() -> None:
     for n in range(65, 129, 3):  # 22 steps of new row counts, all within one power of two
         step(n)
     torch.cuda.synchronize()
-    assert torch.cuda.memory_stats(DEVICE)["num_device_alloc"] == before
+    # Before row buffers: several new blocks a step (66 or more here); a small-pool segment may still come.
+    assert torch.cuda.memory_stats(DEVICE)["num_device_alloc"] - before <= 2
