@@ -81,3 +81,20 @@ def test_the_scaled_scores_of_a_sampled_sub_batch_come_in_a_row_buffer(monkeypat
     Sampler()(torch.randn(5, VOCAB), sampled)  # the whole batch
     assert [tuple(s.shape) for s in seen] == [(5, VOCAB), (5, VOCAB)]
     assert [allocated_rows(s) for s in seen] == [8, 8]
+
+
+def test_noise_chunks_are_a_power_of_two_of_rows_and_a_shorter_last_one_fits_in_a_full_ones(
+    monkeypatch,
+) -> None:
+    made: list[tuple[int, torch.dtype]] = []
+
+    def recording(rows, cols, dtype, device):
+        made.append((rows, dtype))
+        return row_buffer(rows, cols, dtype, device)
+
+    monkeypatch.setattr(sampler_module, "row_buffer", recording)
+    monkeypatch.setattr(sampler_module, "_NOISE_CHUNK_ELEMS", 5 * VOCAB)  # chunks of 4 rows
+    Sampler()(torch.randn(6, VOCAB), rows_of(6, temperature=0.7))
+    noise = [rows for rows, dtype in made if dtype == torch.int64]
+    assert noise == [4, 4, 2, 2]  # the hashed counters and their scratch, per chunk
+    assert max(padded_rows(r) for r, _ in made) == 8  # the scaled scores of 6 rows

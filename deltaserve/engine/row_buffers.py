@@ -1,6 +1,6 @@
 """A step's [rows, vocab] temporaries, allocated at a power-of-two row count.
 
-The sampler's temporaries (a float32 copy of the logits, penalty counts, scaled scores, a sort) hold
+The sampler's temporaries (a float32 copy of the logits, penalty counts, scaled scores, a sort, noise) hold
 about 1 MB per row over Qwen3.5's vocabulary. PyTorch's caching allocator serves a request only from a
 cached block at least as large, so a temporary sized by a row count that grows by a few rows each step
 (a server filling up) takes a new device allocation every step and leaves each smaller block cached

@@ -363,22 +363,22 @@ def _top_k_top_p_(
 
 def _gumbel_argmax(scores: torch.Tensor, seed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
     """Draws argmax(score + Gumbel noise) per row, i.e. a sample of softmax(score), from counter-based noise."""
+    rows, vocab = scores.shape
+    device = scores.device
     key = _mix64_(_mix64_(seed.clone()).add_(step))
-    counters = torch.arange(1, scores.shape[1] + 1, dtype=torch.int64, device=scores.device).mul_(_GOLDEN)
-    drawn = torch.empty(scores.shape[0], dtype=torch.int64, device=scores.device)
-    chunk = max(1, _NOISE_CHUNK_ELEMS // scores.shape[1])
-    for lo in range(0, scores.shape[0], chunk):
-        z = key[lo : lo + chunk, None] + counters
+    counters = torch.arange(1, vocab + 1, dtype=torch.int64, device=device).mul_(_GOLDEN)
+    drawn = torch.empty(rows, dtype=torch.int64, device=device)
+    # A power of two of rows per chunk, so that a last, shorter chunk's row buffers fit a full one's.
+    chunk = 1 << (max(1, _NOISE_CHUNK_ELEMS // vocab).bit_length() - 1)
+    for lo in range(0, rows, chunk):
+        hi = min(lo + chunk, rows)
+        z = torch.add(key[lo:hi, None], counters, out=row_buffer(hi - lo, vocab, torch.int64, device))
         # Only the top 23 bits are used, and splitmix64's last xorshift (>> 31) never changes them.
         _mix64_(z, final_xorshift=False)
-        u = (
-            _shift_right_logical(z, 64 - _UNIFORM_BITS, out=z)
-            .to(torch.float32)
-            .add_(0.5)
-            .mul_(2.0**-_UNIFORM_BITS)
-        )
+        u = row_buffer(hi - lo, vocab, torch.float32, device)
+        u.copy_(_shift_right_logical(z, 64 - _UNIFORM_BITS, out=z)).add_(0.5).mul_(2.0**-_UNIFORM_BITS)
         # -log(-log u) is standard Gumbel noise: score + noise = score - log(-log u).
-        drawn[lo : lo + chunk] = (scores[lo : lo + chunk] - u.log_().neg_().log_()).argmax(dim=-1)
+        drawn[lo:hi] = torch.sub(scores[lo:hi], u.log_().neg_().log_(), out=u).argmax(dim=-1)
     return drawn
 
 
@@ -389,7 +389,7 @@ def _shift_right_logical(z: torch.Tensor, shift: int, out: torch.Tensor | None =
 
 def _mix64_(z: torch.Tensor, *, final_xorshift: bool = True) -> torch.Tensor:
     """splitmix64's finaliser, in place over int64 (products wrap mod 2**64, as the C original's uint64)."""
-    tmp = torch.empty_like(z)
+    tmp = torch.empty_like(z) if z.dim() == 1 else row_buffer(z.shape[0], z.shape[1], z.dtype, z.device)
     z.bitwise_xor_(_shift_right_logical(z, 30, out=tmp)).mul_(_MIX1)
     z.bitwise_xor_(_shift_right_logical(z, 27, out=tmp)).mul_(_MIX2)
     if final_xorshift:
