@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
+from deltaserve import memory_history
 from deltaserve.engine.protocol import (
     HEARTBEAT_INTERVAL_S,
     EngineMessage,
@@ -115,6 +116,7 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str, 
     set_process_name(ENGINE_PROCESS_NAME)
     dump_stacks_on_sigusr1()
     parent = os.getppid()
+    recording = memory_history.start_recording()
     try:
         with profiled_startup("engine"):
             from deltaserve.engine.core import EngineCore
@@ -144,6 +146,8 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str, 
             outbox.send(data)
 
     core.start(publish)
+    if recording:
+        memory_history.mark_serving()
     ready.send(("ready", dataclasses.asdict(core.info)))
     ready.close()
     thread = core.thread
@@ -168,6 +172,8 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str, 
             break
     thread.join(timeout=30)
     beating.set()
+    if recording:
+        memory_history.write_and_summarise()
     core.close()
     failed = core.scheduler is not None and not core.scheduler.stopped
     time.sleep(0.1)  # let the last outputs leave the socket
