@@ -28,6 +28,7 @@ import torch
 from deltaserve.cache.device import DeviceCaches
 from deltaserve.cache.kv_pages import DUMMY_PAGE
 from deltaserve.cache.state_slots import DUMMY_SLOT
+from deltaserve.engine.idle_captures import CapturesAhead
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
 from deltaserve.ops.batch import BatchRow, ForwardBatch, kv_slot
 
@@ -183,8 +184,12 @@ class CudaGraphRunner:
         self.failed: set[int] = set()  # buckets whose capture failed: their steps run without
         self.pool = None
         self._stream: torch.cuda.Stream | None = None
-        self._ahead_seconds = 0.0
-        self._ahead_done = False
+        self._ahead = CapturesAhead(
+            "decode graphs",
+            lambda: next_ahead(self.buckets, self.graphs.keys() | self.failed),
+            lambda rows: self._capture(rows, why="while idle"),
+            lambda: f"{len(self.graphs)} of {len(self.buckets)} buckets captured",
+        )
 
     def _batch(self, rows: int) -> ForwardBatch:
         return decode_batch_over(
@@ -222,28 +227,12 @@ class CudaGraphRunner:
     @property
     def ahead_done(self) -> bool:
         """Whether `capture_ahead` has found nothing left to capture."""
-        return self._ahead_done
+        return self._ahead.done
 
     @torch.inference_mode()
     def capture_ahead(self) -> bool:
-        """Idle time: captures the next bucket of `next_ahead`; False when none is left (the first time,
-        it logs that they are all done). It blocks for one capture."""
-        if self._ahead_done:
-            return False
-        rows = next_ahead(self.buckets, self.graphs.keys() | self.failed)
-        if rows is None:
-            self._ahead_done = True
-            logger.info(
-                "decode graphs ahead of need: done, %d of %d buckets captured, %.1f s of idle time",
-                len(self.graphs),
-                len(self.buckets),
-                self._ahead_seconds,
-            )
-            return False
-        started = time.monotonic()
-        self._capture(rows, why="while idle")
-        self._ahead_seconds += time.monotonic() - started
-        return True
+        """Idle time: captures the next bucket of `next_ahead`; False when none is left."""
+        return self._ahead.step()
 
     def _capture(self, rows: int, *, why: str) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
         """Captures bucket `rows` over padding inputs, two eager forwards first (they load every kernel

@@ -55,6 +55,7 @@ from deltaserve.cache.device import DeviceCaches
 from deltaserve.cache.kv_pages import DUMMY_PAGE
 from deltaserve.cache.state_slots import DUMMY_SLOT
 from deltaserve.engine.cuda_graphs import graph_buckets, padded_logits_rows
+from deltaserve.engine.idle_captures import CapturesAhead
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
 from deltaserve.ops.batch import (
     FLA_CHUNK,
@@ -395,9 +396,13 @@ class PrefillGraphRunner:
         self.pool = pool
         self.graphs: dict[Bucket, CapturedPrefill] = {}
         self.failed: set[Bucket] = set()  # buckets whose capture failed: they run eager
-        self._ahead = ahead_of_need(self.token_buckets, self.chunk_buckets)
-        self._ahead_seconds = 0.0
-        self._ahead_done = False
+        wanted = ahead_of_need(self.token_buckets, self.chunk_buckets)
+        self._ahead = CapturesAhead(
+            "prefill graphs",
+            lambda: next_uncaptured(wanted, self.graphs.keys() | self.failed),
+            self._capture,
+            lambda: f"{len(self.graphs)} graphs in all",
+        )
 
     def bucket(self, rows: Sequence[BatchRow]) -> Bucket | None:
         """The (tokens, prompt chunks) bucket that runs `rows` in a graph; None: they run eager."""
@@ -497,28 +502,13 @@ class PrefillGraphRunner:
     @property
     def ahead_done(self) -> bool:
         """Whether `capture_ahead` has found nothing left to capture."""
-        return self._ahead_done
+        return self._ahead.done
 
     @torch.inference_mode()
     def capture_ahead(self) -> bool:
         """Captures the next bucket of `ahead_of_need` not captured (or failed) yet; False when none is
-        left, and the first time, logs that the list is done. For idle time only: it blocks for one
-        capture."""
-        if self._ahead_done:
-            return False
-        key = next_uncaptured(self._ahead, self.graphs.keys() | self.failed)
-        if key is None:
-            self._ahead_done = True
-            logger.info(
-                "prefill graphs ahead of need: done, %d graphs in all, %.1f s of idle time",
-                len(self.graphs),
-                self._ahead_seconds,
-            )
-            return False
-        started = time.monotonic()
-        self._capture(key)
-        self._ahead_seconds += time.monotonic() - started
-        return True
+        left. For idle time only: it blocks for one capture."""
+        return self._ahead.step()
 
     def _capture(self, key: Bucket) -> CapturedPrefill | None:
         """Captures bucket `key` (None: it runs eager); with `agree`, only if every rank captured it."""
