@@ -5,6 +5,8 @@ buffers and returns zero logits over a 1,000-token vocabulary, so what is timed 
 step (planning, input building, sampling on the CPU, dispatch, message encoding).
 
     python3 docs/benchmarks/2026-12-04-cpu-penalty-counts/host_cost.py --rows 64
+
+`--greedy` times greedy rows instead (no penalties, no sampling arithmetic: the host's own work).
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--greedy", action="store_true", help="greedy rows, without penalties")
+    parser.add_argument("--prompt-len", type=int, default=1024)
     args = parser.parse_args()
     n = args.rows
     config = SchedulerConfig(
@@ -74,11 +78,15 @@ def main() -> None:
         lambda out: encode_engine_message(out),
         cache=CacheManager(num_pages=n * 700, page_size=PAGE, num_slots=n + 1),
     )
-    params = SamplingParams(
-        temperature=1.0, top_p=0.95, top_k=20, presence_penalty=1.5, max_tokens=9000, ignore_eos=True
+    params = (
+        SamplingParams(temperature=0.0, max_tokens=9000, ignore_eos=True)
+        if args.greedy
+        else SamplingParams(
+            temperature=1.0, top_p=0.95, top_k=20, presence_penalty=1.5, max_tokens=9000, ignore_eos=True
+        )
     )
     for i in range(n):
-        scheduler.submit(AddRequest(f"r{i}", [j % 900 for j in range(1024)], params))
+        scheduler.submit(AddRequest(f"r{i}", [j % 900 for j in range(args.prompt_len)], params))
     for _ in range(300):  # the prompts prefilled
         scheduler.tick()
     gc.collect()
