@@ -18,16 +18,22 @@ DEVICE = torch.device("cuda")
 SEQS, PAGE = 64, 16
 
 
-def test_every_bucket_replays_into_one_shared_logits_buffer():
+def model_and_caches(seqs: int):
+    """The tiny model and a pool of two pages and one slot per sequence (plus the reserved ones)."""
     model = load_model(default_model_dir(), device=DEVICE)
     caches = build_device_caches(
         model.config,
-        num_pages=2 * SEQS + 1,
+        num_pages=2 * seqs + 1,
         page_size=PAGE,
-        num_slots=SEQS + 1,
+        num_slots=seqs + 1,
         dtype=torch.float32,
         device=DEVICE,
     )
+    return model, caches
+
+
+def test_every_bucket_replays_into_one_shared_logits_buffer():
+    model, caches = model_and_caches(SEQS)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated(DEVICE)
     graphs = CudaGraphRunner(model, caches, max_num_seqs=SEQS, max_model_len=2 * PAGE)
@@ -54,15 +60,7 @@ def test_every_bucket_replays_into_one_shared_logits_buffer():
 
 def test_buckets_above_64_rows_are_captured_on_first_use_or_while_idle_and_replay_what_eager_computes():
     seqs = 128
-    model = load_model(default_model_dir(), device=DEVICE)
-    caches = build_device_caches(
-        model.config,
-        num_pages=2 * seqs + 1,
-        page_size=PAGE,
-        num_slots=seqs + 1,
-        dtype=torch.float32,
-        device=DEVICE,
-    )
+    model, caches = model_and_caches(seqs)
     graphs = CudaGraphRunner(model, caches, max_num_seqs=seqs, max_model_len=2 * PAGE)
     graphs.capture()
     assert sorted(graphs.graphs) == [b for b in graph_buckets(seqs) if b <= 64]
