@@ -10,6 +10,7 @@ import time
 
 from deltaserve.bench.matrix_server import (
     AHEAD_OF_NEED_DONE,
+    DECODE_AHEAD_DONE,
     PREFILL_GRAPHS_ON,
     ServerProcess,
     wait_graphs_ahead,
@@ -47,5 +48,26 @@ def test_no_wait_without_prefill_graphs_nor_past_the_timeout(tmp_path):
         assert time.perf_counter() - started < 1
         server.log_path.write_text(f"engine INFO {PREFILL_GRAPHS_ON} 2048 tokens\n")
         assert wait_graphs_ahead(server, timeout_s=0.5) is None
+    finally:
+        server.proc.kill()
+
+
+def test_without_prefill_graphs_the_decode_buckets_left_to_idle_time_are_waited_for(tmp_path):
+    left = "captured 11 decode graphs (batch buckets up to 64) in 0.6 s; the 24 larger buckets up to 512 are"
+    server = _server(tmp_path, f"engine INFO {left} captured while idle or on first use\n")
+    try:
+
+        def finish() -> None:
+            time.sleep(0.5)
+            with open(server.log_path, "a") as f:
+                f.write(f"engine INFO {DECODE_AHEAD_DONE}, 35 of 35 buckets captured, 1.6 s of idle time\n")
+
+        threading.Thread(target=finish).start()
+        waited = wait_graphs_ahead(server, timeout_s=10)
+        assert waited is not None and 0.5 <= waited < 5
+        server.log_path.write_text(
+            "engine INFO captured 5 decode graphs (batch buckets up to 16); the 0 larger buckets up to 16 are\n"
+        )
+        assert wait_graphs_ahead(server, timeout_s=10) is None  # none left: nothing to wait for
     finally:
         server.proc.kill()

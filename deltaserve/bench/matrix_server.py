@@ -99,21 +99,28 @@ def wait_ready(server: ServerProcess, timeout_s: float) -> float:
         time.sleep(0.1)
 
 
-# Lines of the engine's log (engine/core.py, engine/prefill_graphs.py).
+# Lines of the engine's log (engine/core.py, engine/idle_captures.py). Idle time captures the decode
+# buckets left from start-up first, then the prefill graphs: the last list that runs ends the wait.
 PREFILL_GRAPHS_ON = "prefill graphs: steps of up to"
 AHEAD_OF_NEED_DONE = "prefill graphs ahead of need: done"
+DECODE_GRAPHS_LEFT = "larger buckets up to"  # in the decode graphs' start-up line when some are left
+DECODE_AHEAD_DONE = "decode graphs ahead of need: done"
 
 
 def wait_graphs_ahead(server: ServerProcess, timeout_s: float) -> float | None:
     """Seconds from process start until the server has logged that its idle-time graph captures are
-    done (engine/prefill_graphs.py), so that a measured cell meets replays where a server that has been
-    up a while would; None when it captures none (no prefill graphs) or the timeout passes first."""
+    done, so that a measured cell meets replays where a server that has been up a while would; None
+    when it captures none (no prefill graphs, no decode buckets left) or the timeout passes first."""
     deadline = time.perf_counter() + timeout_s
     while time.perf_counter() < deadline and server.proc.poll() is None:
         text = server.log_path.read_text(errors="replace") if server.log_path.exists() else ""
-        if PREFILL_GRAPHS_ON not in text:
+        if PREFILL_GRAPHS_ON in text:
+            done = AHEAD_OF_NEED_DONE
+        elif DECODE_GRAPHS_LEFT in text:
+            done = DECODE_AHEAD_DONE
+        else:
             return None
-        if AHEAD_OF_NEED_DONE in text:
+        if done in text:
             return time.perf_counter() - server.started_at
         time.sleep(0.2)
     return None

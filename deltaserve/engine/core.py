@@ -245,17 +245,17 @@ class EngineCore:
         seconds = self._capture_on_every_rank(
             graphs.capture, lambda ranks: ranks.start_graph_capture(config.num_seqs, max_model_len)
         )
-        later = len(graphs.buckets) - len(graphs.graphs) - len(graphs.failed)
+        later = len(graphs.buckets) - len(graphs.graphs)
         logger.info(
-            "captured %d decode graphs (batch buckets up to %d) in %.1f s, %.2f GiB of device memory%s; "
-            "the %d larger buckets up to %d are captured while idle or on first use",
+            "captured %d decode graphs (batch buckets up to %d) in %.1f s, %.2f GiB of device memory%s%s",
             len(graphs.graphs),
             max(graphs.graphs, default=0),
             seconds,
             (torch.cuda.memory_reserved(self.model.device) - reserved) / 2**30,
             self._on_each_rank(),
-            later,
-            config.num_seqs,
+            f"; the {later} larger buckets up to {config.num_seqs} are captured while idle or on first use"
+            if later
+            else "",
         )
         return graphs
 
