@@ -131,9 +131,9 @@ def test_a_batch_of_prefill_chunks_only_returns_flas_output_without_copying_it(m
         outputs.append(torch.arange(v.numel(), dtype=v.dtype, device=v.device).view(v.shape))
         return outputs[-1], torch.zeros_like(initial_state)
 
-    module = types.ModuleType("fla.ops.gated_delta_rule")
+    module = types.ModuleType(triton_gdn.FLA_CHUNK_MODULE)
     module.chunk_gated_delta_rule = chunk_gated_delta_rule
-    monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", module)
+    monkeypatch.setitem(sys.modules, triton_gdn.FLA_CHUNK_MODULE, module)
     hk, hv, d = 2, 4, 16
     chunks = [BatchRow([0] * n, ctx, [3, 4], slot) for n, ctx, slot in [(7, 0, 1), (5, 3, 2)]]
     state = torch.zeros(8, hv, d, d, device=DEVICE)

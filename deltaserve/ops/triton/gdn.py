@@ -358,10 +358,18 @@ def prefill_index(batch: ForwardBatch, first: int) -> PrefillIndex:
     return index
 
 
+# The module of fla's chunked kernel, and the packages that stand as plain ones while it imports: fla's
+# and fla.ops' initialisers (every fla layer, model and op), gated_delta_rule's (its recurrent and naive
+# kernels), and fla.modules' and fla.modules.norm's (every fla module, torch.distributed.tensor and
+# sympy with them), of which the kernel needs one function, l2norm's.
+FLA_CHUNK_MODULE = "fla.ops.gated_delta_rule.chunk"
+FLA_CHUNK_PLAIN_PACKAGES = ("fla", "fla.ops", "fla.ops.gated_delta_rule", "fla.modules", "fla.modules.norm")
+
+
 def fla_chunk_gated_delta_rule() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """fla's chunked kernel, imported without the rest of fla (ops/triton/narrow_import.py) the first
     time; after it, a lookup in sys.modules."""
-    return import_narrowly("fla.ops.gated_delta_rule", ("fla", "fla.ops"), "fla-core").chunk_gated_delta_rule
+    return import_narrowly(FLA_CHUNK_MODULE, FLA_CHUNK_PLAIN_PACKAGES, "fla-core").chunk_gated_delta_rule
 
 
 def gdn_prefill(
