@@ -17,6 +17,7 @@ manager's slots are 1..max_num_seqs).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -105,6 +106,7 @@ def build_rank(
         torch.cuda.init()  # the driver and the context: timed apart from the size check below
     device_started = time.monotonic()
     if device.type == "cuda":
+        release_unreferenced_device_memory()
         free, total = torch.cuda.mem_get_info(device)
         check_weights_fit(
             weight_bytes(build(torch.device("meta"))),
@@ -356,6 +358,14 @@ def weight_bytes(model: torch.nn.Module) -> int:
 def share_left(utilization: float, free: int, total: int) -> float:
     """Bytes this process may still allocate: --gpu-memory-utilization of the GPU, less what is in use."""
     return utilization * total - (total - free)
+
+
+def release_unreferenced_device_memory() -> None:
+    """Gives the driver back what this process's allocator caches but nothing references (an earlier
+    engine of the process, shut down and dropped, whose objects may wait in reference cycles): the sizing
+    below reads the driver's free memory, in which the allocator's cached blocks count as used."""
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def check_weights_fit(
