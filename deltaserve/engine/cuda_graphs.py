@@ -18,6 +18,7 @@ launched after its replay (sampler, grammar masks) before the next replay writes
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from collections.abc import Callable, Container, Sequence
@@ -290,7 +291,8 @@ class CudaGraphRunner:
         return self.model.compute_logits(self.model(batch, self.cache.kv, self.cache.states), out=self.logits)
 
     def bucket(self, rows: int) -> int:
-        return next(b for b in self.buckets if b >= rows)
+        """The smallest bucket of at least `rows` rows (buckets ascend)."""
+        return self.buckets[bisect.bisect_left(self.buckets, rows)]
 
     def can_run(self, rows: Sequence[BatchRow]) -> bool:
         """One-token rows (decode rows, and one-token prompts: context 0, whose state is cleared) in a
