@@ -22,3 +22,8 @@ class RequestValidationError(ValueError):
 
 class UnsupportedRequestError(RequestValidationError):
     """A request asks for a feature this engine refuses rather than silently degrading."""
+
+
+class EngineStoppedError(RuntimeError):
+    """Work submitted to an engine that has shut down (its scheduler no longer runs): raised at once, where
+    it would otherwise wait for outputs that never come."""

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ import torch
 from safetensors import safe_open
 
 from deltaserve import LLM, SamplingParams
-from deltaserve.errors import RequestValidationError
+from deltaserve.errors import EngineStoppedError, RequestValidationError
 from deltaserve.tiny import default_model_dir, make_tiny
 
 
@@ -171,6 +172,27 @@ def test_invalid_parameters_raise_before_anything_runs(llm):
         llm.generate([{"prompt_token_ids": "abc"}])
     with pytest.raises(RequestValidationError, match=r"n must be an integer in \[1, 128\], got 0"):
         llm.generate(["hi"], SamplingParams(n=0))
+
+
+def test_work_after_shutdown_raises_at_once_instead_of_waiting_forever(tiny_dir):
+    llm = LLM(str(tiny_dir), dtype="float32", device="cpu", max_num_seqs=2, max_model_len=256)
+    llm.shutdown()
+    outcome: list[BaseException] = []
+
+    def generate() -> None:
+        try:
+            llm.generate(["hi"], SamplingParams(max_tokens=2))
+        except BaseException as exc:  # noqa: BLE001 (the test reads what was raised)
+            outcome.append(exc)
+
+    worker = threading.Thread(target=generate, daemon=True)  # the former code waited here for good
+    worker.start()
+    worker.join(timeout=30)
+    assert not worker.is_alive(), "generate() after shutdown() is still waiting for outputs"
+    [exc] = outcome
+    assert isinstance(exc, EngineStoppedError) and "LLM shut down" in str(exc), exc
+    with pytest.raises(EngineStoppedError, match="start a new one"):
+        llm.reset_prefix_cache()
 
 
 def test_cli_generate_runs_on_the_embedded_default():

@@ -33,7 +33,7 @@ from deltaserve.engine.structured import GrammarBackend, grammar_vocabulary, war
 from deltaserve.engine.tp import RankWorkers, TensorParallelError, TensorParallelWorker
 from deltaserve.engine.worker import ModelWorker
 from deltaserve.engine_config import EngineConfig
-from deltaserve.errors import ConfigError
+from deltaserve.errors import ConfigError, EngineStoppedError
 from deltaserve.model.layers.parallel import TensorParallel
 from deltaserve.tiny import default_model_dir
 from deltaserve.tokenizer import Tokenizer
@@ -226,6 +226,7 @@ class EngineCore:
         )
         self.scheduler: Scheduler | None = None
         self.thread: threading.Thread | None = None
+        self.stopped: str | None = None  # shutdown()'s reason, once it is called
 
     def _capture_decode_graphs(self, caches: DeviceCaches, max_model_len: int) -> CudaGraphRunner:
         """Rank 0's decode graphs. With tensor parallelism every rank captures its own meanwhile, in
@@ -358,9 +359,17 @@ class EngineCore:
 
     def submit(self, msg: ClientMessage) -> None:
         assert self.scheduler is not None, "start() the engine first"
+        if self.stopped is not None:
+            raise EngineStoppedError(
+                f"the engine has shut down ({self.stopped}); start a new one to submit work"
+            )
         self.scheduler.submit(msg)
 
     def shutdown(self, reason: str = "engine shutdown", timeout: float = 30.0) -> None:
+        """Stops the scheduler (the requests in flight end with `reason`) and the rank processes; submit()
+        raises EngineStoppedError after it."""
+        if self.stopped is None:
+            self.stopped = reason
         if self.scheduler is not None and self.thread is not None:
             self.scheduler.submit(Shutdown(reason))
             self.thread.join(timeout)
