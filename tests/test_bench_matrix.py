@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from deltaserve.bench.matrix import (
     record_stem,
     unique_stem,
 )
-from deltaserve.bench.matrix_env import engine_variables, gpu_slug
+from deltaserve.bench.matrix_env import engine_variables, gpu_slug, probe_environment
 from deltaserve.bench.matrix_plan import GROUPS, Stream, select_cells
 from deltaserve.bench.matrix_report import StreamSummary, render_markdown, summary_json, tensor_parallel_size
 from deltaserve.bench.matrix_server import ServerProcess
@@ -332,6 +333,38 @@ def test_the_header_says_how_many_of_the_visible_gpus_the_server_uses(tmp_path):
     assert "2 visible (the server uses 2)" in render_markdown(json.loads(json.dumps(record)))
     record["server"]["flags"] = record["server"]["flags"][:-2]
     assert "2 visible (the server uses one)" in render_markdown(json.loads(json.dumps(record)))
+
+
+def test_the_header_says_whether_imports_compile_from_source(tmp_path):
+    _, record = _record(tmp_path, "startup-4b")
+    record["environment"] = ENV | {
+        "torch_modules": 2400,
+        "torch_modules_compiled": 0,
+        "writes_bytecode": False,
+    }
+    md = render_markdown(json.loads(json.dumps(record)))
+    assert (
+        "| Python bytecode | torch's modules byte-compiled: 0 of 2,400; the interpreter writes none (imports "
+        "compile from source: start-up times are not an installed environment's) |" in md
+    )
+    record["environment"] = ENV | {
+        "torch_modules": 2400,
+        "torch_modules_compiled": 2400,
+        "writes_bytecode": True,
+    }
+    md = render_markdown(json.loads(json.dumps(record)))
+    assert (
+        "| Python bytecode | torch's modules byte-compiled: 2,400 of 2,400; the interpreter writes bytecode |"
+        in md
+    )
+    record["environment"] = ENV
+    assert "Python bytecode" not in render_markdown(json.loads(json.dumps(record)))
+
+
+def test_the_environment_probe_counts_torchs_byte_compiled_modules():
+    env = probe_environment()
+    assert env["torch_modules"] > 100 and 0 <= env["torch_modules_compiled"] <= env["torch_modules"], env
+    assert env["writes_bytecode"] is (not sys.flags.dont_write_bytecode)
 
 
 def _one_cell(plan: Plan, group: str, cell: str, bench_json: dict[str, Any]) -> dict[str, Any]:

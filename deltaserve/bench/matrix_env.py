@@ -17,13 +17,22 @@ from pathlib import Path
 from typing import Any
 
 _PROBE = """
-import importlib.metadata as md, json
+import importlib.metadata as md, importlib.util, json, pathlib, sys
 out = {}
 for name, dist in [("torch", "torch"), ("triton", "triton"), ("fla", "fla-core")]:
     try:
         out[name] = md.version(dist)
     except md.PackageNotFoundError:
         out[name] = None
+out["writes_bytecode"] = not sys.flags.dont_write_bytecode
+try:  # before this probe imports torch (an import may write bytecode)
+    sources = list(pathlib.Path(importlib.util.find_spec("torch").origin).parent.rglob("*.py"))
+    out["torch_modules"] = len(sources)
+    out["torch_modules_compiled"] = sum(
+        pathlib.Path(importlib.util.cache_from_source(str(f))).exists() for f in sources
+    )
+except Exception as exc:
+    out["bytecode_error"] = repr(exc)
 try:
     import torch
     if torch.cuda.is_available():
@@ -40,7 +49,8 @@ _REPO = Path(__file__).resolve().parents[2]
 
 def probe_environment(python: str = sys.executable) -> dict[str, Any]:
     """GPU name (torch.cuda.get_device_name), count and memory, CUDA, torch/triton/fla-core versions,
-    driver (nvidia-smi), Python, platform and the checkout's commit. Missing pieces are None."""
+    how many of torch's modules have bytecode Python will use and whether it writes more, driver
+    (nvidia-smi), Python, platform and the checkout's commit. Missing pieces are None."""
     env: dict[str, Any] = {"gpu": None, "torch": None, "triton": None, "fla": None}
     try:
         proc = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=120)

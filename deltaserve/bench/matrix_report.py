@@ -126,6 +126,21 @@ def tensor_parallel_size(flags: list[str]) -> int:
     return known.tensor_parallel_size
 
 
+def _bytecode(env: dict[str, Any]) -> str | None:
+    """Whether imports compile from source: a start-up time depends on it by seconds (torch alone is
+    ~2,000 modules), and an installed environment has the bytecode."""
+    total, compiled = env.get("torch_modules"), env.get("torch_modules_compiled")
+    if not total or compiled is None:
+        return None
+    writes = env.get("writes_bytecode")
+    text = f"torch's modules byte-compiled: {compiled:,} of {total:,}"
+    if writes is not None:
+        text += "; the interpreter writes bytecode" if writes else "; the interpreter writes none"
+    if compiled < total / 2:
+        text += " (imports compile from source: start-up times are not an installed environment's)"
+    return text
+
+
 def _header_table(record: dict[str, Any]) -> list[str]:
     env, server = record["environment"], record["server"]
     gpu = env.get("gpu") or "none (CPU)"
@@ -149,6 +164,7 @@ def _header_table(record: dict[str, Any]) -> list[str]:
     rows = [
         ("GPU", gpu),
         ("software", software or "unknown"),
+        *([("Python bytecode", bytecode)] if (bytecode := _bytecode(env)) else []),
         ("commit", commit),
         (
             "model",
