@@ -19,6 +19,7 @@ import json
 import logging
 import re
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from deltaserve.engine.schema_rules import SchemaRuleError, check_schema
@@ -72,7 +73,9 @@ class GrammarBackend:
         self._stop_token_ids = list(stop_token_ids)
         self._compiler: xgrammar.GrammarCompiler | None = None
         self.vocab_size = 0
+        # Written by the compile thread too (single dict operations, atomic under the GIL).
         self._compiled: dict[tuple[object, ...], xgrammar.CompiledGrammar] = {}
+        self._executor: ThreadPoolExecutor | None = None  # the compile thread, started on first use
         if grammars_available():
             try:
                 self._compiler_for_vocabulary().compile_builtin_json_grammar()
@@ -113,6 +116,30 @@ class GrammarBackend:
             compiled = _compile(compiler, spec)
             self._compiled[key] = compiled
         return RequestGrammar(xgr.GrammarMatcher(compiled), spec.start_after_token_id, self.vocab_size)
+
+    def cached(self, spec: StructuredOutputParams) -> RequestGrammar | None:
+        """The grammar when `spec` is compiled already (a new matcher over it: no compilation), else None."""
+        compiled = self._compiled.get(grammar_key(spec))
+        if compiled is None:
+            return None
+        import xgrammar as xgr
+
+        return RequestGrammar(xgr.GrammarMatcher(compiled), spec.start_after_token_id, self.vocab_size)
+
+    def compile_in_background(
+        self, spec: StructuredOutputParams, done: Callable[[], None]
+    ) -> Future[RequestGrammar]:
+        """grammar(spec) on the backend's compile thread (one; specifications queue in order), then
+        `done()`. xgrammar's compilation leaves the interpreter to other threads most of the time: on
+        the caller's thread a 1.1 s compilation stalled it whole, beside it the caller's longest pause
+        was 4 ms. The future holds the grammar or the StructuredOutputError."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="deltaserve-grammar-compile"
+            )
+        future = self._executor.submit(self.grammar, spec)
+        future.add_done_callback(lambda _: done())
+        return future
 
     def forget(self) -> None:
         """Drops the compiled grammars kept for reuse (the compiler itself stays)."""

@@ -68,10 +68,14 @@ class Scheduler(SchedulerState):
     def run(self, idle_wait_s: float = 0.05) -> None:
         """The loop: tick until a Shutdown message or a fatal error. Fatal errors fan out one error
         terminal to every owned request before the loop exits. Idle ticks go to the backend's graph
-        captures ahead of need, one per tick, until none is left; then the loop sleeps until work."""
+        captures ahead of need, one per tick, until none is left (none while a request waits for its
+        grammar); then the loop sleeps until work."""
         try:
             while not self.stopped:
                 if self.tick() or self.stopped:
+                    continue
+                if self.compiling:  # no graph capture in the way of a request whose grammar compiles
+                    self._wait_for_work(idle_wait_s)
                     continue
                 if not self.backend.capture_ahead():
                     self.captures_ahead_done.set()
@@ -100,6 +104,7 @@ class Scheduler(SchedulerState):
             steps.finish_async_prefill(self)  # drained before pruning: the device may still read their state
         lifecycle.prune_closed_requests(self)
         validation.reject_unsupported(self)
+        validation.take_compiled_grammars(self)
         self._publish_load()
         if not (self.waiting or self.prefilling or self.running or self.inflight or self.decode_ahead):
             self._flush()
@@ -171,7 +176,7 @@ class Scheduler(SchedulerState):
         inflight = len(self.inflight.requests) if self.inflight else 0
         self.load = LoadSnapshot(
             running=len(self.running) + len(self.prefilling) + inflight,
-            waiting=len(self.waiting),
+            waiting=len(self.waiting) + len(self.compiling),
             kv_pages_used=kv.num_used,
             kv_pages_total=kv.capacity,
             state_slots_free=states.num_free,

@@ -4,11 +4,12 @@
   still running over it, which frees them once waited for: no KV or state is released under a running
   step);
 - fail_requests: a step failed for these requests only;
-- prune_closed_requests: requests whose client went away leave before admission, in the same tick
+- prune_closed_requests: requests whose client went away leave before admission (or while their grammar
+  compiles), in the same tick
   (their pages and slot are free before anything else is planned). An async prefill owns its requests:
   the tick drains it (steps.finish_async_prefill) before pruning, and it retires its closed ones;
-- terminal_scheduler_shutdown: on shutdown or a fatal error every owned request (queued, prefilling, in
-  flight, decoding, or still in the inbox) gets one error, then a zero load snapshot is published.
+- terminal_scheduler_shutdown: on shutdown or a fatal error every owned request (compiling, queued,
+  prefilling, in flight, decoding, or still in the inbox) gets one error, then a zero load snapshot is published.
   Launched steps are drained (waited for) before any of their requests' KV or state is released.
 """
 
@@ -93,7 +94,7 @@ def fail_requests(sched: SchedulerState, reqs: list[Request], message: str) -> N
 
 
 def prune_closed_requests(sched: SchedulerState) -> None:
-    for name in ("waiting", "prefilling"):
+    for name in ("compiling", "waiting", "prefilling"):
         q = getattr(sched, name)
         if any(r.closed for r in q):
             for req in [r for r in q if r.closed]:
@@ -122,11 +123,12 @@ def terminal_scheduler_shutdown(sched: SchedulerState, message: str) -> None:
         owned = inflight.requests
     else:
         owned = []
-    owned += list(sched.waiting) + list(sched.prefilling) + list(sched.running)
+    owned += list(sched.compiling) + list(sched.waiting) + list(sched.prefilling) + list(sched.running)
     # A step that failed part-way holds requests no queue does (its prefill chunks are off the FIFO
     # until promoted or requeued): every live request is owned, wherever the failure left it.
     listed = {id(req) for req in owned}
     owned += [req for req in sched.by_id.values() if id(req) not in listed and req.phase is not Phase.DONE]
+    sched.compiling = []
     sched.waiting.clear()
     sched.prefilling.clear()
     sched.running = []

@@ -1,13 +1,15 @@
 """Request types and the chunk vocabulary of the scheduler.
 
-Ownership: a request is in exactly one of `waiting`, `prefilling`, `inflight` (an async prefill) or
-`running`, or it has had its single terminal update (`Phase.DONE`). A step launched ahead holds only
+Ownership: a request is in exactly one of `compiling` (its grammar compiles off the scheduler thread),
+`waiting`, `prefilling`, `inflight` (an async prefill) or `running`, or it has had its single terminal
+update (`Phase.DONE`). A step launched ahead holds only
 its rows' unread tokens: its decode rows' requests stay in `running`, and its chunks' requests are
 requeued (`prefilling`) or promoted (`running`, first token in flight) at launch.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -51,6 +53,7 @@ class Request:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     prompt_logprobs_sent: bool = False
     grammar: RequestGrammar | None = None  # structured output, built by the submission checks
+    grammar_compile: Future[RequestGrammar] | None = None  # while `compiling`: its grammar's compilation
     # Prefix cache: positions after which a GDN state snapshot is saved (a chunk ends there), sorted;
     # the content keys of its full pages so far; the tokens its first admission found cached.
     cache_points: list[int] = field(default_factory=list)

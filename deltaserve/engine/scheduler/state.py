@@ -73,6 +73,9 @@ class SchedulerState:
         # Set once the idle ticks have no graph capture left: from then on an idle engine launches
         # nothing, so a request meets no capture in its way (benchmarks wait for it).
         self.captures_ahead_done = threading.Event()
+        # Requests whose grammar compiles off this thread while others run (validation.py); they join
+        # `waiting` when it is done.
+        self.compiling: list[Request] = []
         self.waiting: deque[Request] = deque()
         self.prefilling: deque[Request] = deque()
         self.running: list[Request] = []
@@ -107,6 +110,10 @@ class SchedulerState:
         # to rewrite, both for the next launch.
         self.penalty_tokens: list[tuple[int, int]] = []
         self.penalty_resets: list[PenaltyReset] = []
+
+    def wake(self) -> None:
+        """Ends the idle loop's sleep (a submission, or work finished on another thread)."""
+        self._wake.set()
 
     def take_penalty_work(self, *, tokens: bool = True) -> tuple[list[tuple[int, int]], list[PenaltyReset]]:
         """The queued penalty outputs (unless not `tokens`: they then wait for a later launch) and row

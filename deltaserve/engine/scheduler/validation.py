@@ -1,5 +1,12 @@
 """Submission checks: contracts the engine refuses and invalid fields are rejected fail-closed, once
-per request, before any accounting, with the field at fault and a reason; never silently degraded."""
+per request, before any accounting, with the field at fault and a reason; never silently degraded.
+
+A structured-output request's grammar is compiled here. While other requests run, a grammar not
+compiled before is compiled on the grammar backend's thread, and the request waits in `compiling`
+(owned, abortable, counted as waiting) until it joins the queue or is rejected: a compilation takes up
+to the server's limit (2 s by default) and would otherwise stall every stream. With nothing running it
+compiles here, as no stream waits.
+"""
 
 from __future__ import annotations
 
@@ -27,6 +34,27 @@ def reject_unsupported(sched: SchedulerState) -> None:
             send_rejection(sched, req, message, field)
         gone = set(id(r) for r, _, _ in bad)
         sched.waiting = type(sched.waiting)(r for r in sched.waiting if id(r) not in gone)
+    if any(r.grammar_compile is not None for r in sched.waiting):
+        sched.compiling += [r for r in sched.waiting if r.grammar_compile is not None]
+        sched.waiting = type(sched.waiting)(r for r in sched.waiting if r.grammar_compile is None)
+
+
+def take_compiled_grammars(sched: SchedulerState) -> None:
+    """Requests whose grammar finished compiling join the end of the queue, or are rejected with the
+    compilation's error."""
+    done = [r for r in sched.compiling if r.grammar_compile is not None and r.grammar_compile.done()]
+    if not done:
+        return
+    for req in done:
+        compile_, req.grammar_compile = req.grammar_compile, None
+        assert compile_ is not None
+        try:
+            req.grammar = compile_.result()
+        except StructuredOutputError as err:
+            send_rejection(sched, req, str(err), "structured_output")
+            continue
+        sched.waiting.append(req)
+    sched.compiling = [r for r in sched.compiling if r.grammar_compile is not None]
 
 
 def _submission_problem(sched: SchedulerState, req: Request) -> tuple[str, str] | None:
@@ -48,10 +76,15 @@ def _submission_problem(sched: SchedulerState, req: Request) -> tuple[str, str] 
     if spec is not None:
         if sched.grammars is None:
             return "structured_output", "structured output is not available on this engine (no tokenizer)"
+        busy = (
+            sched.running or sched.prefilling or sched.inflight is not None or sched.decode_ahead is not None
+        )
         try:
-            req.grammar = sched.grammars.grammar(spec)
+            req.grammar = sched.grammars.cached(spec) if busy else sched.grammars.grammar(spec)
         except StructuredOutputError as err:
             return "structured_output", str(err)
+        if req.grammar is None:
+            req.grammar_compile = sched.grammars.compile_in_background(spec, sched.wake)
     return None
 
 
