@@ -9,7 +9,12 @@ import pytest
 import torch
 
 from deltaserve.engine.llm import LLM
-from deltaserve.engine.structured import GrammarBackend, StructuredOutputError, apply_grammars
+from deltaserve.engine.structured import (
+    CompiledGrammars,
+    GrammarBackend,
+    StructuredOutputError,
+    apply_grammars,
+)
 from deltaserve.errors import RequestValidationError
 from deltaserve.sampling_params import SamplingParams, StructuredOutputParams
 from deltaserve.tiny import default_model_dir
@@ -126,3 +131,31 @@ def test_grammar_rows_launch_ahead_and_sample_after_the_tokens_before_them(monke
     tokenizer = Tokenizer.from_dir(default_model_dir())
     for i in (0, 3):
         assert set(json.loads(tokenizer.decode(outs[True][i]))) == {"a", "b"}
+
+
+class _Sized:
+    def __init__(self, nbytes: int) -> None:
+        self.memory_size_bytes = nbytes
+
+
+def test_compiled_grammars_keep_the_most_recently_used_within_their_byte_limit() -> None:
+    cache = CompiledGrammars(limit_bytes=100)
+    a, b, c, big = _Sized(40), _Sized(40), _Sized(40), _Sized(500)
+    cache.put(("a",), a)
+    cache.put(("b",), b)
+    assert cache.get(("a",)) is a  # now the most recent: b is the least
+    cache.put(("c",), c)  # 120 bytes > 100: b goes
+    assert cache.get(("b",)) is None and cache.get(("a",)) is a and cache.get(("c",)) is c
+    assert cache.nbytes == 80 and len(cache) == 2
+    cache.put(("big",), big)  # past the limit alone: it stays, the rest goes
+    assert len(cache) == 1 and cache.get(("big",)) is big and cache.nbytes == 500
+
+
+def test_a_backend_forgets_the_least_recent_grammar_past_its_limit() -> None:
+    backend = GrammarBackend(lambda: ["", "a", "b", "ab"], [0], cache_bytes=1)
+    first = StructuredOutputParams(choice=["a"])
+    second = StructuredOutputParams(choice=["b"])
+    backend.grammar(first)
+    assert backend.cached(first) is not None
+    backend.grammar(second)  # each grammar is more than one byte: only the newest stays
+    assert backend.cached(first) is None and backend.cached(second) is not None

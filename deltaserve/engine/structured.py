@@ -18,6 +18,8 @@ import importlib.util
 import json
 import logging
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
@@ -58,6 +60,55 @@ def compiler_message(err: Exception) -> str:
     return _XGRAMMAR_PREFIX.sub("", str(err)).strip()
 
 
+# The compiled grammars a backend keeps for reuse, by size: 0.2 MB (a two-field object) to 2.2 MB (200
+# fields) each over Qwen3.5's vocabulary, so an agent server sending a new schema per request would
+# otherwise grow without end.
+COMPILED_GRAMMAR_CACHE_BYTES = 512 * 2**20
+
+
+class CompiledGrammars:
+    """Compiled grammars by specification key, least recently used first out once their sizes pass
+    `limit_bytes` (the newest always stays). Safe across the scheduler and compile threads."""
+
+    def __init__(self, limit_bytes: int = COMPILED_GRAMMAR_CACHE_BYTES) -> None:
+        self.limit_bytes = limit_bytes
+        self._entries: OrderedDict[tuple[object, ...], tuple[xgrammar.CompiledGrammar, int]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple[object, ...]) -> xgrammar.CompiledGrammar | None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            self._entries.move_to_end(key)
+            return entry[0]
+
+    def put(self, key: tuple[object, ...], compiled: xgrammar.CompiledGrammar) -> None:
+        size = int(compiled.memory_size_bytes)
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._bytes -= old[1]
+            self._entries[key] = (compiled, size)
+            self._bytes += size
+            while self._bytes > self.limit_bytes and len(self._entries) > 1:
+                _, (_, evicted) = self._entries.popitem(last=False)
+                self._bytes -= evicted
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+
 class GrammarBackend:
     """Compiles grammars for one tokenizer and caches them by specification.
 
@@ -68,17 +119,22 @@ class GrammarBackend:
     time. The engine builds it during start-up, beside the model's warm-up.)
     """
 
-    def __init__(self, vocabulary: Callable[[], list[str]], stop_token_ids: Sequence[int]) -> None:
+    def __init__(
+        self,
+        vocabulary: Callable[[], list[str]],
+        stop_token_ids: Sequence[int],
+        cache_bytes: int = COMPILED_GRAMMAR_CACHE_BYTES,
+    ) -> None:
         self._vocabulary = vocabulary
         self._stop_token_ids = list(stop_token_ids)
         self._compiler: xgrammar.GrammarCompiler | None = None
         self.vocab_size = 0
-        # Written by the compile thread too (single dict operations, atomic under the GIL).
-        self._compiled: dict[tuple[object, ...], xgrammar.CompiledGrammar] = {}
+        # The one cache of compiled grammars (xgrammar's own is off: unbounded, and a second copy).
+        self._compiled = CompiledGrammars(cache_bytes)
         self._executor: ThreadPoolExecutor | None = None  # the compile thread, started on first use
         if grammars_available():
             try:
-                self._compiler_for_vocabulary().compile_builtin_json_grammar()
+                self.grammar(StructuredOutputParams(json_object=True))  # the compiler, and a first grammar
             except Exception:  # the first structured-output request reports it
                 logger.exception("building the grammar compiler failed")
 
@@ -93,7 +149,7 @@ class GrammarBackend:
                 vocab_size=len(vocab),
                 stop_token_ids=self._stop_token_ids,
             )
-            self._compiler = xgr.GrammarCompiler(info)
+            self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
             self.vocab_size = len(vocab)
         return self._compiler
 
@@ -114,7 +170,7 @@ class GrammarBackend:
                 except (SchemaRuleError, RecursionError, ValueError) as err:
                     raise StructuredOutputError(f"the JSON schema cannot be served: {err}") from err
             compiled = _compile(compiler, spec)
-            self._compiled[key] = compiled
+            self._compiled.put(key, compiled)
         return RequestGrammar(xgr.GrammarMatcher(compiled), spec.start_after_token_id, self.vocab_size)
 
     def cached(self, spec: StructuredOutputParams) -> RequestGrammar | None:
