@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import hashlib
 import json
 import os
@@ -193,6 +194,20 @@ def test_work_after_shutdown_raises_at_once_instead_of_waiting_forever(tiny_dir)
     assert isinstance(exc, EngineStoppedError) and "LLM shut down" in str(exc), exc
     with pytest.raises(EngineStoppedError, match="start a new one"):
         llm.reset_prefix_cache()
+
+
+def test_an_llm_dropped_without_shutdown_stops_its_engine_when_collected(tiny_dir):
+    def schedulers() -> int:
+        return sum(t.name == "deltaserve-scheduler" and t.is_alive() for t in threading.enumerate())
+
+    before = schedulers()
+    llm = LLM(str(tiny_dir), dtype="float32", device="cpu", max_num_seqs=2, max_model_len=256)
+    engine = llm.engine
+    assert schedulers() == before + 1
+    del llm  # the former code's scheduler thread ran on, holding the model and its pools
+    gc.collect()
+    assert engine.thread is not None and not engine.thread.is_alive() and schedulers() == before
+    assert engine.stopped == "LLM dropped"
 
 
 def test_cli_generate_runs_on_the_embedded_default():

@@ -14,6 +14,7 @@ import queue
 import sys
 import time
 import uuid
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -45,6 +46,10 @@ class LLM:
         self.tokenizer = Tokenizer.from_dir(self.engine.model_dir)
         self._outputs: queue.SimpleQueue[StepOutputs] = queue.SimpleQueue()
         self.engine.start(self._outputs.put)
+        # An LLM dropped without shutdown() (a function's local, a notebook cell run again) stops its
+        # engine when it is collected: its scheduler thread would otherwise run on, holding the model
+        # and its pools for the life of the process. At interpreter exit too.
+        self._finalizer = weakref.finalize(self, self.engine.shutdown, "LLM dropped")
 
     @property
     def max_model_len(self) -> int:
@@ -176,6 +181,7 @@ class LLM:
         self.engine.submit(ResetPrefixCache())
 
     def shutdown(self) -> None:
+        self._finalizer.detach()
         self.engine.shutdown("LLM shut down")
 
     def __enter__(self) -> LLM:
