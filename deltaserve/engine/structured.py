@@ -155,7 +155,7 @@ class GrammarBackend:
 
     def grammar(self, spec: StructuredOutputParams) -> RequestGrammar:
         try:
-            import xgrammar as xgr
+            import xgrammar  # noqa: F401 (its absence is the request's error, not an ImportError)
         except ImportError as err:
             raise StructuredOutputError(
                 "structured output needs the xgrammar package on the server (pip install deltaserve[structured])"
@@ -171,13 +171,17 @@ class GrammarBackend:
                     raise StructuredOutputError(f"the JSON schema cannot be served: {err}") from err
             compiled = _compile(compiler, spec)
             self._compiled.put(key, compiled)
-        return RequestGrammar(xgr.GrammarMatcher(compiled), spec.start_after_token_id, self.vocab_size)
+        return self._request_grammar(compiled, spec)
 
     def cached(self, spec: StructuredOutputParams) -> RequestGrammar | None:
         """The grammar when `spec` is compiled already (a new matcher over it: no compilation), else None."""
         compiled = self._compiled.get(grammar_key(spec))
-        if compiled is None:
-            return None
+        return None if compiled is None else self._request_grammar(compiled, spec)
+
+    def _request_grammar(
+        self, compiled: xgrammar.CompiledGrammar, spec: StructuredOutputParams
+    ) -> RequestGrammar:
+        """A request's own matcher over a compiled grammar."""
         import xgrammar as xgr
 
         return RequestGrammar(xgr.GrammarMatcher(compiled), spec.start_after_token_id, self.vocab_size)

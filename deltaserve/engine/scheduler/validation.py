@@ -22,6 +22,7 @@ UNSUPPORTED_ECHO_MESSAGE = "echo=true is not supported: the engine does not retu
 def reject_unsupported(sched: SchedulerState) -> None:
     """Checks each newly queued request once; a failing one is rejected before any accounting."""
     bad: list[tuple[Request, str, str]] = []
+    compiling: list[Request] = []
     for req in sched.waiting:
         if req.checked:
             continue
@@ -29,14 +30,14 @@ def reject_unsupported(sched: SchedulerState) -> None:
         problem = _submission_problem(sched, req)
         if problem is not None:
             bad.append((req, *problem))
-    if bad:
-        for req, field, message in bad:
-            send_rejection(sched, req, message, field)
-        gone = set(id(r) for r, _, _ in bad)
+        elif req.grammar_compile is not None:
+            compiling.append(req)
+    for req, field, message in bad:
+        send_rejection(sched, req, message, field)
+    if bad or compiling:
+        gone = {id(r) for r, _, _ in bad} | {id(r) for r in compiling}
         sched.waiting = type(sched.waiting)(r for r in sched.waiting if id(r) not in gone)
-    if any(r.grammar_compile is not None for r in sched.waiting):
-        sched.compiling += [r for r in sched.waiting if r.grammar_compile is not None]
-        sched.waiting = type(sched.waiting)(r for r in sched.waiting if r.grammar_compile is None)
+        sched.compiling += compiling
 
 
 def take_compiled_grammars(sched: SchedulerState) -> None:
@@ -45,16 +46,15 @@ def take_compiled_grammars(sched: SchedulerState) -> None:
     done = [r for r in sched.compiling if r.grammar_compile is not None and r.grammar_compile.done()]
     if not done:
         return
+    sched.compiling = [r for r in sched.compiling if r not in done]
     for req in done:
         compile_, req.grammar_compile = req.grammar_compile, None
-        assert compile_ is not None
         try:
             req.grammar = compile_.result()
         except StructuredOutputError as err:
             send_rejection(sched, req, str(err), "structured_output")
             continue
         sched.waiting.append(req)
-    sched.compiling = [r for r in sched.compiling if r.grammar_compile is not None]
 
 
 def _submission_problem(sched: SchedulerState, req: Request) -> tuple[str, str] | None:
