@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from scheduler_harness import load_model
 
-from deltaserve.cache.device import build_device_caches
+from deltaserve.cache.device import DeviceCaches, build_device_caches
 from deltaserve.engine.cuda_graphs import CudaGraphRunner, graph_buckets, logits_buffer_bytes
 from deltaserve.engine.worker import ModelWorker
 from deltaserve.ops.batch import BatchRow
@@ -35,6 +35,12 @@ def model_and_caches(seqs: int):
     return model, caches
 
 
+def prefill_one_token_each(eager: ModelWorker, caches: DeviceCaches, rows: int) -> None:
+    """Slots 1..rows from zero states, one prompt token each, in one batch."""
+    caches.clear_states(list(range(1, rows + 1)))
+    eager.run([BatchRow([i + 1], 0, [i + 1], i + 1) for i in range(rows)])
+
+
 def test_every_bucket_replays_into_one_shared_logits_buffer():
     model, caches = model_and_caches(SEQS)
     torch.cuda.synchronize()
@@ -49,17 +55,15 @@ def test_every_bucket_replays_into_one_shared_logits_buffer():
     assert one <= held < 1.5 * one + CUBLAS_STREAM_WORKSPACE, (held, one, per_bucket)
 
     eager = ModelWorker(model, caches)
-    prompts = [BatchRow([i + 1], 0, [i + 1], i + 1) for i in range(SEQS)]
-    eager.run(prompts)  # one token of context in each slot
     for bucket in graph_buckets(SEQS):
         rows = [BatchRow([7], 1, [i + 1], i + 1) for i in range(bucket)]
+        # Both sides start from states prefilled in one batch of the bucket's rows: a prefill's rounding
+        # depends on the batch around each row (its GEMMs' kernels and fla's tf32 dots), so states
+        # prefilled in another batch would differ by more than the graph does.
+        prefill_one_token_each(eager, caches, bucket)
         got = graphs.run(rows).clone()
-        caches.clear_states([r.state_slot for r in rows])  # the replay advanced the states: start again
-        eager.run([BatchRow([i + 1], 0, [i + 1], i + 1) for i in range(bucket)])
-        want = eager.run(rows)[0]
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-        caches.clear_states([r.state_slot for r in rows])
-        eager.run([BatchRow([i + 1], 0, [i + 1], i + 1) for i in range(bucket)])
+        prefill_one_token_each(eager, caches, bucket)
+        torch.testing.assert_close(got, eager.run(rows)[0], rtol=1e-4, atol=1e-4)
 
 
 def test_buckets_above_64_rows_are_captured_on_first_use_or_while_idle_and_replay_what_eager_computes():
@@ -70,11 +74,10 @@ def test_buckets_above_64_rows_are_captured_on_first_use_or_while_idle_and_repla
     assert sorted(graphs.graphs) == [b for b in graph_buckets(seqs) if b <= 64]
     eager = ModelWorker(model, caches)
     rows = [BatchRow([7], 1, [i + 1], i + 1) for i in range(90)]  # bucket 96: captured on first use
-    eager.run([BatchRow([i + 1], 0, [i + 1], i + 1) for i in range(90)])
+    prefill_one_token_each(eager, caches, 90)
     got = graphs.run(rows).clone()
     assert 96 in graphs.graphs and not graphs.failed
-    caches.clear_states([r.state_slot for r in rows])
-    eager.run([BatchRow([i + 1], 0, [i + 1], i + 1) for i in range(90)])
+    prefill_one_token_each(eager, caches, 90)
     torch.testing.assert_close(got, eager.run(rows)[0], rtol=1e-4, atol=1e-4)
     captured = []
     before = set(graphs.graphs)
