@@ -9,7 +9,7 @@ import sys
 
 sys.path[:0] = ["tests", "tests/gpu"]
 
-from test_decode_graph_memory_gpu import SEQS, model_and_caches  # noqa: E402
+from test_decode_graph_memory_gpu import SEQS, model_and_caches, prefill_one_token_each  # noqa: E402
 
 from deltaserve.engine.cuda_graphs import CudaGraphRunner, graph_buckets  # noqa: E402
 from deltaserve.engine.worker import ModelWorker  # noqa: E402
@@ -22,8 +22,7 @@ eager = ModelWorker(model, caches)
 
 
 def prefill(n):
-    caches.clear_states(list(range(1, SEQS + 1)))
-    eager.run([BatchRow([i + 1], 0, [i + 1], i + 1) for i in range(n)])
+    prefill_one_token_each(eager, caches, n)
 
 
 def mx(a, b):
