@@ -18,6 +18,7 @@ from tp_kill import kill_a_rank_mid_stream, rank_pids
 
 from deltaserve.config import ModelConfig
 from deltaserve.engine.llm import LLM
+from deltaserve.engine.rank import rank_device
 from deltaserve.engine.tp import (
     Cancel,
     CaptureGraphs,
@@ -150,6 +151,16 @@ def test_tensor_parallel_flags_are_validated_up_front() -> None:
         EngineConfig(tensor_parallel_size=2, prefill_overlap=True).validate()
     with pytest.raises(ConfigError, match="rank r runs on cuda:r"):
         EngineConfig(tensor_parallel_size=2, device="cuda:1").validate()
+
+
+def test_rank_r_runs_on_cuda_r_and_every_rank_on_the_one_gpu_with_tp_on_one_gpu(monkeypatch) -> None:
+    cuda = torch.device("cuda")
+    assert [rank_device(cuda, r, 2) for r in (0, 1)] == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert rank_device(cuda, 0, 1) == cuda
+    assert rank_device(torch.device("cpu"), 1, 2) == torch.device("cpu")
+    monkeypatch.setenv("DELTASERVE_TP_ONE_GPU", "1")
+    assert [rank_device(cuda, r, 2) for r in (0, 1)] == [torch.device("cuda", 0)] * 2
+    assert rank_device(torch.device("cpu"), 1, 2) == torch.device("cpu")
 
 
 # ---- the start gate and the reply check (rank 0's side, over fake channels) ------------------------

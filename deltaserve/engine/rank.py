@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +64,24 @@ class RankState:
     config: EngineConfig
 
 
+def tp_on_one_gpu() -> bool:
+    """DELTASERVE_TP_ONE_GPU=1: every rank on the one configured GPU, joined over gloo instead of NCCL, so
+    the tensor-parallel code paths run where only one GPU is (to debug them). It does not exercise NCCL,
+    rank r on cuda:r, nor graphs (gloo's collectives cannot be captured). The ranks share the GPU's
+    memory: give each a share, --gpu-memory-utilization 0.9 / N."""
+    return os.environ.get("DELTASERVE_TP_ONE_GPU", "0") == "1"
+
+
+def rank_device(device: torch.device, rank: int, size: int) -> torch.device:
+    """Rank `rank`'s device: cuda:rank under tensor parallelism on CUDA (with `tp_on_one_gpu` the
+    configured GPU, for every rank), else `device`."""
+    if size == 1 or device.type != "cuda":
+        return device
+    if tp_on_one_gpu():
+        return torch.device("cuda", device.index or 0)
+    return torch.device("cuda", rank)
+
+
 def build_rank(
     config: EngineConfig,
     model_dir: Path,
@@ -76,9 +95,8 @@ def build_rank(
     caches. Every rank runs this in the same order: under tensor parallelism the warm-up's forwards and
     the page-count agreement are collectives. `decode_graphs`: this rank will capture decode graphs
     (on CUDA), whose logits buffer the KV pages leave room for."""
-    device = config.resolved_device()
+    device = rank_device(config.resolved_device(), tp.rank, tp.size)
     if tp.size > 1 and device.type == "cuda":
-        device = torch.device("cuda", tp.rank)
         torch.cuda.set_device(device)
     if device.type == "cuda":
         reuse_triton_key()  # before the first kernel compiles

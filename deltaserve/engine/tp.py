@@ -51,7 +51,7 @@ from deltaserve.cache.device import DeviceCaches
 from deltaserve.config import ModelConfig
 from deltaserve.engine.cuda_graphs import CudaGraphRunner
 from deltaserve.engine.prefill_graphs import PrefillGraphRunner
-from deltaserve.engine.rank import agree_on_minimum, build_rank
+from deltaserve.engine.rank import agree_on_minimum, build_rank, rank_device, tp_on_one_gpu
 from deltaserve.engine.worker import ModelWorker
 from deltaserve.engine_config import EngineConfig
 from deltaserve.errors import ConfigError
@@ -346,20 +346,20 @@ def _capture_failure(done: GraphsCaptured) -> str:
     return f"rank {done.rank} failed to capture its {done.kind} graphs: {done.error}"
 
 
-def init_process_group(device_type: str, init_method: str, rank: int, size: int) -> None:
+def init_process_group(device: torch.device, init_method: str, rank: int, size: int) -> None:
     """Joins the group; on CUDA rank r binds cuda:r first, so NCCL's communicator is built there
-    (not on whatever device happens to be current at the first collective)."""
-    device = None
-    if device_type == "cuda":
-        device = torch.device("cuda", rank)
-        torch.cuda.set_device(device)
+    (not on whatever device happens to be current at the first collective). With `tp_on_one_gpu` every
+    rank binds the configured GPU and the group runs over gloo."""
+    nccl = device.type == "cuda" and not tp_on_one_gpu()
+    if device.type == "cuda":
+        torch.cuda.set_device(rank_device(device, rank, size))
     dist.init_process_group(
-        "nccl" if device_type == "cuda" else "gloo",
+        "nccl" if nccl else "gloo",
         init_method=init_method,
         rank=rank,
         world_size=size,
         timeout=datetime.timedelta(seconds=TIMEOUT_S),
-        device_id=device,
+        device_id=rank_device(device, rank, size) if nccl else None,
     )
 
 
@@ -378,8 +378,14 @@ class RankWorkers:
     ) -> RankWorkers:
         """Spawns ranks 1..N-1 and joins rank 0 (this process) to their process group."""
         size = config.tensor_parallel_size
-        device_type = config.resolved_device().type
-        if device_type == "cuda" and torch.cuda.device_count() < size:
+        device = config.resolved_device()
+        one_gpu = tp_on_one_gpu()
+        if device.type == "cuda" and one_gpu and decode_graphs_wanted(config):
+            raise ConfigError(
+                "DELTASERVE_TP_ONE_GPU=1 joins the ranks over gloo, whose collectives CUDA graphs cannot hold: "
+                "add --enforce-eager or unset DELTASERVE_TP_GRAPHS"
+            )
+        if device.type == "cuda" and not one_gpu and torch.cuda.device_count() < size:
             raise ConfigError(
                 f"--tensor-parallel-size {size} needs {size} GPUs, this machine has {torch.cuda.device_count()}"
             )
@@ -401,7 +407,7 @@ class RankWorkers:
             # A rank that dies before joining (a bad interpreter, an import error) is seen here, not
             # as a rendezvous timeout.
             workers._expect(RankStarted)
-            init_process_group(device_type, init_method, 0, size)
+            init_process_group(device, init_method, 0, size)
         except BaseException:
             workers.close()
             raise
@@ -503,8 +509,7 @@ def run_rank(spec: RankSpec, channel: Connection) -> None:
     channel.send(RankStarted(spec.rank))
     try:
         with profiled_startup(f"rank{spec.rank}"):
-            device_type = spec.config.resolved_device().type
-            init_process_group(device_type, spec.init_method, spec.rank, spec.size)
+            init_process_group(spec.config.resolved_device(), spec.init_method, spec.rank, spec.size)
             state = build_rank(
                 spec.config,
                 Path(spec.model_dir),

@@ -18,7 +18,11 @@ pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two
 
 
 def _generate(
-    model_dir: str, tp: int, load_format: str = "auto", graphs_on_rank_0: list | None = None
+    model_dir: str,
+    tp: int,
+    load_format: str = "auto",
+    graphs_on_rank_0: list | None = None,
+    gpu_memory_utilization: float = 0.9,
 ) -> list:
     prompts = [
         {"prompt_token_ids": list(range(1000 + 7 * i, 1000 + 7 * i + n))} for i, n in enumerate((3, 40, 90))
@@ -32,6 +36,7 @@ def _generate(
         max_num_batched_tokens=32,
         max_num_seqs=4,
         max_model_len=4096,
+        gpu_memory_utilization=gpu_memory_utilization,
     ) as llm:
         outs = llm.generate(prompts, params)
         if graphs_on_rank_0 is not None:
