@@ -163,6 +163,26 @@ def test_rank_r_runs_on_cuda_r_and_every_rank_on_the_one_gpu_with_tp_on_one_gpu(
     assert rank_device(torch.device("cpu"), 1, 2) == torch.device("cpu")
 
 
+def test_graphs_with_every_rank_on_one_gpu_are_refused_before_any_rank_starts(monkeypatch) -> None:
+    """gloo's collectives cannot be captured in CUDA graphs: DELTASERVE_TP_ONE_GPU=1 with
+    DELTASERVE_TP_GRAPHS=1 is a start-up error naming both, raised before a rank process is spawned."""
+    monkeypatch.setenv("DELTASERVE_TP_ONE_GPU", "1")
+    monkeypatch.setattr("deltaserve.engine.tp.GRAPHS", True)
+    monkeypatch.setattr(EngineConfig, "resolved_device", lambda self: torch.device("cuda"))
+    spawned = []
+    monkeypatch.setattr("deltaserve.engine.tp.mp.get_context", lambda method: spawned.append(method))
+    config = EngineConfig(tensor_parallel_size=2)
+    with pytest.raises(
+        ConfigError, match="DELTASERVE_TP_ONE_GPU=1 joins the ranks over gloo.*DELTASERVE_TP_GRAPHS"
+    ):
+        RankWorkers.start(config, Path("unused"), None, 0)
+    assert spawned == []
+    monkeypatch.setattr("deltaserve.engine.tp.GRAPHS", False)  # eager: past the check, to the spawn
+    with pytest.raises(AttributeError):
+        RankWorkers.start(config, Path("unused"), None, 0)
+    assert spawned == ["spawn"]
+
+
 # ---- the start gate and the reply check (rank 0's side, over fake channels) ------------------------
 
 

@@ -10,8 +10,6 @@ import pytest
 import torch
 from test_tensor_parallel_gpu import _generate, assert_same_generation
 
-from deltaserve.engine.llm import LLM
-from deltaserve.errors import ConfigError
 from deltaserve.tiny import make_tiny
 
 
@@ -26,12 +24,3 @@ def test_two_ranks_on_one_gpu_generate_what_one_generates(tmp_path, preset, monk
     monkeypatch.setenv("DELTASERVE_TP_ONE_GPU", "1")  # read by this process and inherited by rank 1's
     two = _generate(model_dir, 2, load_format, gpu_memory_utilization=0.4)
     assert_same_generation(one, two)
-
-
-def test_graphs_on_one_gpu_are_refused_by_name(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("DELTASERVE_TP_ONE_GPU", "1")
-    monkeypatch.setenv("DELTASERVE_TP_GRAPHS", "1")
-    monkeypatch.setattr("deltaserve.engine.tp.GRAPHS", True)
-    model_dir = make_tiny(tmp_path / "tiny", "tiny")
-    with pytest.raises(ConfigError, match="DELTASERVE_TP_ONE_GPU=1 joins the ranks over gloo"):
-        LLM(str(model_dir), tensor_parallel_size=2, max_model_len=512, gpu_memory_utilization=0.4)
