@@ -170,7 +170,12 @@ def test_graphs_with_every_rank_on_one_gpu_are_refused_before_any_rank_starts(mo
     monkeypatch.setattr("deltaserve.engine.tp.GRAPHS", True)
     monkeypatch.setattr(EngineConfig, "resolved_device", lambda self: torch.device("cuda"))
     spawned = []
-    monkeypatch.setattr("deltaserve.engine.tp.mp.get_context", lambda method: spawned.append(method))
+
+    def spawn_reached(method: str) -> None:
+        spawned.append(method)
+        raise RuntimeError("past the checks, at the spawn")
+
+    monkeypatch.setattr("deltaserve.engine.tp.mp.get_context", spawn_reached)
     config = EngineConfig(tensor_parallel_size=2)
     with pytest.raises(
         ConfigError, match="DELTASERVE_TP_ONE_GPU=1 joins the ranks over gloo.*DELTASERVE_TP_GRAPHS"
@@ -178,7 +183,7 @@ def test_graphs_with_every_rank_on_one_gpu_are_refused_before_any_rank_starts(mo
         RankWorkers.start(config, Path("unused"), None, 0)
     assert spawned == []
     monkeypatch.setattr("deltaserve.engine.tp.GRAPHS", False)  # eager: past the check, to the spawn
-    with pytest.raises(AttributeError):
+    with pytest.raises(RuntimeError, match="at the spawn"):
         RankWorkers.start(config, Path("unused"), None, 0)
     assert spawned == ["spawn"]
 

@@ -350,16 +350,17 @@ def init_process_group(device: torch.device, init_method: str, rank: int, size: 
     """Joins the group; on CUDA rank r binds cuda:r first, so NCCL's communicator is built there
     (not on whatever device happens to be current at the first collective). With `tp_on_one_gpu` every
     rank binds the configured GPU and the group runs over gloo."""
-    nccl = device.type == "cuda" and not tp_on_one_gpu()
-    if device.type == "cuda":
-        torch.cuda.set_device(rank_device(device, rank, size))
+    bound = rank_device(device, rank, size)
+    if bound.type == "cuda":
+        torch.cuda.set_device(bound)
+    nccl = bound.type == "cuda" and not tp_on_one_gpu()
     dist.init_process_group(
         "nccl" if nccl else "gloo",
         init_method=init_method,
         rank=rank,
         world_size=size,
         timeout=datetime.timedelta(seconds=TIMEOUT_S),
-        device_id=rank_device(device, rank, size) if nccl else None,
+        device_id=bound if nccl else None,
     )
 
 

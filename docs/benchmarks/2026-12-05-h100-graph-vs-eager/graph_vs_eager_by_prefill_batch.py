@@ -21,10 +21,6 @@ graphs.capture()
 eager = ModelWorker(model, caches)
 
 
-def prefill(n):
-    prefill_one_token_each(eager, caches, n)
-
-
 def mx(a, b):
     return f"{(a - b).abs().max().item():.2e}"
 
@@ -34,15 +30,15 @@ print(
 )
 for bucket in graph_buckets(SEQS):
     rows = [BatchRow([7], 1, [i + 1], i + 1) for i in range(bucket)]
-    prefill(bucket)
+    prefill_one_token_each(eager, caches, bucket)
     g_same = graphs.run(rows).clone()
-    prefill(bucket)
+    prefill_one_token_each(eager, caches, bucket)
     e_same = eager.run(rows)[0].clone()
-    prefill(SEQS)
+    prefill_one_token_each(eager, caches, SEQS)
     g_all = graphs.run(rows).clone()
-    prefill(SEQS)
+    prefill_one_token_each(eager, caches, SEQS)
     e_all = eager.run(rows)[0].clone()
-    prefill(bucket)
+    prefill_one_token_each(eager, caches, bucket)
     e_again = eager.run(rows)[0].clone()
     print(
         bucket,
