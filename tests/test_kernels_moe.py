@@ -42,13 +42,20 @@ def nan_workspaces(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch, "empty", empty)
 
 
-def make_inputs(tokens: int, top_k: int, dtype: torch.dtype, seed: int, logits: torch.Tensor | None = None):
+def make_inputs(
+    tokens: int,
+    top_k: int,
+    dtype: torch.dtype,
+    seed: int,
+    logits: torch.Tensor | None = None,
+    inter: int = INTER,
+):
     """x as a strided view of a wider row; weights scaled so every stage stays O(1); routing from
     `route` on random logits unless given."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, H + 16, generator=gen).to(dtype).to(DEVICE)[:, 8 : 8 + H]
-    w13 = (torch.randn(E, 2 * INTER, H, generator=gen) / H**0.5).to(dtype).to(DEVICE)
-    w2 = (torch.randn(E, H, INTER, generator=gen) / INTER**0.5).to(dtype).to(DEVICE)
+    w13 = (torch.randn(E, 2 * inter, H, generator=gen) / H**0.5).to(dtype).to(DEVICE)
+    w2 = (torch.randn(E, H, inter, generator=gen) / inter**0.5).to(dtype).to(DEVICE)
     if logits is None:
         logits = torch.randn(tokens, E, generator=gen)
     weights, ids = moe.route(logits.to(dtype).to(DEVICE), top_k, renormalize=True)
@@ -353,6 +360,47 @@ def test_the_down_kernel_takes_its_own_launch_parameters() -> None:
         tri.fused_experts(*inputs, tiles=tiles, down_tiles=down._replace(block_m=64))
     with pytest.raises(ValueError, match="tiles.num_warps must be 1, 2, 4, 8 or 16, got 3"):
         tri.fused_experts(*inputs, tiles=tiles, down_tiles=down._replace(num_warps=3))
+
+
+needs_descriptors = pytest.mark.skipif(
+    DEVICE.type == "cuda" and torch.cuda.get_device_capability()[0] < 9,
+    reason="tensor descriptors (TMA) need compute capability 9.0+",
+)
+
+
+@needs_descriptors
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("tokens", "block_m"),
+    # 37 x 2 slots over 8 experts: padded blocks; 520 x 2: several blocks per expert
+    [(37, 16), (520, 64)],
+)
+def test_weights_read_through_descriptors_give_what_pointers_give(dtype, tokens: int, block_m: int) -> None:
+    # I = 48 is a multiple of the 16-wide column tiles (a gate tile stays out of the up rows); H = 48 and
+    # I leave a K tail in the 32-wide steps, which the descriptors read as zeros as the masks do. The
+    # NaN-filled workspace puts NaN in down's padding rows of `inter`, which only their own rows may see.
+    inputs = make_inputs(tokens, 2, dtype, seed=tokens + block_m, inter=48)
+    tiles = tri.MoeTiles(block_m=block_m, block_n=16, block_k=32, num_warps=4, num_stages=3)
+    plain = tri.fused_experts(*inputs, tiles=tiles)
+    out = poisoned(*inputs[0].shape, dtype=dtype)
+    got = tri.fused_experts(*inputs, out=out, tiles=tiles, descriptors=True)
+    assert torch.equal(got, plain)
+    assert_matches(got, moe.fused_experts(*inputs))
+
+
+def test_descriptors_are_refused_naming_what_stops_them() -> None:
+    inputs = make_inputs(3, 2, torch.bfloat16, seed=14)  # I = 40, H = 48
+    tiles = tri.MoeTiles(block_m=16, block_n=16, block_k=32, num_warps=4, num_stages=3)
+    with pytest.raises(ValueError, match=r"the expert size \(40\) to be a multiple of tiles.block_n \(16\)"):
+        tri.fused_experts(*inputs, tiles=tiles, descriptors=True)
+    inputs = make_inputs(3, 2, torch.bfloat16, seed=14, inter=48)
+    wide = tiles._replace(block_n=32)
+    with pytest.raises(ValueError, match=r"hidden size \(48\) to be a multiple of down_tiles.block_n \(32\)"):
+        tri.fused_experts(*inputs, tiles=tiles, down_tiles=wide, descriptors=True)
+    x, w13, w2, weights, ids = inputs
+    strided = torch.cat([w2, w2], dim=2)[:, :, :48]
+    with pytest.raises(ValueError, match=r"descriptors need a contiguous w2, got strides \(4608, 96, 1\)"):
+        tri.fused_experts(x, w13, strided, weights, ids, tiles=tiles, descriptors=True)
 
 
 def test_launch_parameters_are_checked_before_any_launch() -> None:

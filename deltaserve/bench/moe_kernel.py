@@ -8,11 +8,16 @@ The TFLOP/s count the routed experts' GEMMs only: 2 * T * k * 3 * H * I.
 With --grouped, the Triton kernels at their defaults against the grouped-GEMM path
 (deltaserve/ops/triton/moe_grouped.py), eager and replayed from a CUDA graph.
 
+With --descriptors, every candidate also runs with the weights read through TMA tensor descriptors
+(`fused_experts(..., descriptors=True)`), on the row after its pointer form; a candidate whose column
+tiles do not divide the expert or hidden size prints n/a there.
+
 With --split, each kernel's tiles are swept on their own instead: the down kernel's (n, k, warps, stages)
 with gate_up at the default, then gate_up's with down at the default (block_m is the default's: one
 grouping serves both).
 
-python3 -m deltaserve.bench.moe_kernel [--shape E,K,H,I] [--tokens 16,256,2048,8192] [--quick | --split | --grouped]
+python3 -m deltaserve.bench.moe_kernel [--shape E,K,H,I] [--tokens 16,256,2048,8192] [--descriptors]
+    [--quick | --split | --grouped]
 (needs CUDA; the default shape is the 35B-A3B's: 256 experts, 8 per token, hidden 2048, expert 512)
 """
 
@@ -164,6 +169,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help=f"only {len(QUICK)} candidates")
     parser.add_argument("--split", action="store_true", help="sweep each kernel's tiles on its own")
     parser.add_argument("--grouped", action="store_true", help="the Triton kernels against the grouped GEMM")
+    parser.add_argument("--descriptors", action="store_true", help="each candidate with TMA descriptors too")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs CUDA")
@@ -187,38 +193,46 @@ def main() -> None:
             sweep_split(tokens, inputs, want, default)
         return
     print(
-        f"\n{'tiles (m, n, k, warps, stages)':<32}"
+        f"\n{'tiles (m, n, k, warps, stages)':<36}"
         + "".join(f"{f'T={t} ms':>13}{'TF/s':>6}" for t in args.tokens)
     )
-    best: dict[int, tuple[float, MoeTiles]] = {}
+    best: dict[int, tuple[float, MoeTiles, bool]] = {}
     default_ms: dict[int, float] = {}
-    for tiles in candidates:
+    for tiles, descriptors in (
+        (t, d) for t in candidates for d in ((False, True) if args.descriptors else (False,))
+    ):
         cells = []
         for tokens, inputs, want, default in cases:
             try:
-                got = fused_experts(*inputs, tiles=tiles)
+                got = fused_experts(*inputs, tiles=tiles, descriptors=descriptors)
                 ms = triton.testing.do_bench(
-                    lambda inputs=inputs, tiles=tiles: fused_experts(*inputs, tiles=tiles)
+                    lambda inputs=inputs, tiles=tiles, d=descriptors: fused_experts(
+                        *inputs, tiles=tiles, descriptors=d
+                    )
                 )
-            except Exception as exc:  # out of shared memory, or a launch the GPU refuses
+            except Exception as exc:  # out of shared memory, tiles that do not divide, a launch refused
                 cells.append(f"{'n/a':>13}{'':>6}")
-                print(f"  {tuple(tiles)} at T={tokens}: {type(exc).__name__}")
+                print(
+                    f"  {tuple(tiles)}{' tma' if descriptors else ''} at T={tokens}: {type(exc).__name__}: {exc}"
+                )
                 continue
             same = (got.float() - want.float()).abs().max().item() <= 2e-2 * want.float().abs().max().item()
-            mark = ("*" if tiles == default else "") + ("" if same else "!")
+            is_default = tiles == default and not descriptors
+            mark = ("*" if is_default else "") + ("" if same else "!")
             cells.append(f"{ms:>12.4f}{mark:<1}{tflops(tokens, shape, ms):>6.0f}")
-            if tiles == default:
+            if is_default:
                 default_ms[tokens] = ms
             if same and (tokens not in best or ms < best[tokens][0]):
-                best[tokens] = (ms, tiles)
-        print(f"{str(tuple(tiles)):<32}" + "".join(cells))
-    print("\n* the default; ! differs from the default's output beyond bf16 rounding")
+                best[tokens] = (ms, tiles, descriptors)
+        print(f"{str(tuple(tiles)) + (' tma' if descriptors else ''):<36}" + "".join(cells))
+    print("\n* the default; ! differs from the default's output beyond bf16 rounding; tma: descriptors")
     for tokens, *_ in cases:
         if tokens in best:
-            ms, tiles = best[tokens]
+            ms, tiles, descriptors = best[tokens]
             versus = f", {default_ms[tokens] / ms:.2f}x the default" if tokens in default_ms else ""
             print(
-                f"T={tokens}: best {tuple(tiles)}, {ms:.4f} ms ({tflops(tokens, shape, ms):.0f} TFLOP/s){versus}"
+                f"T={tokens}: best {tuple(tiles)}{' tma' if descriptors else ''}, {ms:.4f} ms "
+                f"({tflops(tokens, shape, ms):.0f} TFLOP/s){versus}"
             )
 
 

@@ -47,6 +47,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from deltaserve.ops.triton.activation import round_to, silu_f32
 from deltaserve.ops.triton.attention import _dot
@@ -277,8 +278,11 @@ def _gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    DESCRIPTORS: tl.constexpr,
 ):
-    """inter[p, n] = silu(gate) * up for the padded positions p of one block and BLOCK_N columns n < I."""
+    """inter[p, n] = silu(gate) * up for the padded positions p of one block and BLOCK_N columns n < I.
+    With DESCRIPTORS, w13_ptr is a tensor descriptor over w13 as [E * 2I, H] with [BLOCK_N, BLOCK_K]
+    blocks (I a multiple of BLOCK_N, so a gate tile never reaches into the up rows)."""
     num_col_tiles = tl.cdiv(inter_size, BLOCK_N)
     block = tl.program_id(0) // num_col_tiles  # a block's column tiles are consecutive programs
     expert = tl.load(block_expert_ptr + block)
@@ -292,18 +296,27 @@ def _gate_up_kernel(
     col_ok = cols < inter_size
     offs_k = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + tokens[:, None] * stride_xt
-    w = w13_ptr + expert.to(tl.int64) * stride_we
-    gate_cols = w + cols[None, :] * stride_wn  # w13[e, n, :] is gate row n, w13[e, I + n, :] up row n
-    up_cols = w + (cols[None, :] + inter_size) * stride_wn
+    if DESCRIPTORS:
+        gate_row = expert * 2 * inter_size + (tl.program_id(0) % num_col_tiles) * BLOCK_N
+    else:
+        w = w13_ptr + expert.to(tl.int64) * stride_we
+        gate_cols = w + cols[None, :] * stride_wn  # w13[e, n, :] is gate row n, w13[e, I + n, :] up row n
+        up_cols = w + (cols[None, :] + inter_size) * stride_wn
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         ks = k0 + offs_k
         k_ok = ks < hidden
         a = tl.load(x_rows + ks[None, :] * stride_xh, mask=valid[:, None] & k_ok[None, :], other=0.0)
-        w_mask = k_ok[:, None] & col_ok[None, :]
-        w_gate = tl.load(gate_cols + ks[:, None] * stride_wh, mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
-        w_up = tl.load(up_cols + ks[:, None] * stride_wh, mask=w_mask, other=0.0)
+        if DESCRIPTORS:  # the K tail past H reads as zeros
+            w_gate = w13_ptr.load([gate_row, k0]).T  # [BLOCK_K, BLOCK_N]
+            w_up = w13_ptr.load([gate_row + inter_size, k0]).T
+        else:
+            w_mask = k_ok[:, None] & col_ok[None, :]
+            w_gate = tl.load(
+                gate_cols + ks[:, None] * stride_wh, mask=w_mask, other=0.0
+            )  # [BLOCK_K, BLOCK_N]
+            w_up = tl.load(up_cols + ks[:, None] * stride_wh, mask=w_mask, other=0.0)
         acc_gate += _dot(a, w_gate, DOT_PRECISION)
         acc_up += _dot(a, w_up, DOT_PRECISION)
     dtype = inter_ptr.dtype.element_ty
@@ -333,9 +346,12 @@ def _down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    DESCRIPTORS: tl.constexpr,
 ):
     """per_slot[s, n] = weight[s] * (inter[p] @ w2[e, n, :]) for the slots s of one block (at padded
-    positions p) and BLOCK_N columns n < H."""
+    positions p) and BLOCK_N columns n < H. With DESCRIPTORS, inter_ptr and w2_ptr are tensor descriptors
+    over inter ([BLOCK_M, BLOCK_K] blocks) and w2 as [E * H, I] ([BLOCK_N, BLOCK_K] blocks; H a multiple
+    of BLOCK_N): padding rows then read unwritten `inter` rows, whose results the store masks."""
     num_col_tiles = tl.cdiv(hidden, BLOCK_N)
     block = tl.program_id(0) // num_col_tiles
     expert = tl.load(block_expert_ptr + block)
@@ -347,14 +363,21 @@ def _down_kernel(
     cols = (tl.program_id(0) % num_col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
     offs_k = tl.arange(0, BLOCK_K)
-    a_rows = inter_ptr + rows.to(tl.int64)[:, None] * inter_size
-    w_cols = w2_ptr + expert.to(tl.int64) * stride_we + cols[None, :] * stride_wn
+    if DESCRIPTORS:
+        w_row = expert * hidden + (tl.program_id(0) % num_col_tiles) * BLOCK_N
+    else:
+        a_rows = inter_ptr + rows.to(tl.int64)[:, None] * inter_size
+        w_cols = w2_ptr + expert.to(tl.int64) * stride_we + cols[None, :] * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, inter_size, BLOCK_K):
-        ks = k0 + offs_k
-        k_ok = ks < inter_size
-        a = tl.load(a_rows + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_cols + ks[:, None] * stride_wi, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if DESCRIPTORS:  # the K tail past I reads as zeros
+            a = inter_ptr.load([block * BLOCK_M, k0])
+            w = w2_ptr.load([w_row, k0]).T
+        else:
+            ks = k0 + offs_k
+            k_ok = ks < inter_size
+            a = tl.load(a_rows + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_cols + ks[:, None] * stride_wi, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         acc += _dot(a, w, DOT_PRECISION)
     dtype = per_slot_ptr.dtype.element_ty
     down = round_to(acc, dtype).to(tl.float32)  # F.linear's rounded output
@@ -417,15 +440,40 @@ def output_for(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     return out
 
 
-def _launch(tiles: MoeTiles, precision: str) -> dict[str, int | str]:
+def _launch(tiles: MoeTiles, precision: str, descriptors: bool) -> dict[str, int | str | bool]:
     return dict(
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k,
         DOT_PRECISION=precision,
+        DESCRIPTORS=descriptors,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
+
+
+def check_descriptors(w13: torch.Tensor, w2: torch.Tensor, tiles: MoeTiles, down_tiles: MoeTiles) -> None:
+    """Raises ValueError naming what stops the weights from being read through tensor descriptors (TMA):
+    a gate tile must not reach into the up rows, nor a down tile into the next expert's rows, and a
+    descriptor needs contiguous rows."""
+    hidden, inter_size = w2.shape[1], w2.shape[2]
+    if inter_size % tiles.block_n:
+        raise ValueError(
+            f"descriptors need the expert size ({inter_size}) to be a multiple of tiles.block_n ({tiles.block_n})"
+        )
+    if hidden % down_tiles.block_n:
+        raise ValueError(
+            f"descriptors need the hidden size ({hidden}) to be a multiple of down_tiles.block_n "
+            f"({down_tiles.block_n})"
+        )
+    for name, t in (("w13", w13), ("w2", w2)):
+        if not t.is_contiguous():
+            raise ValueError(f"descriptors need a contiguous {name}, got strides {t.stride()}")
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """[E, N, K] as [E * N, K]: one expert's rows after the other's."""
+    return t.reshape(-1, t.shape[-1])
 
 
 def fused_experts(
@@ -438,13 +486,16 @@ def fused_experts(
     out: torch.Tensor | None = None,
     tiles: MoeTiles | None = None,
     down_tiles: MoeTiles | None = None,
+    descriptors: bool = False,
 ) -> torch.Tensor:
     """x: [T, H]; w13: [E, 2I, H] (gate rows then up rows); w2: [E, H, I]; weights: [T, k] in x's dtype;
     ids: [T, k] int64 (or int32) expert ids in [0, E). Sum over each token's experts of
     weight * down(silu(gate x) * up x): [T, H] in x's dtype, written into `out` when given (contiguous).
     `tiles`: launch parameters other than `default_tiles` (benchmarks); `down_tiles`: the down kernel's
-    own, with the same block_m (default: `tiles`). Never synchronises with the host: CUDA-graph
-    capturable (module docstring)."""
+    own, with the same block_m (default: `tiles`). `descriptors`: the expert weights and down's `inter`
+    rows are read through TMA tensor descriptors instead of pointers (same results; `check_descriptors`
+    says when they cannot be). Never synchronises with the host: CUDA-graph capturable (module
+    docstring)."""
     check_inputs(x, w13, w2, weights, ids)
     for given in (tiles, down_tiles):
         if given is not None:
@@ -462,6 +513,8 @@ def fused_experts(
             f"down_tiles.block_m must equal tiles.block_m ({tiles.block_m}: one grouping), "
             f"got {down_tiles.block_m}"
         )
+    if descriptors:
+        check_descriptors(w13, w2, tiles, down_tiles)
     grouping = group_slots(ids, num_experts, tiles.block_m)
     num_blocks = grouping.block_expert.shape[0]
     num_slots = tokens * top_k
@@ -469,9 +522,14 @@ def fused_experts(
     inter = torch.empty(num_blocks * tiles.block_m, inter_size, dtype=x.dtype, device=x.device)
     per_slot = torch.empty(num_slots, hidden, dtype=x.dtype, device=x.device)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32: unused by 16-bit dots
+    w13_arg, w2_arg, inter_arg = w13, w2, inter
+    if descriptors:
+        w13_arg = TensorDescriptor.from_tensor(_rows(w13), [tiles.block_n, tiles.block_k])
+        w2_arg = TensorDescriptor.from_tensor(_rows(w2), [down_tiles.block_n, down_tiles.block_k])
+        inter_arg = TensorDescriptor.from_tensor(inter, [down_tiles.block_m, down_tiles.block_k])
     _gate_up_kernel[(num_blocks * triton.cdiv(inter_size, tiles.block_n),)](
         x,
-        w13,
+        w13_arg,
         inter,
         grouping.sorted_slots,
         grouping.block_expert,
@@ -485,11 +543,11 @@ def fused_experts(
         w13.stride(0),
         w13.stride(1),
         w13.stride(2),
-        **_launch(tiles, precision),
+        **_launch(tiles, precision, descriptors),
     )
     _down_kernel[(num_blocks * triton.cdiv(hidden, down_tiles.block_n),)](
-        inter,
-        w2,
+        inter_arg,
+        w2_arg,
         flat_weights,
         per_slot,
         grouping.sorted_slots,
@@ -501,7 +559,7 @@ def fused_experts(
         w2.stride(0),
         w2.stride(1),
         w2.stride(2),
-        **_launch(down_tiles, precision),
+        **_launch(down_tiles, precision, descriptors),
     )
     _combine_kernel[(tokens, triton.cdiv(hidden, _BLOCK_H))](
         per_slot, out, top_k, hidden, out.stride(0), BLOCK_H=_BLOCK_H, num_warps=_COMBINE_WARPS
