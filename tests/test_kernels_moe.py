@@ -512,3 +512,27 @@ def test_grouped_gemm_path_zero_tokens_and_a_strided_out_refused() -> None:
 @needs_grouped_gemm
 def test_grouped_gemm_path_replays_in_a_cuda_graph_with_new_routing() -> None:
     replay_with_new_routing(grouped.grouped_experts, torch.bfloat16, seed=46)
+
+
+@pytest.mark.parametrize(("tokens", "inter", "want"), [(64, 48, True), (63, 48, False), (64, 40, False)])
+def test_the_descriptor_setting_dispatches_by_rows_per_expert_and_fit(
+    monkeypatch, tokens, inter, want
+) -> None:
+    # DELTASERVE_MOE_DESCRIPTORS_FROM=16 over 8 experts with k = 2: from 64 tokens (128 slots, 16 each);
+    # at I = 40 the 16-wide column tiles do not divide the expert, so pointers stay.
+    import deltaserve.ops as ops
+
+    seen = []
+    real = tri.fused_experts
+
+    def spy(*args, descriptors: bool = False, **kwargs):
+        seen.append(descriptors)
+        return real(*args, descriptors=descriptors, **kwargs)
+
+    monkeypatch.setattr(ops, "use_kernels", lambda t: True)
+    monkeypatch.setattr(ops, "MOE_DESCRIPTORS_FROM", 16)
+    monkeypatch.setattr(tri, "fused_experts", spy)
+    monkeypatch.setattr(tri, "default_tiles", lambda *shapes: tri.MoeTiles(16, 16, 32, 4, 3))
+    inputs = make_inputs(tokens, 2, torch.float32, seed=15, inter=inter)
+    assert_matches(ops.fused_experts(*inputs), moe.fused_experts(*inputs))
+    assert seen == [want]

@@ -66,6 +66,12 @@ FUSED_GEMV = parse_gemv_fusions(os.environ.get("DELTASERVE_FUSED_GEMV", ""))
 MOE_GROUPED_FROM = int(os.environ.get("DELTASERVE_MOE_GROUPED_FROM", "0"))
 if MOE_GROUPED_FROM < 0:
     raise ValueError(f"DELTASERVE_MOE_GROUPED_FROM must be >= 0, got {MOE_GROUPED_FROM}")
+# DELTASERVE_MOE_DESCRIPTORS_FROM=N: the Triton kernels' calls averaging N or more rows per expert read the
+# expert weights through TMA tensor descriptors (ops/triton/moe.py) where the GPU has them (9.0+) and the
+# tiles divide the expert shape; 0 (the default) keeps pointer loads everywhere.
+MOE_DESCRIPTORS_FROM = int(os.environ.get("DELTASERVE_MOE_DESCRIPTORS_FROM", "0"))
+if MOE_DESCRIPTORS_FROM < 0:
+    raise ValueError(f"DELTASERVE_MOE_DESCRIPTORS_FROM must be >= 0, got {MOE_DESCRIPTORS_FROM}")
 
 
 def use_kernels(t: torch.Tensor) -> bool:
@@ -163,9 +169,11 @@ def fused_experts(
 
             if grouped_gemm_supported(x):
                 return grouped_experts(x, w13, w2, weights, ids)
+        from deltaserve.ops.triton.moe import descriptors_fit
         from deltaserve.ops.triton.moe import fused_experts as kernel
 
-        return kernel(x, w13, w2, weights, ids)
+        descriptors = bool(MOE_DESCRIPTORS_FROM) and ids.numel() >= MOE_DESCRIPTORS_FROM * w13.shape[0]
+        return kernel(x, w13, w2, weights, ids, descriptors=descriptors and descriptors_fit(x, w13, w2, ids))
     return _moe_ref.fused_experts(x, w13, w2, weights, ids)
 
 

@@ -471,6 +471,19 @@ def check_descriptors(w13: torch.Tensor, w2: torch.Tensor, tiles: MoeTiles, down
             raise ValueError(f"descriptors need a contiguous {name}, got strides {t.stride()}")
 
 
+def descriptors_fit(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor) -> bool:
+    """Whether the default tiles of this call can read the weights through descriptors on x's device
+    (shapes and the device only: graph-capture safe)."""
+    if x.is_cuda and torch.cuda.get_device_capability(x.device)[0] < 9:
+        return False
+    tiles = default_tiles(x.shape[0], ids.shape[1], w13.shape[0], x.dtype)
+    try:
+        check_descriptors(w13, w2, tiles, tiles)
+    except ValueError:
+        return False
+    return True
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """[E, N, K] as [E * N, K]: one expert's rows after the other's."""
     return t.reshape(-1, t.shape[-1])
