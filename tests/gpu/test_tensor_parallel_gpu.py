@@ -47,10 +47,18 @@ def _generate(
     return [o.outputs[0] for o in outs]
 
 
+# fla's chunked kernels round their fp32 dots through tf32 (a 10-bit mantissa), so the last-bit
+# differences of sharded partial sums can move a prefilled state by a tf32 rounding, which a random model
+# carries through later steps: the embedded `tiny` checkpoint differed by 1.48e-3 at a decode position
+# with identical tokens (TP2 on one H100 against TP1), the 0.8B shape and tiny MoE stayed within 1e-3.
+# A wrong shard or a missed all-reduce moves log-probs by O(1).
+LOGPROB_TOLERANCE = 1e-2
+
+
 def assert_same_generation(one: list, two: list) -> None:
-    """TP2's tokens equal TP1's and their log-probs agree within 1e-3. A failure names the prompt, the
-    first position that differs and each run's margin between its top two tokens there: a margin near
-    0 is a near-tie that sharded partial sums flipped, a large one a real divergence."""
+    """TP2's tokens equal TP1's and their log-probs agree within LOGPROB_TOLERANCE. A failure names the
+    prompt, the first position that differs and each run's margin between its top two tokens there: a
+    margin near 0 is a near-tie that sharded partial sums flipped, a large one a real divergence."""
     for p, (a, b) in enumerate(zip(one, two, strict=True)):
         if a.token_ids != b.token_ids:
             i = next(i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)) if x != y)
@@ -62,7 +70,9 @@ def assert_same_generation(one: list, two: list) -> None:
             )
         diffs = [abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs, strict=True)]
         worst = max(range(len(diffs)), key=diffs.__getitem__)
-        assert diffs[worst] < 1e-3, f"prompt {p}: position {worst}: log-probs differ by {diffs[worst]:.3g}"
+        assert diffs[worst] < LOGPROB_TOLERANCE, (
+            f"prompt {p}: position {worst}: log-probs differ by {diffs[worst]:.3g}"
+        )
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-moe", "0.8b-shape"])
