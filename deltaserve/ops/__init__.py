@@ -68,7 +68,9 @@ if MOE_GROUPED_FROM < 0:
     raise ValueError(f"DELTASERVE_MOE_GROUPED_FROM must be >= 0, got {MOE_GROUPED_FROM}")
 # DELTASERVE_MOE_DESCRIPTORS_FROM=N: the Triton kernels' calls averaging N or more rows per expert read the
 # expert weights through TMA tensor descriptors (ops/triton/moe.py) where the GPU has them (9.0+) and the
-# tiles divide the expert shape; 0 (the default) keeps pointer loads everywhere.
+# tiles divide the expert shape; 0 (the default) keeps pointer loads everywhere: on an H100 at the 35B-A3B's
+# expert shape they measured 1.03x the pointer loads at 4,608 tokens and 1.00x at 2,560, too little to
+# show over HTTP (docs/benchmarks/2026-12-05-h100-moe-descriptors-gate-tp.md).
 MOE_DESCRIPTORS_FROM = int(os.environ.get("DELTASERVE_MOE_DESCRIPTORS_FROM", "0"))
 if MOE_DESCRIPTORS_FROM < 0:
     raise ValueError(f"DELTASERVE_MOE_DESCRIPTORS_FROM must be >= 0, got {MOE_DESCRIPTORS_FROM}")
