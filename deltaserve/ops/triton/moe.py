@@ -312,10 +312,8 @@ def _gate_up_kernel(
             w_gate = w13_ptr.load([gate_row, k0]).T  # [BLOCK_K, BLOCK_N]
             w_up = w13_ptr.load([gate_row + inter_size, k0]).T
         else:
-            w_mask = k_ok[:, None] & col_ok[None, :]
-            w_gate = tl.load(
-                gate_cols + ks[:, None] * stride_wh, mask=w_mask, other=0.0
-            )  # [BLOCK_K, BLOCK_N]
+            w_mask = k_ok[:, None] & col_ok[None, :]  # [BLOCK_K, BLOCK_N] tiles
+            w_gate = tl.load(gate_cols + ks[:, None] * stride_wh, mask=w_mask, other=0.0)
             w_up = tl.load(up_cols + ks[:, None] * stride_wh, mask=w_mask, other=0.0)
         acc_gate += _dot(a, w_gate, DOT_PRECISION)
         acc_up += _dot(a, w_up, DOT_PRECISION)
