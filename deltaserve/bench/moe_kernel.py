@@ -108,6 +108,10 @@ def warm_up_clocks(inputs: tuple[torch.Tensor, ...], seconds: float = WARM_UP_SE
         torch.cuda.synchronize()
 
 
+def label(tiles: MoeTiles, descriptors: bool) -> str:
+    return f"{tuple(tiles)}{' tma' if descriptors else ''}"
+
+
 def tflops(tokens: int, shape: tuple[int, int, int, int], ms: float) -> float:
     _, top_k, hidden, inter = shape
     return 2 * tokens * top_k * 3 * hidden * inter / ms / 1e9
@@ -212,9 +216,7 @@ def main() -> None:
                 )
             except Exception as exc:  # out of shared memory, tiles that do not divide, a launch refused
                 cells.append(f"{'n/a':>13}{'':>6}")
-                print(
-                    f"  {tuple(tiles)}{' tma' if descriptors else ''} at T={tokens}: {type(exc).__name__}: {exc}"
-                )
+                print(f"  {label(tiles, descriptors)} at T={tokens}: {type(exc).__name__}: {exc}")
                 continue
             same = (got.float() - want.float()).abs().max().item() <= 2e-2 * want.float().abs().max().item()
             is_default = tiles == default and not descriptors
@@ -224,14 +226,14 @@ def main() -> None:
                 default_ms[tokens] = ms
             if same and (tokens not in best or ms < best[tokens][0]):
                 best[tokens] = (ms, tiles, descriptors)
-        print(f"{str(tuple(tiles)) + (' tma' if descriptors else ''):<36}" + "".join(cells))
+        print(f"{label(tiles, descriptors):<36}" + "".join(cells))
     print("\n* the default; ! differs from the default's output beyond bf16 rounding; tma: descriptors")
     for tokens, *_ in cases:
         if tokens in best:
             ms, tiles, descriptors = best[tokens]
             versus = f", {default_ms[tokens] / ms:.2f}x the default" if tokens in default_ms else ""
             print(
-                f"T={tokens}: best {tuple(tiles)}{' tma' if descriptors else ''}, {ms:.4f} ms "
+                f"T={tokens}: best {label(tiles, descriptors)}, {ms:.4f} ms "
                 f"({tflops(tokens, shape, ms):.0f} TFLOP/s){versus}"
             )
 

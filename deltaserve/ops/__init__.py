@@ -58,22 +58,33 @@ def parse_gemv_fusions(text: str) -> frozenset[str]:
 
 
 FUSED_GEMV = parse_gemv_fusions(os.environ.get("DELTASERVE_FUSED_GEMV", ""))
+
+
+def _rows_per_expert_setting(name: str) -> int:
+    """A DELTASERVE_MOE_*_FROM threshold in rows per expert: 0 (off) or more."""
+    value = int(os.environ.get(name, "0"))
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return value
+
+
+def _from_rows(threshold: int, ids: torch.Tensor, num_experts: int) -> bool:
+    """Whether a routed-expert call averages `threshold` or more rows per expert (never when 0)."""
+    return bool(threshold) and ids.numel() >= threshold * num_experts
+
+
 # DELTASERVE_MOE_GROUPED_FROM=N: routed-expert calls averaging N or more rows per expert (T * k / E) take
 # torch's grouped GEMM (ops/triton/moe_grouped.py) where it is supported, the Triton kernels otherwise;
 # 0 (the default) keeps the Triton kernels everywhere: on an H200 at the 35B-A3B's expert shape the
 # grouped GEMM measured 0.70x to 0.87x of them from 64 to 4,096 tokens and 0.93x at 8,192 (in CUDA graphs;
 # docs/benchmarks/2026-12-03-h200-moe-kernel-order.md).
-MOE_GROUPED_FROM = int(os.environ.get("DELTASERVE_MOE_GROUPED_FROM", "0"))
-if MOE_GROUPED_FROM < 0:
-    raise ValueError(f"DELTASERVE_MOE_GROUPED_FROM must be >= 0, got {MOE_GROUPED_FROM}")
+MOE_GROUPED_FROM = _rows_per_expert_setting("DELTASERVE_MOE_GROUPED_FROM")
 # DELTASERVE_MOE_DESCRIPTORS_FROM=N: the Triton kernels' calls averaging N or more rows per expert read the
 # expert weights through TMA tensor descriptors (ops/triton/moe.py) where the GPU has them (9.0+) and the
 # tiles divide the expert shape; 0 (the default) keeps pointer loads everywhere: on an H100 at the 35B-A3B's
 # expert shape they measured 1.03x the pointer loads at 4,608 tokens and 1.00x at 2,560, too little to
 # show over HTTP (docs/benchmarks/2026-12-05-h100-moe-descriptors-gate-tp.md).
-MOE_DESCRIPTORS_FROM = int(os.environ.get("DELTASERVE_MOE_DESCRIPTORS_FROM", "0"))
-if MOE_DESCRIPTORS_FROM < 0:
-    raise ValueError(f"DELTASERVE_MOE_DESCRIPTORS_FROM must be >= 0, got {MOE_DESCRIPTORS_FROM}")
+MOE_DESCRIPTORS_FROM = _rows_per_expert_setting("DELTASERVE_MOE_DESCRIPTORS_FROM")
 
 
 def use_kernels(t: torch.Tensor) -> bool:
@@ -166,7 +177,7 @@ def fused_experts(
     """Routed experts of an MoE block: sum over each token's experts of weight * down(silu(gate x) * up x).
     On the GPU: the Triton kernels, or the grouped GEMM from MOE_GROUPED_FROM rows per expert."""
     if use_kernels(x):
-        if MOE_GROUPED_FROM and ids.numel() >= MOE_GROUPED_FROM * w13.shape[0]:
+        if _from_rows(MOE_GROUPED_FROM, ids, w13.shape[0]):
             from deltaserve.ops.triton.moe_grouped import grouped_experts, grouped_gemm_supported
 
             if grouped_gemm_supported(x):
@@ -174,8 +185,8 @@ def fused_experts(
         from deltaserve.ops.triton.moe import descriptors_fit
         from deltaserve.ops.triton.moe import fused_experts as kernel
 
-        descriptors = bool(MOE_DESCRIPTORS_FROM) and ids.numel() >= MOE_DESCRIPTORS_FROM * w13.shape[0]
-        return kernel(x, w13, w2, weights, ids, descriptors=descriptors and descriptors_fit(x, w13, w2, ids))
+        descriptors = _from_rows(MOE_DESCRIPTORS_FROM, ids, w13.shape[0]) and descriptors_fit(x, w13, w2, ids)
+        return kernel(x, w13, w2, weights, ids, descriptors=descriptors)
     return _moe_ref.fused_experts(x, w13, w2, weights, ids)
 
 

@@ -450,23 +450,24 @@ def _launch(tiles: MoeTiles, precision: str, descriptors: bool) -> dict[str, int
     )
 
 
-def check_descriptors(w13: torch.Tensor, w2: torch.Tensor, tiles: MoeTiles, down_tiles: MoeTiles) -> None:
-    """Raises ValueError naming what stops the weights from being read through tensor descriptors (TMA):
-    a gate tile must not reach into the up rows, nor a down tile into the next expert's rows, and a
-    descriptor needs contiguous rows."""
+def descriptors_refusal(
+    w13: torch.Tensor, w2: torch.Tensor, tiles: MoeTiles, down_tiles: MoeTiles
+) -> str | None:
+    """What stops the weights from being read through tensor descriptors (TMA), or None: a gate tile
+    must not reach into the up rows, nor a down tile into the next expert's rows, and a descriptor needs
+    contiguous rows."""
     hidden, inter_size = w2.shape[1], w2.shape[2]
     if inter_size % tiles.block_n:
-        raise ValueError(
-            f"descriptors need the expert size ({inter_size}) to be a multiple of tiles.block_n ({tiles.block_n})"
-        )
+        return f"descriptors need the expert size ({inter_size}) to be a multiple of tiles.block_n ({tiles.block_n})"
     if hidden % down_tiles.block_n:
-        raise ValueError(
+        return (
             f"descriptors need the hidden size ({hidden}) to be a multiple of down_tiles.block_n "
             f"({down_tiles.block_n})"
         )
     for name, t in (("w13", w13), ("w2", w2)):
         if not t.is_contiguous():
-            raise ValueError(f"descriptors need a contiguous {name}, got strides {t.stride()}")
+            return f"descriptors need a contiguous {name}, got strides {t.stride()}"
+    return None
 
 
 def descriptors_fit(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor) -> bool:
@@ -475,11 +476,7 @@ def descriptors_fit(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: t
     if x.is_cuda and torch.cuda.get_device_capability(x.device)[0] < 9:
         return False
     tiles = default_tiles(x.shape[0], ids.shape[1], w13.shape[0], x.dtype)
-    try:
-        check_descriptors(w13, w2, tiles, tiles)
-    except ValueError:
-        return False
-    return True
+    return descriptors_refusal(w13, w2, tiles, tiles) is None
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -504,8 +501,8 @@ def fused_experts(
     weight * down(silu(gate x) * up x): [T, H] in x's dtype, written into `out` when given (contiguous).
     `tiles`: launch parameters other than `default_tiles` (benchmarks); `down_tiles`: the down kernel's
     own, with the same block_m (default: `tiles`). `descriptors`: the expert weights and down's `inter`
-    rows are read through TMA tensor descriptors instead of pointers (same results; `check_descriptors`
-    says when they cannot be). Never synchronises with the host: CUDA-graph capturable (module
+    rows are read through TMA tensor descriptors instead of pointers (same results; ValueError with
+    `descriptors_refusal`'s reason where they cannot be). Never synchronises with the host: CUDA-graph capturable (module
     docstring)."""
     check_inputs(x, w13, w2, weights, ids)
     for given in (tiles, down_tiles):
@@ -524,8 +521,9 @@ def fused_experts(
             f"down_tiles.block_m must equal tiles.block_m ({tiles.block_m}: one grouping), "
             f"got {down_tiles.block_m}"
         )
-    if descriptors:
-        check_descriptors(w13, w2, tiles, down_tiles)
+    refusal = descriptors_refusal(w13, w2, tiles, down_tiles) if descriptors else None
+    if refusal:
+        raise ValueError(refusal)
     grouping = group_slots(ids, num_experts, tiles.block_m)
     num_blocks = grouping.block_expert.shape[0]
     num_slots = tokens * top_k
