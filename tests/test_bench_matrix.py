@@ -25,7 +25,7 @@ from deltaserve.bench.matrix import (
 from deltaserve.bench.matrix_env import engine_variables, gpu_slug, probe_environment
 from deltaserve.bench.matrix_plan import GROUPS, Stream, select_cells
 from deltaserve.bench.matrix_report import StreamSummary, render_markdown, summary_json, tensor_parallel_size
-from deltaserve.bench.matrix_server import ServerProcess
+from deltaserve.bench.matrix_server import ServerProcess, read_counter
 from deltaserve.bench.records import REFERENCES
 from deltaserve.cli import main
 
@@ -376,6 +376,10 @@ def test_markdown_says_where_each_runs_worst_gap_happened(tmp_path):
         _one_cell(plan, "decode-4b", "1024-256-c64", _bench_json(20, 0) | {"worst_itl_gap": gap})
     )
     assert "| 4B, 1024 in / 256 out, concurrency 64 | 92.1 | 17 | 1 | 0.84 s | 63 of 63 |" in md
+    assert "| 63 of 63 | — |" in md  # a record without the server's counter
+    record = _one_cell(plan, "decode-4b", "1024-256-c64", _bench_json(20, 0) | {"worst_itl_gap": gap})
+    record["cells"][0]["preemptions"] = 12
+    assert "| 0.84 s | 63 of 63 | 12 |" in render_markdown(record)
     assert "worst inter-token gap" not in render_markdown(
         _one_cell(plan, "decode-4b", "1024-256-c64", _bench_json(20, 0))
     )
@@ -524,3 +528,42 @@ def test_a_failed_run_is_explained_by_its_first_request_error_and_the_servers_er
         "2026-12-03 08:00:03,000 deltaserve.server CRITICAL engine died",
     ]
     assert server.errors_since(0, limit=1) == ["2026-12-03 08:00:00,000 engine ERROR before the cell"]
+
+
+def test_the_preemptions_of_a_cell_are_read_from_the_servers_metrics():
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from threading import Thread
+
+    from deltaserve.bench.matrix import counter_change
+    from deltaserve.engine.protocol import LoadSnapshot
+    from deltaserve.server.metrics import ServerMetrics
+
+    loads = iter([LoadSnapshot(num_preemptions=5), LoadSnapshot(num_preemptions=17)])
+    metrics = ServerMetrics("m", lambda: next(loads))
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = metrics.render() if self.path == "/metrics" else b""
+            self.send_response(200 if body else 404)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        server = ServerProcess(
+            proc=None, url=f"http://127.0.0.1:{httpd.server_port}", log_path=Path("x"), started_at=0
+        )
+        before = read_counter(server, "vllm:num_preemptions")
+        after = read_counter(server, "vllm:num_preemptions")
+        assert (before, after) == (5.0, 17.0)
+        assert counter_change(before, after) == 12
+        assert read_counter(server, "vllm:no_such_counter") is None
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert read_counter(server, "vllm:num_preemptions", timeout_s=1) is None  # nobody answers
+    assert counter_change(None, 3.0) is None

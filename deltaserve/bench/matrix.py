@@ -38,6 +38,7 @@ from deltaserve.bench.matrix_server import (
     ServerProcess,
     first_completion_s,
     free_port,
+    read_counter,
     start_server,
     stop_server,
     wait_graphs_ahead,
@@ -50,6 +51,8 @@ from deltaserve.bench.records import PREVIOUS_RECORD_DATE, reference
 _CLIENT_FLAGS = ("--metric-percentiles", "50,90,99,100", "--ready-check-timeout-sec", "60")
 _DISPLAY_PYTHON = "python3"
 _DISPLAY_PORT = 8000
+# The server counter of recompute preemptions: a preempted stream pauses for its wait and prefill again.
+PREEMPTIONS = "vllm:num_preemptions"
 GRAPHS_AHEAD_TIMEOUT_S = 120.0  # the idle-time captures take ~8 s at the 4B shape on an H200
 
 
@@ -284,12 +287,14 @@ class GroupRun:
             return
         argvs = [self.plan.bench_argv(cell, s, url, warmup=False) for s in cell.streams]
         logs = [raw / _file(cell, s, ".log") for s in cell.streams]
+        preempted_before = read_counter(self.server, PREEMPTIONS)
         cpu_before, started = tree_cpu_seconds(self.server.proc.pid), time.perf_counter()
         server_log_offset = self.server.log_size()
         gpu_csv = raw / f"{cell.name}.gpu.csv"
         with gpu_clocks.sampled(gpu_csv):
             codes = _run_parallel(argvs, logs, cell.timeout_s)
         cell_record["host_cpu"] = host_cpu(cpu_before, tree_cpu_seconds(self.server.proc.pid), started)
+        cell_record["preemptions"] = counter_change(preempted_before, read_counter(self.server, PREEMPTIONS))
         clocks = gpu_clocks.read_summary(gpu_csv)
         cell_record["gpu_clocks"] = asdict(clocks) if clocks is not None else None
         for stream, stream_record, rc, log in zip(
@@ -361,6 +366,7 @@ def initial_record(plan: Plan, environment: dict[str, Any], date: str) -> dict[s
                 "streams": streams,
                 "startup": None,
                 "host_cpu": None,
+                "preemptions": None,
                 "gpu_clocks": None,
                 "floor": [asdict(f) | {"text": str(f)} for f in ref.floor],
                 "previous": [asdict(f) | {"text": str(f)} for f in ref.previous],
@@ -401,6 +407,13 @@ def host_cpu(
         return None
     wall = time.perf_counter() - started
     return {"wall_s": wall} | {f"{k}_s": max(after[k] - before[k], 0.0) for k in ("server", "engine")}
+
+
+def counter_change(before: float | None, after: float | None) -> int | None:
+    """How much a server counter rose over a measured run; None when either reading failed."""
+    if before is None or after is None:
+        return None
+    return int(after - before)
 
 
 def record_ok(record: dict[str, Any]) -> bool:

@@ -240,9 +240,11 @@ def _worst_gap_section(record: dict[str, Any]) -> list[str]:
             if not gap:
                 continue
             title = _stream_title(cell, stream)
+            preemptions = cell.get("preemptions")
             rows.append(
                 f"| {title} | {_ms(gap['ms'])} | {gap['request']} | {gap['token']} | {gap['at_s']:.2f} s "
-                f"| {gap['streams_stalled']} of {gap['streams_active']} |"
+                f"| {gap['streams_stalled']} of {gap['streams_active']} "
+                f"| {'—' if preemptions is None else preemptions} |"
             )
     if not rows:
         return []
@@ -251,10 +253,11 @@ def _worst_gap_section(record: dict[str, Any]) -> list[str]:
         "",
         "The request (in send order) and chunk that ended the ITL max, when in the run, and how many of the "
         "other streams active across it got no chunk meanwhile: all of them is a stall of a whole process "
-        "(client, API server or engine), none is that request's own.",
+        "(client, API server or engine), none is that request's own (its prefill, or a preemption: the "
+        "server's count of recompute preemptions over the cell is beside it).",
         "",
-        "| cell | ms | request | chunk | at | streams stalled |",
-        "|---|---|---|---|---|---|",
+        "| cell | ms | request | chunk | at | streams stalled | preemptions in the cell |",
+        "|---|---|---|---|---|---|---|",
         *rows,
         "",
     ]

@@ -20,6 +20,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
+
 STOP_TIMEOUT_S = 60.0
 # A line the server logged at ERROR or above (its format: "<date> <time> <logger> <LEVEL> <message>").
 _LOG_ERROR = re.compile(r" (ERROR|CRITICAL) ")
@@ -145,6 +147,20 @@ def first_completion_s(server: ServerProcess, model: str | None, timeout_s: floa
     if payload.get("usage", {}).get("completion_tokens") != 1:
         raise ServerError(f"the first completion returned {json.dumps(payload)[:500]}, not 1 token")
     return time.perf_counter() - server.started_at
+
+
+def read_counter(server: ServerProcess, name: str, timeout_s: float = 5.0) -> float | None:
+    """A counter of the server's GET /metrics (`name` as registered, e.g. "vllm:num_preemptions"), summed
+    over its labels; None when the metrics cannot be read or have no such counter."""
+    try:
+        with urllib.request.urlopen(f"{server.url}/metrics", timeout=timeout_s) as resp:
+            text = resp.read().decode()
+    except (urllib.error.URLError, OSError, UnicodeDecodeError):
+        return None
+    for family in text_string_to_metric_families(text):
+        if family.name == name and family.type == "counter":
+            return sum(s.value for s in family.samples if s.name == f"{name}_total")
+    return None
 
 
 def stop_server(server: ServerProcess, timeout_s: float = STOP_TIMEOUT_S) -> float:
