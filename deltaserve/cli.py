@@ -79,6 +79,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-num-batched-tokens, and a 16th of the prompt tokens waiting, still prefill); 0 (default): off",
     )
     g.add_argument(
+        "--kv-reserve-tokens",
+        type=int,
+        default=d.kv_reserve_tokens,
+        help="admit a request only while the KV cache keeps room for every admitted request's next this "
+        "many tokens (capped at its max_tokens): under KV pressure requests then finish instead of being "
+        "preempted and recomputed, which pauses their streams; 1: admit optimistically",
+    )
+    g.add_argument(
         "--prefill-overlap",
         action="store_true",
         help="launch prefill chunks asynchronously while decode continues: on the GPU on a low-priority "
@@ -171,6 +179,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         scheduler_policy=args.scheduler_policy,
         prefill_overlap=args.prefill_overlap,
         decode_latency_budget_ms=args.decode_latency_budget_ms,
+        kv_reserve_tokens=args.kv_reserve_tokens,
         decode_ahead=args.decode_ahead,
         mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
         enforce_eager=args.enforce_eager,

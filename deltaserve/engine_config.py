@@ -148,6 +148,11 @@ CPU_MAX_NUM_SEQS = 256
 # --max-num-batched-tokens where that is less (a budget lowered for latency stays near its scale).
 SATURATED_PREFILL_TOKENS = 4096
 
+# Admission keeps the KV pages of every admitted request's next this many tokens (capped at its max_tokens),
+# so that under KV pressure requests finish within the reserve instead of being preempted and recomputed
+# (a preempted request's stream pauses for its wait and its prefill again: seconds at saturation).
+DEFAULT_KV_RESERVE_TOKENS = 256
+
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -177,6 +182,7 @@ class EngineConfig:
     # While requests decode, a step's prefill is sized from measured step times so the step takes about
     # this long (at least a quarter of max_num_batched_tokens still prefills); 0: off.
     decode_latency_budget_ms: float = 0.0
+    kv_reserve_tokens: int = DEFAULT_KV_RESERVE_TOKENS  # 1: optimistic admission (growth met by preemption)
     decode_ahead: bool = (
         True  # launch step N+1 (decode rows and chunks) before step N's tokens reach the host
     )
@@ -249,7 +255,13 @@ class EngineConfig:
         policy = policy_error(self.scheduler_policy, self.prefill_overlap)
         if policy is not None:
             raise ConfigError(policy)
-        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "tensor_parallel_size"):
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "page_size",
+            "tensor_parallel_size",
+            "kv_reserve_tokens",
+        ):
             value = getattr(self, name)
             if name == "max_num_seqs" and value is None:
                 continue  # resolved from memory

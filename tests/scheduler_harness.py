@@ -13,7 +13,7 @@ from deltaserve.config import ModelConfig
 from deltaserve.engine.backend import Backend
 from deltaserve.engine.protocol import AbortRequest, AddRequest, RequestUpdate, StepOutputs
 from deltaserve.engine.scheduler import Scheduler, SchedulerConfig
-from deltaserve.engine_config import SpeculativeConfig
+from deltaserve.engine_config import DEFAULT_KV_RESERVE_TOKENS, SpeculativeConfig
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
 from deltaserve.model.weights import load_weights
 from deltaserve.sampling_params import SamplingParams
@@ -52,6 +52,7 @@ class Run:
         num_snapshots: int = 0,
         speculative: SpeculativeConfig | None = None,
         vocab_size: int = VOCAB,
+        kv_reserve_tokens: int = DEFAULT_KV_RESERVE_TOKENS,
     ) -> None:
         """`speculative`: MTP speculative decoding (the model needs its MTP head: load_model(mtp=True));
         the state pool then ends with the verify scratch slots."""
@@ -76,6 +77,7 @@ class Run:
             prefill_overlap=prefill_overlap,
             decode_ahead=decode_ahead,
             speculative=speculative,
+            kv_reserve_tokens=kv_reserve_tokens,
         )
         self.updates: dict[str, list[RequestUpdate]] = defaultdict(list)
         self.loads = []

@@ -153,6 +153,7 @@ def test_missing_config_file_names_the_directory(tmp_path):
     ("field", "value", "message"),
     [
         ("max_num_seqs", 0, "--max-num-seqs must be an integer >= 1, got 0"),
+        ("kv_reserve_tokens", 0, "--kv-reserve-tokens must be an integer >= 1, got 0"),
         ("page_size", 12, "--page-size must be a power of two, got 12"),
         ("scheduler_policy", "lifo", "--scheduler-policy must be one of ['fcfs', 'auto'], got 'lifo'"),
         ("dtype", "int8", "--dtype must be one of"),

@@ -242,12 +242,26 @@ def test_a_prefill_step_that_fails_still_gives_its_requests_their_terminal(model
 
 
 def _ample_and_tight(
-    model, prompts: list[list[int]], params: list[SamplingParams], *, seqs: int, pages: int, budget: int
+    model,
+    prompts: list[list[int]],
+    params: list[SamplingParams],
+    *,
+    seqs: int,
+    pages: int,
+    budget: int,
+    kv_reserve_tokens: int = 1,
 ) -> tuple[Run, Run]:
     """The requests r0, r1, ... run to the end on an ample pool (`seqs` sequences), then on `pages`
-    pages, half the sequences and `budget`-token steps: a pool short of pages preempts (recompute)."""
+    pages, half the sequences and `budget`-token steps: a pool short of pages preempts (recompute), as
+    admission is optimistic unless `kv_reserve_tokens` says otherwise."""
     free = Run(model, max_num_seqs=seqs, num_pages=4096)
-    tight = Run(model, max_num_seqs=seqs // 2, num_pages=pages, max_num_batched_tokens=budget)
+    tight = Run(
+        model,
+        max_num_seqs=seqs // 2,
+        num_pages=pages,
+        max_num_batched_tokens=budget,
+        kv_reserve_tokens=kv_reserve_tokens,
+    )
     for run in (free, tight):
         for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
             run.add(f"r{i}", p, sp)
@@ -255,9 +269,7 @@ def _ample_and_tight(
     return free, tight
 
 
-def test_kv_pressure_every_request_finishes_or_is_rejected_and_outputs_match(model):
-    """64 requests with large max_tokens on a pool far too small for all at once: recompute preemption
-    lets each finish with the same tokens as an unpressured run; impossible ones are rejected."""
+def _pressure_workload() -> tuple[list[list[int]], list[SamplingParams]]:
     rng = random.Random(5)
     prompts = [[rng.randrange(VOCAB) for _ in range(rng.randrange(1, 24))] for _ in range(64)]
     params = [
@@ -266,6 +278,13 @@ def test_kv_pressure_every_request_finishes_or_is_rejected_and_outputs_match(mod
     params[10] = SamplingParams(
         temperature=0.0, max_tokens=600, ignore_eos=True
     )  # can never fit: 128 pages x 4
+    return prompts, params
+
+
+def test_kv_pressure_every_request_finishes_or_is_rejected_and_outputs_match(model):
+    """64 requests with large max_tokens on a pool far too small for all at once: recompute preemption
+    lets each finish with the same tokens as an unpressured run; impossible ones are rejected."""
+    prompts, params = _pressure_workload()
     free, tight = _ample_and_tight(model, prompts, params, seqs=64, pages=129, budget=64)
     assert tight.sched.num_preemptions > 0
     for i in range(64):
@@ -275,6 +294,22 @@ def test_kv_pressure_every_request_finishes_or_is_rejected_and_outputs_match(mod
             continue
         assert end.finish_reason == "length", end
         assert tight.tokens(f"r{i}") == free.tokens(f"r{i}"), f"request {i}"
+    assert tight.sched.cache.kv.num_used == 0
+
+
+def test_the_growth_reserve_lets_every_request_finish_without_preemption(model):
+    """The same pressure with admission keeping each admitted request's next 64 tokens (more than any
+    max_tokens here but the rejected one): nobody is preempted, and the tokens are the same."""
+    prompts, params = _pressure_workload()
+    free, tight = _ample_and_tight(
+        model, prompts, params, seqs=64, pages=129, budget=64, kv_reserve_tokens=64
+    )
+    assert tight.sched.num_preemptions == 0
+    for i in range(64):
+        if i != 10:
+            assert tight.terminal(f"r{i}").finish_reason == "length"
+            assert tight.tokens(f"r{i}") == free.tokens(f"r{i}"), f"request {i}"
+    assert tight.terminal("r10").finish_reason == "rejected"
     assert tight.sched.cache.kv.num_used == 0
 
 
@@ -784,7 +819,13 @@ def test_random_penalised_traffic_launched_ahead_gives_the_tokens_of_synchronous
     ends, preempted = {}, []
     for ahead in (False, True):
         run = Run(
-            model, max_num_seqs=6, num_pages=28, max_num_batched_tokens=24, decode_ahead=ahead, eos=(7,)
+            model,
+            max_num_seqs=6,
+            num_pages=28,
+            max_num_batched_tokens=24,
+            decode_ahead=ahead,
+            eos=(7,),
+            kv_reserve_tokens=1,  # optimistic admission: growth preempts
         )
         for tick in range(5000):
             for event in events.get(tick, []):

@@ -16,6 +16,7 @@ from deltaserve.cache.manager import CacheManager
 from deltaserve.engine.protocol import AbortRequest, AddRequest, RequestUpdate, Shutdown, StepOutputs
 from deltaserve.engine.scheduler import Scheduler, SchedulerConfig
 from deltaserve.engine.step import PendingStep, StagedResult, StepPlan
+from deltaserve.engine_config import DEFAULT_KV_RESERVE_TOKENS
 from deltaserve.sampling_params import SamplingParams
 
 VOCAB = 1000
@@ -48,6 +49,7 @@ def make(
     max_model_len: int = 256,
     saturated: int = 0,
     eos: tuple[int, ...] = (),
+    kv_reserve_tokens: int = DEFAULT_KV_RESERVE_TOKENS,
 ):
     backend = PositionBackend()
     updates: dict[str, list[RequestUpdate]] = defaultdict(list)
@@ -64,6 +66,7 @@ def make(
         vocab_size=VOCAB,
         eos_token_ids=eos,
         decode_ahead=decode_ahead,
+        kv_reserve_tokens=kv_reserve_tokens,
     )
     cache = CacheManager(num_pages=pages, page_size=PAGE, num_slots=seqs + 1)
     return Scheduler(config, backend, publish, cache=cache), backend, updates
@@ -310,8 +313,9 @@ def test_launching_ahead_changes_no_token():
     requests = {"a": (5, 7), "b": (23, 4), "c": (2, 1), "d": (17, 9), "e": (40, 3)}
     preempted = 0
     for budget in (4, 9, 64):
-        ahead = run_ordered(budget, requests, seqs=3, pages=16)
-        read = run_ordered(budget, requests, decode_ahead=False, seqs=3, pages=16)
+        # Optimistic admission (a reserve of 1 token): growth preempts.
+        ahead = run_ordered(budget, requests, seqs=3, pages=16, kv_reserve_tokens=1)
+        read = run_ordered(budget, requests, decode_ahead=False, seqs=3, pages=16, kv_reserve_tokens=1)
         assert ahead[2] == read[2], f"budget {budget}"
         assert all(len(ahead[2][n]) == m for n, (_, m) in requests.items())
         assert ahead[0].cache.kv.num_used == 0 and ahead[0].cache.states.num_free == 3

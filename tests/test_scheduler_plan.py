@@ -19,6 +19,7 @@ from deltaserve.engine.scheduler.plan import (
     pages_for,
     plan_prefill_chunks,
     preemptions_needed,
+    reserved_pages,
     step_token_budget,
 )
 
@@ -30,7 +31,6 @@ def cap(**kw) -> AdmissionCapacity:
         capacity_pages=100,
         free_pages=100,
         committed_pages=0,
-        decode_headroom_pages=0,
         free_slots=8,
         num_active=0,
         max_num_seqs=8,
@@ -92,15 +92,50 @@ def test_a_request_that_can_never_fit_the_pool_is_rejected_and_later_ones_are_ad
     assert decision.admitted == (1,)
 
 
-def test_committed_and_headroom_pages_are_not_available_to_new_prompts():
-    # 20 free - 12 committed - 3 headroom = 5 pages = 80 tokens
+def test_committed_pages_are_not_available_to_new_prompts():
+    # 20 free - 15 committed = 5 pages = 80 tokens
+    assert admit_pending_requests([PendingView(80, 5)], cap(free_pages=20, committed_pages=15)).admitted == (
+        0,
+    )
+    assert admit_pending_requests([PendingView(81, 5)], cap(free_pages=20, committed_pages=15)).admitted == ()
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "lifetime", "held", "reserve", "pages"),
+    [
+        (100, 10_000, 0, 1, 7),  # a prompt of 100: 100 positions, 7 pages of 16
+        (100, 10_000, 0, 29, 8),  # then 28 more: 128 positions
+        (100, 10_000, 0, 30, 9),  # 129
+        (100, 110, 0, 256, 7),  # the reserve stops at the lifetime: 110 positions
+        (101, 10_000, 7, 1, 0),  # a decoder holding 100 positions writes the 101st in its 7th page
+        (113, 10_000, 7, 1, 1),  # at 112 it needs an 8th page
+        (113, 10_000, 7, 256, 16),  # 112 + 256 = 368 positions: 23 pages, 16 beyond the 7 held
+        (113, 120, 8, 256, 0),  # its lifetime fits in what it holds
+    ],
+)
+def test_reserved_pages_by_hand(num_tokens, lifetime, held, reserve, pages):
+    assert reserved_pages(num_tokens, lifetime, held, reserve, 16) == pages
+
+
+def test_admission_keeps_the_new_prompt_its_reserve_capped_at_its_max_tokens():
+    # 10 free pages = 160 positions. A 100-token prompt with 256 max_tokens and a reserve of 64: 163
+    # positions, 11 pages: waits; with 61 max_tokens its lifetime is 160 positions: admitted.
+    assert (
+        admit_pending_requests([PendingView(100, 256)], cap(free_pages=10, reserve_tokens=64)).admitted == ()
+    )
+    assert admit_pending_requests([PendingView(100, 61)], cap(free_pages=10, reserve_tokens=64)).admitted == (
+        0,
+    )
+    # A reserve of 1 admits the prompt alone (7 pages), optimistically.
+    assert admit_pending_requests([PendingView(100, 256)], cap(free_pages=10, reserve_tokens=1)).admitted == (
+        0,
+    )
+    # A preempted request recomputes its 20 outputs with the prompt: 120 + 63 = 183 positions, 12 pages.
     assert admit_pending_requests(
-        [PendingView(80, 5)], cap(free_pages=20, committed_pages=12, decode_headroom_pages=3)
+        [PendingView(100, 256, 20)], cap(free_pages=12, reserve_tokens=64)
     ).admitted == (0,)
     assert (
-        admit_pending_requests(
-            [PendingView(81, 5)], cap(free_pages=20, committed_pages=12, decode_headroom_pages=3)
-        ).admitted
+        admit_pending_requests([PendingView(100, 256, 20)], cap(free_pages=11, reserve_tokens=64)).admitted
         == ()
     )
 

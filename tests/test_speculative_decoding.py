@@ -400,7 +400,8 @@ def test_a_position_computes_the_same_bits_at_any_offset_of_its_verify_row(model
 def test_kv_pressure_with_speculation_preempts_and_still_gives_the_plain_tokens(model):
     """Verify rows and their lookahead pages under a pool too small for every request at once: the
     lookahead is skipped or the newest request preempted, never a wrong token."""
-    kw = {"num_pages": 14, "page_size": 4, "max_num_batched_tokens": 16}
+    # Optimistic admission (a reserve of 1 token): growth preempts.
+    kw = {"num_pages": 14, "page_size": 4, "max_num_batched_tokens": 16, "kv_reserve_tokens": 1}
     plain = serve(model, PROMPTS, greedy(16), **kw)
     fast = serve(model, PROMPTS, greedy(16), speculative=spec(3), **kw)
     assert_same_outputs(fast, plain, PROMPTS)

@@ -197,6 +197,7 @@ class EngineCore:
             policy=config.scheduler_policy,
             prefill_overlap=config.prefill_overlap,
             decode_latency_budget_ms=config.decode_latency_budget_ms,
+            kv_reserve_tokens=config.kv_reserve_tokens,
             decode_ahead=config.decode_ahead,
             speculative=config.speculative_config,
         )

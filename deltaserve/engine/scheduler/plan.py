@@ -3,11 +3,14 @@
 Nothing here touches torch, the caches or a request object: every function maps plain numbers (views of
 the scheduler's state) to a decision, so each rule is tested with hand-computed expectations.
 
-KV policy: optimistic admission with recompute preemption. A request is admitted when its prompt fits
-the pages not already promised to other prompts; decode growth takes pages one at a time, and when a
-step cannot get them, the newest requests are preempted (their pages and state slot freed, their tokens
-recomputed later). The oldest request always makes progress, and every admitted request fits the pool
-alone (`KV_BUDGET` rejects the rest), so nothing livelocks.
+KV policy: admission with a growth reserve, and recompute preemption. A request is admitted when its
+prompt and its next `reserve_tokens` tokens fit the pages not already promised to admitted requests (the
+rest of their prompts and their own next `reserve_tokens` tokens, each capped at what its max_tokens can
+still take); decode growth takes pages one at a time, and when a step cannot get them, the newest
+requests are preempted (their pages and state slot freed, their tokens recomputed later). The reserve
+makes preemption rare where requests finish within it; a reserve of 1 token admits optimistically. The
+oldest request always makes progress, and every admitted request fits the pool alone (`KV_BUDGET`
+rejects the rest), so nothing livelocks.
 """
 
 from __future__ import annotations
@@ -31,6 +34,18 @@ def pages_for(num_tokens: int, page_size: int) -> int:
 def max_kv_tokens(prompt_len: int, max_tokens: int) -> int:
     """KV positions a request can ever occupy: the last sampled token is never fed back."""
     return prompt_len + max_tokens - 1
+
+
+def reserved_pages(
+    num_tokens: int, lifetime_tokens: int, held_pages: int, reserve_tokens: int, page_size: int
+) -> int:
+    """Pages a request (`num_tokens`: prompt + outputs so far) still takes to hold its next
+    `reserve_tokens` tokens, beyond the `held_pages` it has: a prompt's prefill samples the first of them,
+    and each feeds back the one before, so it then holds num_tokens + reserve_tokens - 1 KV positions, never
+    more than `lifetime_tokens` (max_kv_tokens). A decoder holds num_tokens - 1 and feeds the last one
+    next: the same count."""
+    target = min(num_tokens + reserve_tokens - 1, lifetime_tokens)
+    return max(0, pages_for(target, page_size) - held_pages)
 
 
 class RejectReason(Enum):
@@ -57,11 +72,13 @@ class AdmissionCapacity:
     page_size: int
     capacity_pages: int  # pages the pool can ever hand out
     free_pages: int
-    committed_pages: int  # pages admitted prompts will still take for their prefill
-    decode_headroom_pages: int  # pages running decoders may take next step (one each at most)
+    # Pages admitted requests will still take (`reserved_pages`): the rest of their prompts and their next
+    # reserve_tokens tokens.
+    committed_pages: int
     free_slots: int
     num_active: int  # requests holding a slot (prefilling or decoding)
     max_num_seqs: int
+    reserve_tokens: int = 1  # each request's next tokens whose pages admission keeps (>= 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +104,7 @@ def admit_pending_requests(
     cost no free page); asked only for the requests whose fit is checked, in order."""
     admitted: list[int] = []
     rejected: list[tuple[int, Rejection]] = []
-    page_budget = cap.free_pages - cap.committed_pages - cap.decode_headroom_pages
+    page_budget = cap.free_pages - cap.committed_pages
     slot_budget = admission_slots(cap)
     blocked = False
     for i, req in enumerate(pending):
@@ -100,7 +117,9 @@ def admit_pending_requests(
         if len(admitted) >= slot_budget:
             blocked = True
             continue
-        need = pages_for(req.prompt_len + req.num_output, cap.page_size) - cached_pages(i)
+        lifetime = max_kv_tokens(req.prompt_len, req.max_tokens)
+        num_tokens = req.prompt_len + req.num_output
+        need = reserved_pages(num_tokens, lifetime, 0, cap.reserve_tokens, cap.page_size) - cached_pages(i)
         if need > page_budget:
             blocked = True
             continue

@@ -22,7 +22,7 @@ from deltaserve.engine.scheduler.plan import StepCost
 from deltaserve.engine.scheduler.request import LaunchedStep, Request
 from deltaserve.engine.scheduler.speculation import DraftGuard, SpeculationCounters
 from deltaserve.engine.structured import GrammarBackend
-from deltaserve.engine_config import SpeculativeConfig, policy_error
+from deltaserve.engine_config import DEFAULT_KV_RESERVE_TOKENS, SpeculativeConfig, policy_error
 from deltaserve.errors import ConfigError
 
 
@@ -43,11 +43,16 @@ class SchedulerConfig:
     # The step budget while requests wait for admission (0: max_num_batched_tokens); see
     # plan.step_token_budget.
     max_num_batched_tokens_saturated: int = 0
+    # Admission keeps the KV pages of each admitted request's next this many tokens (plan.reserved_pages);
+    # 1: optimistic admission, growth met by preemption.
+    kv_reserve_tokens: int = DEFAULT_KV_RESERVE_TOKENS
 
     def validate(self) -> None:
         error = policy_error(self.policy, self.prefill_overlap)
         if error is not None:
             raise ConfigError(error)
+        if self.kv_reserve_tokens < 1:
+            raise ConfigError(f"kv_reserve_tokens must be an integer >= 1, got {self.kv_reserve_tokens!r}")
 
 
 class SchedulerState:

@@ -37,6 +37,7 @@ a request that a plain step advanced (the guard at 0 drafts, an async prefill) d
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import torch
@@ -55,10 +56,11 @@ from deltaserve.engine.scheduler.plan import (
     choose_prefill_budget,
     even_prefill_budget,
     is_saturated,
+    max_kv_tokens,
     observe_step_cost,
-    pages_for,
     plan_prefill_chunks,
     preemptions_needed,
+    reserved_pages,
     step_token_budget,
 )
 from deltaserve.engine.scheduler.request import LaunchedStep, Phase, Request, ScheduledChunk
@@ -86,17 +88,27 @@ def admit(sched: SchedulerState) -> None:
     cache = sched.cache
     page_size = cache.page_size
     holders = list(sched.prefilling) + (sched.inflight.requests if sched.inflight else [])
-    committed = sum(max(0, pages_for(r.num_tokens, page_size) - len(r.seq.pages)) for r in holders)
+    reserve = sched.config.kv_reserve_tokens
+    committed = sum(
+        reserved_pages(
+            r.num_tokens,
+            max_kv_tokens(len(r.prompt_token_ids), r.max_tokens),
+            len(r.seq.pages),
+            reserve,
+            page_size,
+        )
+        for r in itertools.chain(sched.running, holders)
+    )
     capacity = AdmissionCapacity(
         max_model_len=sched.config.max_model_len,
         page_size=page_size,
         capacity_pages=cache.kv.capacity,
         free_pages=cache.kv.num_free,
         committed_pages=committed,
-        decode_headroom_pages=len(sched.running),
         free_slots=cache.states.num_free,
         num_active=len(sched.running) + len(holders),
         max_num_seqs=sched.config.max_num_seqs,
+        reserve_tokens=reserve,
     )
     queue = list(sched.waiting)
     window = admission_window([r.admission_checked for r in queue], admission_slots(capacity))
