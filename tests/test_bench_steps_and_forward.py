@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from deltaserve.bench.forward_cost import RowGroup, parse_shape, run_bench_forward, shape_rows
-from deltaserve.bench.step_log import intervals, parse_steps, summarize
+from deltaserve.bench.step_log import TimeShare, intervals, parse_steps, runs, split_run, summarize
 from deltaserve.engine.core import EngineCore
 from deltaserve.engine_config import EngineConfig
 
@@ -49,6 +49,30 @@ def test_step_intervals_by_kind_and_prefill_size():
     unified = stats["kind unified"].phase_median_ms
     assert unified == {"plan": 1.0, "launch": 3.0, "wait": 44.0, "apply": 1.0}
     assert stats["kind decode_ahead"].phase_median_ms["wait"] == 0.0  # logged without phases
+
+
+def test_each_runs_time_splits_into_prompt_steps_decode_only_steps_before_the_last_prompt_and_the_tail():
+    log = [
+        line(1000.0, "prefill", 100, 1, 0, 10.0),  # a run's first step counts its own duration
+        line(1020.0, "decode_ahead", 0, 0, 4, 5.0),  # decode only, a prompt still to come: 20 ms
+        line(1050.0, "unified", 50, 1, 4, 30.0),
+        line(1056.0, "decode_ahead", 0, 0, 4, 6.0),  # the tail
+        line(1062.0, "decode_ahead", 0, 0, 2, 6.0),
+        line(2500.0, "idle", 0, 0, 0, 1.0),  # feeds nothing: not a step of a run
+        line(3000.0, "decode_ahead", 0, 0, 1, 5.0),  # started 1,933 ms after the last step: a new run
+        line(5000.0, "prefill", 8192, 1, 0, 1800.0),  # started 200 ms after the step before: the same run
+    ]
+    found = runs(parse_steps(log))
+    assert [len(r) for r in found] == [5, 2]
+    a, b = (split_run(r) for r in found)
+    assert a.with_prompts == TimeShare(2, pytest.approx(0.040), 154)
+    assert a.decode_only_prompts_to_come == TimeShare(1, pytest.approx(0.020), 4)
+    assert a.decode_only_tail == TimeShare(2, pytest.approx(0.012), 6)
+    assert a.seconds == pytest.approx(0.072)
+    assert a.with_prompts.tokens_per_s == pytest.approx(154 / 0.040)
+    assert b.with_prompts == TimeShare(1, pytest.approx(2.0), 8192)
+    assert b.decode_only_prompts_to_come == TimeShare(1, pytest.approx(0.005), 1)
+    assert b.decode_only_tail == TimeShare() and b.decode_only_tail.tokens_per_s == 0.0
 
 
 def test_step_phases_parse_and_repeat():

@@ -6,6 +6,11 @@ the backend's host time, waiting for the device, applying the result). A decodin
 latency is the interval between the ends of consecutive steps, so this groups those intervals, for the
 steps that carry decode rows, by step kind and by prefill size: where an ITL percentile comes from.
 Intervals of IDLE_GAP_MS or more are gaps between runs, not steps, and are left out.
+
+It also splits each run's time (runs are separated by RUN_GAP_MS without a step) three ways: steps with
+prompt tokens, decode-only steps while prompts were still to come (admission waiting for KV pages or
+slots), and the decode-only tail after the run's last prompt token: a saturated cell's throughput is the
+first kind's rate, diluted by the other two.
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ from pathlib import Path
 import numpy as np
 
 IDLE_GAP_MS = 2000.0
+# Half a second without a step that feeds tokens ends a run (a warm-up and the measured run after it): under
+# load the engine steps back to back, a first-use graph capture (~0.1-0.3 s) happening inside a step.
+RUN_GAP_MS = 500.0
 PREFILL_BINS = ((0, 0), (1, 256), (257, 1024), (1025, 2048), (2049, 4096), (4097, None))
 
 _LINE = re.compile(
@@ -138,6 +146,61 @@ def summarize(records: Sequence[StepRecord]) -> list[GroupStats]:
     return [s for s in stats if s is not None]
 
 
+@dataclass(frozen=True, slots=True)
+class TimeShare:
+    steps: int = 0
+    seconds: float = 0.0
+    tokens: int = 0  # prompt tokens and decode rows fed
+
+    def add(self, seconds: float, tokens: int) -> TimeShare:
+        return TimeShare(self.steps + 1, self.seconds + seconds, self.tokens + tokens)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class RunSplit:
+    """One run's step time (each step's interval from the previous step's end; the run's first step:
+    its own duration), split three ways."""
+
+    with_prompts: TimeShare
+    decode_only_prompts_to_come: TimeShare
+    decode_only_tail: TimeShare
+
+    @property
+    def seconds(self) -> float:
+        return sum(
+            s.seconds for s in (self.with_prompts, self.decode_only_prompts_to_come, self.decode_only_tail)
+        )
+
+
+def runs(records: Sequence[StepRecord]) -> list[list[StepRecord]]:
+    """The steps that feed tokens, in runs separated by RUN_GAP_MS or more from a step's end to the next
+    one's start (a long step does not end a run)."""
+    out: list[list[StepRecord]] = []
+    prev_end: int | None = None
+    for r in records:
+        if r.prefill_tokens + r.decode_rows == 0:
+            continue
+        if prev_end is None or (r.end_us - r.step_us - prev_end) / 1000 >= RUN_GAP_MS:
+            out.append([])
+        out[-1].append(r)
+        prev_end = r.end_us
+    return out
+
+
+def split_run(run: Sequence[StepRecord]) -> RunSplit:
+    last_prompt = max((i for i, r in enumerate(run) if r.prefill_tokens > 0), default=-1)
+    shares = [TimeShare(), TimeShare(), TimeShare()]
+    for i, r in enumerate(run):
+        seconds = (r.end_us - run[i - 1].end_us if i else r.step_us) / 1e6
+        which = 0 if r.prefill_tokens > 0 else (1 if i < last_prompt else 2)
+        shares[which] = shares[which].add(seconds, r.prefill_tokens + r.decode_rows)
+    return RunSplit(*shares)
+
+
 def add_bench_steps_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("logs", nargs="+", help="server logs written with DELTASERVE_ITL_DEBUG=1")
     parser.add_argument("--slowest", type=int, default=10, help="also list this many slowest intervals")
@@ -163,6 +226,7 @@ def run_bench_steps(args: argparse.Namespace) -> list[GroupStats]:
             f"{s.name:28s} {s.count:6d} {s.median_ms:8.2f} {s.p99_ms:8.2f} {s.max_ms:8.2f} {s.step_median_ms:12.2f}"
             f"           {phases}"
         )
+    _print_time_split(records)
     slowest = sorted(intervals(records), key=lambda i: -i.ms)[: args.slowest]
     if slowest:
         print(
@@ -175,3 +239,20 @@ def run_bench_steps(args: argparse.Namespace) -> list[GroupStats]:
                 f"{st.step_us / 1000:8.2f}  {phase_ms(st, 'launch'):8.2f}  {st.allocs}"
             )
     return stats
+
+
+def _print_time_split(records: Sequence[StepRecord]) -> None:
+    splits = [split_run(run) for run in runs(records)]
+    if not splits:
+        return
+    print("time per run: steps, seconds, tokens fed per second")
+    print(
+        f"  {'run':>3s} {'seconds':>8s}  {'with prompt tokens':>26s}  {'decode only, prompts to come':>28s}"
+        f"  {'decode-only tail':>26s}"
+    )
+    for n, split in enumerate(splits, 1):
+        cells = "  ".join(
+            f"{s.steps:6d} {s.seconds:7.2f} s {s.tokens_per_s:9.0f}/s"
+            for s in (split.with_prompts, split.decode_only_prompts_to_come, split.decode_only_tail)
+        )
+        print(f"  {n:3d} {split.seconds:8.2f}  {cells}")
