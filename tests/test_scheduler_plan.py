@@ -92,12 +92,14 @@ def test_a_request_that_can_never_fit_the_pool_is_rejected_and_later_ones_are_ad
     assert decision.admitted == (1,)
 
 
+def admitted(*pending: PendingView, **capacity) -> tuple[int, ...]:
+    return admit_pending_requests(list(pending), cap(**capacity)).admitted
+
+
 def test_committed_pages_are_not_available_to_new_prompts():
     # 20 free - 15 committed = 5 pages = 80 tokens
-    assert admit_pending_requests([PendingView(80, 5)], cap(free_pages=20, committed_pages=15)).admitted == (
-        0,
-    )
-    assert admit_pending_requests([PendingView(81, 5)], cap(free_pages=20, committed_pages=15)).admitted == ()
+    assert admitted(PendingView(80, 5), free_pages=20, committed_pages=15) == (0,)
+    assert admitted(PendingView(81, 5), free_pages=20, committed_pages=15) == ()
 
 
 @pytest.mark.parametrize(
@@ -120,24 +122,13 @@ def test_reserved_pages_by_hand(num_tokens, lifetime, held, reserve, pages):
 def test_admission_keeps_the_new_prompt_its_reserve_capped_at_its_max_tokens():
     # 10 free pages = 160 positions. A 100-token prompt with 256 max_tokens and a reserve of 64: 163
     # positions, 11 pages: waits; with 61 max_tokens its lifetime is 160 positions: admitted.
-    assert (
-        admit_pending_requests([PendingView(100, 256)], cap(free_pages=10, reserve_tokens=64)).admitted == ()
-    )
-    assert admit_pending_requests([PendingView(100, 61)], cap(free_pages=10, reserve_tokens=64)).admitted == (
-        0,
-    )
+    assert admitted(PendingView(100, 256), free_pages=10, reserve_tokens=64) == ()
+    assert admitted(PendingView(100, 61), free_pages=10, reserve_tokens=64) == (0,)
     # A reserve of 1 admits the prompt alone (7 pages), optimistically.
-    assert admit_pending_requests([PendingView(100, 256)], cap(free_pages=10, reserve_tokens=1)).admitted == (
-        0,
-    )
+    assert admitted(PendingView(100, 256), free_pages=10, reserve_tokens=1) == (0,)
     # A preempted request recomputes its 20 outputs with the prompt: 120 + 63 = 183 positions, 12 pages.
-    assert admit_pending_requests(
-        [PendingView(100, 256, 20)], cap(free_pages=12, reserve_tokens=64)
-    ).admitted == (0,)
-    assert (
-        admit_pending_requests([PendingView(100, 256, 20)], cap(free_pages=11, reserve_tokens=64)).admitted
-        == ()
-    )
+    assert admitted(PendingView(100, 256, 20), free_pages=12, reserve_tokens=64) == (0,)
+    assert admitted(PendingView(100, 256, 20), free_pages=11, reserve_tokens=64) == ()
 
 
 def test_slots_and_max_num_seqs_bound_admission():
