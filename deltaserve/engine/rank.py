@@ -40,6 +40,7 @@ from deltaserve.engine_config import (
 )
 from deltaserve.errors import ConfigError
 from deltaserve.model.layers.parallel import TensorParallel
+from deltaserve.model.layers.peer_all_reduce import PeerAllReduce, peer_all_reduce_wanted
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
 from deltaserve.model.weights import checkpoint_has_mtp, init_dummy_weights, load_weights
 from deltaserve.triton_key import reuse_triton_key
@@ -82,6 +83,13 @@ def rank_device(device: torch.device, rank: int, size: int) -> torch.device:
     return torch.device("cuda", rank)
 
 
+def _tp_text(tp: TensorParallel) -> str:
+    if tp.size == 1:
+        return ""
+    sums = f"peer sums up to {tp.peer.buffer.nbytes >> 20} MiB, NCCL above" if tp.peer else "NCCL sums"
+    return f", tensor-parallel rank {tp.rank} of {tp.size}, {sums}"
+
+
 def build_rank(
     config: EngineConfig,
     model_dir: Path,
@@ -98,9 +106,11 @@ def build_rank(
     device = rank_device(config.resolved_device(), tp.rank, tp.size)
     if tp.size > 1 and device.type == "cuda":
         torch.cuda.set_device(device)
+    dtype = config.resolved_dtype(device)
+    if tp.size > 1 and peer_all_reduce_wanted():  # a collective, before the model exists
+        tp = dataclasses.replace(tp, peer=PeerAllReduce.create(device, dtype))
     if device.type == "cuda":
         reuse_triton_key()  # before the first kernel compiles
-    dtype = config.resolved_dtype(device)
     mtp = config.speculative_config is not None
     if mtp and config.load_format != "dummy" and not checkpoint_has_mtp(model_dir):
         raise ConfigError(
@@ -151,7 +161,7 @@ def build_rank(
         loaded - started,
         device,
         dtype,
-        f", tensor-parallel rank {tp.rank} of {tp.size}" if tp.size > 1 else "",
+        _tp_text(tp),
         device_started - started,
         checked - device_started,
         allocated - checked,

@@ -22,6 +22,8 @@ that needs it (on every rank), and rank 0's idle-time captures as steps of their
 with a bucket that failed on any rank failed on all. A step's rows and rank 0's `logits` flag reach every
 rank, so every rank takes the same path (decode graph, prefill graph or eager) and the replays meet in
 their all-reduces. Off by default (eager) until shown on two GPUs (tests/gpu/test_tensor_parallel_gpu.py).
+With DELTASERVE_TP_ALLREDUCE=peer the sums of up to 4 MiB (decode steps) are one-shot reads of the peers'
+symmetric buffers instead of NCCL's ring (model/layers/peer_all_reduce.py); not yet measured on two GPUs.
 
 Decode-ahead runs: a step whose first rows are fed the previous step's tokens on rank 0's device says how
 many (`fed_rows`), and rank 0 broadcasts those tokens to every rank before the forward, device to device,

@@ -23,6 +23,7 @@ def _generate(
     load_format: str = "auto",
     graphs_on_rank_0: list | None = None,
     gpu_memory_utilization: float = 0.9,
+    peer_on_rank_0: list | None = None,
 ) -> list:
     prompts = [
         {"prompt_token_ids": list(range(1000 + 7 * i, 1000 + 7 * i + n))} for i, n in enumerate((3, 40, 90))
@@ -42,6 +43,8 @@ def _generate(
         if graphs_on_rank_0 is not None:
             worker = llm.engine.backend.worker
             graphs_on_rank_0.extend([worker.graphs, worker.prefill_graphs])
+        if peer_on_rank_0 is not None:
+            peer_on_rank_0.append(llm.engine.backend.worker.model.tp.peer)
     del llm
     assert all(o.error is None for o in outs), [o.error for o in outs]
     return [o.outputs[0] for o in outs]
@@ -99,6 +102,30 @@ def test_two_gpus_with_decode_graphs_generate_what_one_generates(tmp_path, prese
     decode, prefill = graphs
     assert decode is not None and decode.graphs  # rank 0 replayed from captured graphs
     assert prefill is not None and len(prefill.graphs) >= 2 and not prefill.failed  # start-up's + first use
+    assert_same_generation(one, two)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "0.8b-shape"])
+def test_two_gpus_with_peer_sums_in_decode_graphs_generate_what_one_generates(
+    tmp_path, preset, monkeypatch
+) -> None:
+    """DELTASERVE_TP_ALLREDUCE=peer: the decode steps' sums are one-shot reads of the peer's symmetric
+    buffer (captured in the graphs), the larger prefill sums stay NCCL; the tokens are TP1's."""
+    from deltaserve.model.layers.peer_all_reduce import MODE_ENV
+
+    monkeypatch.setattr(tp_module, "GRAPHS", True)
+    monkeypatch.setenv(MODE_ENV, "peer")  # read by every rank as it builds its model
+    monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    dummy = preset == "0.8b-shape"
+    model_dir = str(make_tiny(tmp_path / preset, preset, weights=not dummy))
+    load_format = "dummy" if dummy else "auto"
+    graphs: list = []
+    peer: list = []
+    one = _generate(model_dir, 1, load_format)
+    two = _generate(model_dir, 2, load_format, graphs_on_rank_0=graphs, peer_on_rank_0=peer)
+    decode, _ = graphs
+    assert decode is not None and decode.graphs
+    assert peer[0] is not None  # rank 0 summed through its symmetric buffer
     assert_same_generation(one, two)
 
 

@@ -11,21 +11,28 @@ between them is rank-local. Conv and SSM states are never reduced.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from deltaserve.model.layers.peer_all_reduce import PeerAllReduce
 
 
 @dataclass(frozen=True, slots=True)
 class TensorParallel:
     rank: int = 0
     size: int = 1
+    # Sums of small tensors by one-shot peer reads instead of NCCL (DELTASERVE_TP_ALLREDUCE=peer).
+    peer: PeerAllReduce | None = field(default=None, compare=False)
 
     def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
         """Sums `x` over the ranks in place (the default process group); a no-op on one rank."""
         if self.size > 1:
-            dist.all_reduce(x)
+            if self.peer is not None and self.peer.fits(x):
+                self.peer.all_reduce_(x)
+            else:
+                dist.all_reduce(x)
         return x
 
     def shard(self, dim: int, segments: tuple[int, ...] | None = None) -> Shard | None:
