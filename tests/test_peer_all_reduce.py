@@ -43,7 +43,7 @@ class PeerOf:
 
 def _peer(rank: int, peer: torch.Tensor, dtype=torch.bfloat16) -> tuple[PeerAllReduce, PeerOf]:
     one_shot = PeerOf(rank, peer)
-    buffer = torch.zeros(MAX_BYTES // torch.empty((), dtype=dtype).element_size(), dtype=dtype)
+    buffer = torch.zeros(MAX_BYTES // dtype.itemsize, dtype=dtype)
     return PeerAllReduce(buffer, "world", one_shot), one_shot
 
 

@@ -11,6 +11,7 @@ from tp_kill import kill_a_rank_mid_stream, rank_pids
 
 from deltaserve.engine import tp as tp_module
 from deltaserve.engine.llm import LLM
+from deltaserve.model.layers.peer_all_reduce import MODE_ENV
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.tiny import make_tiny
 
@@ -87,34 +88,15 @@ def test_two_gpus_generate_what_one_generates(tmp_path, preset) -> None:
     assert_same_generation(one, two)
 
 
+@pytest.mark.parametrize("sums", ["nccl", "peer"])
 @pytest.mark.parametrize("preset", ["tiny", "0.8b-shape"])
-def test_two_gpus_with_decode_graphs_generate_what_one_generates(tmp_path, preset, monkeypatch) -> None:
-    """DELTASERVE_TP_GRAPHS=1: every rank captures decode and prefill graphs that hold its NCCL
-    all-reduces, and the steps replay them on both GPUs in step (the 40- and 90-token prompts are
-    prefilled in 32-token steps: prefill graphs captured at first use)."""
+def test_two_gpus_with_decode_graphs_generate_what_one_generates(tmp_path, preset, sums, monkeypatch) -> None:
+    """DELTASERVE_TP_GRAPHS=1: every rank captures decode and prefill graphs that hold its all-reduces,
+    and the steps replay them on both GPUs in step (the 40- and 90-token prompts are prefilled in 32-token
+    steps: prefill graphs captured at first use). The sums go through NCCL, or with
+    DELTASERVE_TP_ALLREDUCE=peer the small ones are one-shot reads of the peer's symmetric buffer."""
     monkeypatch.setattr(tp_module, "GRAPHS", True)
-    dummy = preset == "0.8b-shape"
-    model_dir = str(make_tiny(tmp_path / preset, preset, weights=not dummy))
-    load_format = "dummy" if dummy else "auto"
-    graphs: list = []
-    one = _generate(model_dir, 1, load_format)
-    two = _generate(model_dir, 2, load_format, graphs_on_rank_0=graphs)
-    decode, prefill = graphs
-    assert decode is not None and decode.graphs  # rank 0 replayed from captured graphs
-    assert prefill is not None and len(prefill.graphs) >= 2 and not prefill.failed  # start-up's + first use
-    assert_same_generation(one, two)
-
-
-@pytest.mark.parametrize("preset", ["tiny", "0.8b-shape"])
-def test_two_gpus_with_peer_sums_in_decode_graphs_generate_what_one_generates(
-    tmp_path, preset, monkeypatch
-) -> None:
-    """DELTASERVE_TP_ALLREDUCE=peer: the decode steps' sums are one-shot reads of the peer's symmetric
-    buffer (captured in the graphs), the larger prefill sums stay NCCL; the tokens are TP1's."""
-    from deltaserve.model.layers.peer_all_reduce import MODE_ENV
-
-    monkeypatch.setattr(tp_module, "GRAPHS", True)
-    monkeypatch.setenv(MODE_ENV, "peer")  # read by every rank as it builds its model
+    monkeypatch.setenv(MODE_ENV, sums)  # read by every rank as it builds its model
     monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     dummy = preset == "0.8b-shape"
     model_dir = str(make_tiny(tmp_path / preset, preset, weights=not dummy))
@@ -123,9 +105,10 @@ def test_two_gpus_with_peer_sums_in_decode_graphs_generate_what_one_generates(
     peer: list = []
     one = _generate(model_dir, 1, load_format)
     two = _generate(model_dir, 2, load_format, graphs_on_rank_0=graphs, peer_on_rank_0=peer)
-    decode, _ = graphs
-    assert decode is not None and decode.graphs
-    assert peer[0] is not None  # rank 0 summed through its symmetric buffer
+    decode, prefill = graphs
+    assert decode is not None and decode.graphs  # rank 0 replayed from captured graphs
+    assert prefill is not None and len(prefill.graphs) >= 2 and not prefill.failed  # start-up's + first use
+    assert (peer[0] is not None) == (sums == "peer")  # rank 0's route for the small sums
     assert_same_generation(one, two)
 
 

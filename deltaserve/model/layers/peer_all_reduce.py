@@ -73,8 +73,7 @@ class PeerAllReduce:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)
                 enable(group_name)
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        buffer = symm_mem.empty(MAX_BYTES // itemsize, dtype=dtype, device=device)
+        buffer = symm_mem.empty(MAX_BYTES // dtype.itemsize, dtype=dtype, device=device)
         symm_mem.rendezvous(buffer, group_name)
         return cls(buffer, group_name, one_shot)
 
