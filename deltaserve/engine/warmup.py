@@ -52,6 +52,49 @@ def dummy_rows(num_seqs: int, tokens_each: int, page_size: int, *, context: int 
     return [BatchRow([0] * tokens_each, context, pages, DUMMY_SLOT) for _ in range(num_seqs)]
 
 
+@dataclass(frozen=True, slots=True)
+class MixedStep:
+    """An eager step of one decode row (after `decode_context` tokens) beside prefill chunks."""
+
+    decode_context: int
+    chunks: tuple[int, ...]
+
+
+def mixed_steps(
+    max_batched_tokens: int, page_size: int, apart_tokens: int, split_tokens: int
+) -> list[MixedStep]:
+    """The warm-up's eager steps with a decode row beside prefill chunks.
+
+    The attention kernel compiles a variant per launch kind (ops/triton/attention.py): steps of up to
+    `apart_tokens` launch their decode rows apart from the chunks, longer ones launch both together;
+    either way the decode programs split a row's keys where the batch's block table spans at least
+    2 x `split_tokens` tokens. A variant first met while serving compiles there (2.2 s at the 9B shape
+    on an H100, a stall for every running request), so each is met here: one chunk step, and where the
+    budget allows a longer step, one of `apart_tokens` chunk tokens (one token past the bound with its
+    decode row); each with a decode row after a short context and after a long one. The chunks are too
+    short to make the table span a split: only the decode row's context decides it."""
+    chunk = max(1, split_tokens // 2)
+    totals = [min(max_batched_tokens - 1, chunk)]
+    if max_batched_tokens > apart_tokens:
+        totals.append(apart_tokens)
+    steps = []
+    for total in totals:
+        if total < 1:
+            continue
+        chunks = (chunk,) * (total // chunk) + ((total % chunk,) if total % chunk else ())
+        for context in (page_size + 1, 2 * split_tokens):
+            steps.append(MixedStep(context, chunks))
+    return steps
+
+
+def mixed_rows(step: MixedStep, page_size: int) -> list[BatchRow]:
+    """The step's rows on the reserved page and slot: its decode row first, then its chunks."""
+    rows = dummy_rows(1, 1, page_size, context=step.decode_context)
+    for tokens in step.chunks:
+        rows += dummy_rows(1, tokens, page_size)
+    return rows
+
+
 @dataclass(slots=True)
 class WarmupReport:
     peak_activation_bytes: int
@@ -78,6 +121,8 @@ def warm_up(
     then (`sample`: the rank that samples) the sampler, and measures the activation peak above the
     resident weights and caches: a full batch's sampling temporaries (a top-p sort over the vocabulary)
     included."""
+    from deltaserve.ops.triton.attention import DECODE_APART_MAX_TOKENS, MIN_SPLIT_TOKENS  # GPU only
+
     device = model.device
     torch.cuda.synchronize(device)
     started = time.monotonic()
@@ -95,8 +140,17 @@ def warm_up(
         batch = build_forward_batch(dummy_rows(seqs, tokens, page), page, device)
         model.compute_logits(model(batch, cache.kv, cache.states))
     phase_done("prefill forwards")
-    for seqs in sorted({1, min(8, max_num_seqs), max_num_seqs}):
-        batch = build_forward_batch(dummy_rows(seqs, 1, page, context=page + 1), page, device)
+    for step in mixed_steps(max_batched_tokens, page, DECODE_APART_MAX_TOKENS, MIN_SPLIT_TOKENS):
+        model.compute_logits(
+            model(build_forward_batch(mixed_rows(step, page), page, device), cache.kv, cache.states)
+        )
+    phase_done("mixed forwards")
+    # The last forward leaves `hidden` at every decode bucket's rows; the first splits its row's keys.
+    decodes = [(1, 2 * MIN_SPLIT_TOKENS)] + [
+        (seqs, page + 1) for seqs in sorted({1, min(8, max_num_seqs), max_num_seqs})
+    ]
+    for seqs, context in decodes:
+        batch = build_forward_batch(dummy_rows(seqs, 1, page, context=context), page, device)
         hidden = model(batch, cache.kv, cache.states)
         model.compute_logits(hidden)
     phase_done("decode forwards")
