@@ -313,6 +313,38 @@ def test_the_growth_reserve_lets_every_request_finish_without_preemption(model):
     assert tight.sched.cache.kv.num_used == 0
 
 
+def test_admission_counts_the_pages_a_finishing_decoder_returns_before_the_reserve_needs_them(model):
+    """14 pages of 4 tokens, a reserve of 32 tokens. x (4 + 6 tokens) is near its end and y (4 + 40) has
+    most of its growth ahead when z (8 + 8) arrives. Summing the reserves commits x's last page and y's
+    next 32 tokens together, so z would wait for x to finish (and for y to pass its growth); x's pages come
+    back after 6 steps, long before y takes most of its pages, so z starts at once. Nobody is preempted
+    and the tokens are those of an ample pool."""
+
+    def greedy(n: int) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+    requests = [("x", [1, 2, 3, 4], greedy(6)), ("y", [5, 6, 7, 8], greedy(40)), ("z", [9] * 8, greedy(8))]
+    ample = Run(model, max_num_seqs=4, num_pages=4096)
+    for rid, prompt, params in requests:
+        ample.add(rid, prompt, params)
+    ample.run_until_idle()
+    tight = Run(model, max_num_seqs=4, num_pages=14, kv_reserve_tokens=32)
+    for rid, prompt, params in requests[:2]:
+        tight.add(rid, prompt, params)
+    tight.tick(2)
+    tight.add(*requests[2])
+    ticks = 0
+    while not tight.tokens("z"):
+        tight.tick()
+        ticks += 1
+    assert ticks <= 2 and not tight.terminals("x")
+    tight.run_until_idle()
+    assert tight.sched.num_preemptions == 0
+    for rid, _, _ in requests:
+        assert tight.terminal(rid).finish_reason == "length"
+        assert tight.tokens(rid) == ample.tokens(rid)
+
+
 @pytest.mark.parametrize(
     ("prompt", "problem"),
     [

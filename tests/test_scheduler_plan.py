@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
+from deltaserve.engine.scheduler import plan
 from deltaserve.engine.scheduler.plan import (
+    RETURN_LAG_STEPS,
     AdmissionCapacity,
+    Holding,
     PendingView,
     PlanKind,
     RejectReason,
@@ -13,6 +18,7 @@ from deltaserve.engine.scheduler.plan import (
     admit_pending_requests,
     build_next_plan,
     choose_prefill_budget,
+    committed_pages,
     even_prefill_budget,
     is_saturated,
     max_kv_tokens,
@@ -117,6 +123,92 @@ def test_committed_pages_are_not_available_to_new_prompts():
 )
 def test_reserved_pages_by_hand(num_tokens, lifetime, held, reserve, pages):
     assert reserved_pages(num_tokens, lifetime, held, reserve, 16) == pages
+
+
+# Pages of 16 tokens. `old`: 112 positions in 7 pages, lifetime 120: its 113th position takes an 8th page
+# at step 1, its last token is sampled at step 8 and its 8 pages come back at step 10. `young`: 100
+# positions in 7 pages, a long lifetime: a page more at steps 13, 29, ..., 253 (16 by step 256).
+OLD = Holding(num_tokens=113, lifetime_tokens=120, held_pages=7, lockstep=True)
+YOUNG = Holding(num_tokens=101, lifetime_tokens=10_000, held_pages=7, lockstep=True)
+
+
+@pytest.mark.parametrize(
+    ("holdings", "reserve", "pages"),
+    [
+        ([OLD], 256, 1),  # one page until it returns its 8
+        ([YOUNG], 256, 16),
+        ([YOUNG], 12, 0),  # its 101st..112th positions fit the 7th page
+        ([YOUNG], 13, 1),
+        # the old decoder's 8 pages are back at step 10, before the young one has taken a page: the most
+        # taken is at step 253, 16 - 7; summing the reserves would commit 1 + 16
+        ([OLD, YOUNG], 256, 9),
+        ([OLD, YOUNG], 9, 1),  # before the return: the old one's page only
+        ([OLD, YOUNG], 1, 1),  # the optimistic reserve: step 1 only
+        # a holder that does not advance in lockstep (a prompt prefilling, drafts verified) keeps its
+        # pages: the sum of the reserves
+        ([Holding(113, 120, 7, lockstep=False), YOUNG], 256, 17),
+        ([], 256, 0),
+    ],
+)
+def test_committed_pages_by_hand(holdings, reserve, pages):
+    assert committed_pages(holdings, reserve, 16) == pages
+
+
+def _projected(holdings: list[Holding], reserve: int, page_size: int) -> int:
+    """committed_pages by its definition: every step of the reserve, every request."""
+
+    def net(step: int) -> int:
+        total = 0
+        for h in holdings:
+            last_token_step = h.lifetime_tokens + 1 - h.num_tokens
+            if h.lockstep and step >= last_token_step + RETURN_LAG_STEPS:
+                total -= h.held_pages
+            else:
+                total += reserved_pages(h.num_tokens, h.lifetime_tokens, h.held_pages, step, page_size)
+        return total
+
+    return max([0] + [net(step) for step in range(1, reserve + 1)])
+
+
+def _random_holdings(rng: random.Random, page_size: int) -> list[Holding]:
+    holdings = []
+    for _ in range(rng.randrange(6)):
+        num_tokens = rng.randrange(1, 90)
+        lifetime = num_tokens - 1 + rng.randrange(1, 70)
+        full = pages_for(num_tokens - 1, page_size)  # a decoder's; a prompt prefilling holds fewer
+        held = full if rng.random() < 0.7 else rng.randrange(full + 1)
+        holdings.append(Holding(num_tokens, lifetime, held, lockstep=rng.random() < 0.6))
+    return holdings
+
+
+def _sum_of_reserves(holdings: list[Holding], reserve: int, page_size: int) -> int:
+    return sum(
+        reserved_pages(h.num_tokens, h.lifetime_tokens, h.held_pages, reserve, page_size) for h in holdings
+    )
+
+
+def test_committed_pages_follow_their_definition_step_by_step():
+    rng = random.Random(7)
+    for _ in range(3000):
+        page_size = rng.choice([1, 4, 16])
+        reserve = rng.choice([1, 2, 3, 17, 64, 200])
+        holdings = _random_holdings(rng, page_size)
+        got = committed_pages(holdings, reserve, page_size)
+        assert got == _projected(holdings, reserve, page_size), (holdings, reserve, page_size)
+        assert got <= _sum_of_reserves(holdings, reserve, page_size)
+
+
+def test_past_the_projected_steps_committed_pages_stay_an_upper_bound(monkeypatch):
+    monkeypatch.setattr(plan, "PROJECTED_STEPS", 8)
+    rng = random.Random(8)
+    for _ in range(2000):
+        page_size = rng.choice([1, 4, 16])
+        reserve = rng.choice([9, 30, 120])
+        holdings = _random_holdings(rng, page_size)
+        got = committed_pages(holdings, reserve, page_size)
+        assert (
+            _projected(holdings, reserve, page_size) <= got <= _sum_of_reserves(holdings, reserve, page_size)
+        )
 
 
 def test_admission_keeps_the_new_prompt_its_reserve_capped_at_its_max_tokens():

@@ -4,17 +4,20 @@ Nothing here touches torch, the caches or a request object: every function maps 
 the scheduler's state) to a decision, so each rule is tested with hand-computed expectations.
 
 KV policy: admission with a growth reserve, and recompute preemption. A request is admitted when its
-prompt and its next `reserve_tokens` tokens fit the pages not already promised to admitted requests (the
-rest of their prompts and their own next `reserve_tokens` tokens, each capped at what its max_tokens can
-still take); decode growth takes pages one at a time, and when a step cannot get them, the newest
-requests are preempted (their pages and state slot freed, their tokens recomputed later). The reserve
-makes preemption rare where requests finish within it; a reserve of 1 token admits optimistically. The
+prompt and its next `reserve_tokens` tokens fit the pages not already promised to admitted requests: the
+most, at any step of their next `reserve_tokens` tokens, that the rest of their prompts and their growth
+(each capped at what its max_tokens can still take) take beyond the pages returned by the decoders that
+finish in that time (`committed_pages`). Decode growth takes pages one at a time, and when a step cannot
+get them, the newest requests are preempted (their pages and state slot freed, their tokens recomputed
+later). The reserve makes preemption rare where requests finish within it; a reserve of 1 token admits
+optimistically. The
 oldest request always makes progress, and every admitted request fits the pool alone (`KV_BUDGET`
 rejects the rest), so nothing livelocks.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -48,6 +51,71 @@ def reserved_pages(
     return max(0, pages_for(target, page_size) - held_pages)
 
 
+# A finished request's pages return to the pool this many steps after the step that sampled its last
+# token: a step launched ahead is read, and its finished requests retired, one step late.
+RETURN_LAG_STEPS = 2
+# Returns are projected step by step over at most this many steps of a reserve; past them each request
+# that has not returned its pages by then counts at its reserve's end, as without returns.
+PROJECTED_STEPS = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Holding:
+    """An admitted request's KV pages, as admission projects them."""
+
+    num_tokens: int  # prompt + outputs so far
+    lifetime_tokens: int  # max_kv_tokens: the most KV positions it can ever occupy
+    held_pages: int
+    # A decoder fed one token every step (every running request when no drafts are verified): it returns
+    # its pages RETURN_LAG_STEPS steps after it reaches its lifetime. Any other (a prompt still
+    # prefilling, a decoder advanced by accepted drafts at its own rate) is taken to keep its pages.
+    lockstep: bool
+
+
+def committed_pages(holdings: Sequence[Holding], reserve_tokens: int, page_size: int) -> int:
+    """The most pages the admitted requests take beyond those they hold, at any step t = 1..reserve_tokens
+    ahead, net of the pages that the lockstep decoders finishing by then have returned. At step t a request
+    holds min(num_tokens + t - 1, lifetime) positions (`reserved_pages` at a reserve of t), so with no
+    returns in the reserve this is the sum of the requests' `reserved_pages`: what may be taken later by
+    one request is not counted as free because another finishes first, only what is returned before it
+    is taken."""
+    horizon = min(reserve_tokens, PROJECTED_STEPS)
+    never = horizon + 1
+    returns = [
+        h.lifetime_tokens + 1 - h.num_tokens + RETURN_LAG_STEPS if h.lockstep else never for h in holdings
+    ]
+    # Net pages at the reserve's end (past the horizon, a bound: later returns are not counted). After the
+    # last return they only grow, so past it the most is there.
+    at_end = sum(
+        -h.held_pages
+        if returned <= horizon
+        else reserved_pages(h.num_tokens, h.lifetime_tokens, h.held_pages, reserve_tokens, page_size)
+        for h, returned in zip(holdings, returns, strict=True)
+    )
+    last_return = max((returned for returned in returns if returned <= horizon), default=0)
+    change: dict[int, int] = defaultdict(int)  # step -> change of the net pages since the step before
+    for h, returned in zip(holdings, returns, strict=True):
+        if last_return == 0:
+            break
+        grown = reserved_pages(h.num_tokens, h.lifetime_tokens, h.held_pages, 1, page_size)
+        change[1] += grown
+        last = min(returned - 1, last_return)
+        # the steps whose position starts a page: each takes one more (once past the pages held)
+        position = pages_for(min(h.num_tokens, h.lifetime_tokens), page_size) * page_size + 1
+        while position <= h.lifetime_tokens and position - h.num_tokens + 1 <= last:
+            taken = max(0, pages_for(position, page_size) - h.held_pages)
+            change[position - h.num_tokens + 1] += taken - grown
+            grown = taken
+            position += page_size
+        if returned <= horizon:
+            change[returned] -= grown + h.held_pages
+    peak = net = 0
+    for step in sorted(change):
+        net += change[step]
+        peak = max(peak, net)
+    return max(peak, at_end)
+
+
 class RejectReason(Enum):
     CONTEXT_LENGTH = "context_length"
     KV_BUDGET = "kv_budget"
@@ -72,8 +140,8 @@ class AdmissionCapacity:
     page_size: int
     capacity_pages: int  # pages the pool can ever hand out
     free_pages: int
-    # Pages admitted requests will still take (`reserved_pages`): the rest of their prompts and their next
-    # reserve_tokens tokens.
+    # Pages admitted requests will still take (`committed_pages`): the rest of their prompts and their next
+    # reserve_tokens tokens, net of what the decoders finishing meanwhile return.
     committed_pages: int
     free_slots: int
     num_active: int  # requests holding a slot (prefilling or decoding)

@@ -43,7 +43,7 @@ class SchedulerConfig:
     # The step budget while requests wait for admission (0: max_num_batched_tokens); see
     # plan.step_token_budget.
     max_num_batched_tokens_saturated: int = 0
-    # Admission keeps the KV pages of each admitted request's next this many tokens (plan.reserved_pages);
+    # Admission keeps the KV pages of each admitted request's next this many tokens (plan.committed_pages);
     # 1: optimistic admission, growth met by preemption.
     kv_reserve_tokens: int = DEFAULT_KV_RESERVE_TOKENS
 

@@ -37,7 +37,6 @@ a request that a plain step advanced (the guard at 0 drafts, an async prefill) d
 
 from __future__ import annotations
 
-import itertools
 import time
 
 import torch
@@ -46,6 +45,7 @@ from deltaserve.cache.manager import CacheWork, PrefixHit
 from deltaserve.engine.scheduler import dispatch, lifecycle, prefix, telemetry
 from deltaserve.engine.scheduler.plan import (
     AdmissionCapacity,
+    Holding,
     PendingView,
     PlanKind,
     admission_slots,
@@ -54,13 +54,13 @@ from deltaserve.engine.scheduler.plan import (
     build_next_plan,
     cap_prefill_for_latency,
     choose_prefill_budget,
+    committed_pages,
     even_prefill_budget,
     is_saturated,
     max_kv_tokens,
     observe_step_cost,
     plan_prefill_chunks,
     preemptions_needed,
-    reserved_pages,
     step_token_budget,
 )
 from deltaserve.engine.scheduler.request import LaunchedStep, Phase, Request, ScheduledChunk
@@ -89,16 +89,14 @@ def admit(sched: SchedulerState) -> None:
     page_size = cache.page_size
     holders = list(sched.prefilling) + (sched.inflight.requests if sched.inflight else [])
     reserve = sched.config.kv_reserve_tokens
-    committed = sum(
-        reserved_pages(
-            r.num_tokens,
-            max_kv_tokens(len(r.prompt_token_ids), r.max_tokens),
-            len(r.seq.pages),
-            reserve,
-            page_size,
-        )
-        for r in itertools.chain(sched.running, holders)
-    )
+    lockstep = sched.config.speculative is None  # every decoder advances one token per step
+
+    def holding(r: Request, decoding: bool) -> Holding:
+        lifetime = max_kv_tokens(len(r.prompt_token_ids), r.max_tokens)
+        return Holding(r.num_tokens, lifetime, len(r.seq.pages), lockstep=decoding and lockstep)
+
+    holdings = [holding(r, True) for r in sched.running] + [holding(r, False) for r in holders]
+    committed = committed_pages(holdings, reserve, page_size)
     capacity = AdmissionCapacity(
         max_model_len=sched.config.max_model_len,
         page_size=page_size,
