@@ -10,9 +10,8 @@ most, at any step of their next `reserve_tokens` tokens, that the rest of their 
 finish in that time (`committed_pages`). Decode growth takes pages one at a time, and when a step cannot
 get them, the newest requests are preempted (their pages and state slot freed, their tokens recomputed
 later). The reserve makes preemption rare where requests finish within it; a reserve of 1 token admits
-optimistically. The
-oldest request always makes progress, and every admitted request fits the pool alone (`KV_BUDGET`
-rejects the rest), so nothing livelocks.
+optimistically. The oldest request always makes progress, and every admitted request fits the pool alone
+(`KV_BUDGET` rejects the rest), so nothing livelocks.
 """
 
 from __future__ import annotations
@@ -93,10 +92,10 @@ def committed_pages(holdings: Sequence[Holding], reserve_tokens: int, page_size:
         for h, returned in zip(holdings, returns, strict=True)
     )
     last_return = max((returned for returned in returns if returned <= horizon), default=0)
+    if last_return == 0:  # nothing returned: the sum of the reserves
+        return at_end
     change: dict[int, int] = defaultdict(int)  # step -> change of the net pages since the step before
     for h, returned in zip(holdings, returns, strict=True):
-        if last_return == 0:
-            break
         grown = reserved_pages(h.num_tokens, h.lifetime_tokens, h.held_pages, 1, page_size)
         change[1] += grown
         last = min(returned - 1, last_return)
