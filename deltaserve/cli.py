@@ -83,8 +83,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=d.kv_reserve_tokens,
         help="admit a request only while the KV cache keeps room for every admitted request's next this "
-        "many tokens (capped at its max_tokens; the pages that requests finishing meanwhile return count as "
-        "free): under KV pressure requests then finish instead of being preempted and recomputed, which "
+        "many tokens (capped at its max_tokens; requests that finish within it count the pages they "
+        "return): under KV pressure requests then finish instead of being preempted and recomputed, which "
         "pauses their streams; 1: admit optimistically",
     )
     g.add_argument(

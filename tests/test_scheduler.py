@@ -314,11 +314,11 @@ def test_the_growth_reserve_lets_every_request_finish_without_preemption(model):
 
 
 def test_admission_counts_the_pages_a_finishing_decoder_returns_before_the_reserve_needs_them(model):
-    """14 pages of 4 tokens, a reserve of 32 tokens. x (4 + 6 tokens) is near its end and y (4 + 40) has
-    most of its growth ahead when z (8 + 8) arrives. Summing the reserves commits x's last page and y's
-    next 32 tokens together, so z would wait for x to finish (and for y to pass its growth); x's pages come
-    back after 6 steps, long before y takes most of its pages, so z starts at once. Nobody is preempted
-    and the tokens are those of an ample pool."""
+    """16 pages of 4 tokens, a reserve of 64 tokens. x (4 + 6 tokens) is near its end and y (4 + 40) has
+    most of its growth ahead when z (8 + 8) arrives; both finish within the reserve. Summing their
+    reserves promises x's last pages and y's whole growth together, so z would wait for x to finish; x's
+    pages come back after a few steps, before y takes most of its own, so z starts at once. Nobody is
+    preempted and the tokens are those of an ample pool."""
 
     def greedy(n: int) -> SamplingParams:
         return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
@@ -328,7 +328,7 @@ def test_admission_counts_the_pages_a_finishing_decoder_returns_before_the_reser
     for rid, prompt, params in requests:
         ample.add(rid, prompt, params)
     ample.run_until_idle()
-    tight = Run(model, max_num_seqs=4, num_pages=14, kv_reserve_tokens=32)
+    tight = Run(model, max_num_seqs=4, num_pages=16, kv_reserve_tokens=64)
     for rid, prompt, params in requests[:2]:
         tight.add(rid, prompt, params)
     tight.tick(2)

@@ -125,10 +125,12 @@ def test_reserved_pages_by_hand(num_tokens, lifetime, held, reserve, pages):
     assert reserved_pages(num_tokens, lifetime, held, reserve, 16) == pages
 
 
-# Pages of 16 tokens. `old`: 112 positions in 7 pages, lifetime 120: its 113th position takes an 8th page
-# at step 1, its last token is sampled at step 8 and its 8 pages come back at step 10. `young`: 100
-# positions in 7 pages, a long lifetime: a page more at steps 13, 29, ..., 253 (16 by step 256).
+# Pages of 16 tokens. OLD: 112 positions in 7 pages, lifetime 120: its 113th position takes an 8th page
+# at step 1, its last token is sampled at step 8 and its 8 pages come back at step 10. MID: 100 positions
+# in 7 pages, lifetime 200: a page more at steps 13, 29, ..., 93 (6 in all), its pages back at step 102.
+# YOUNG: the same 100 positions, a lifetime past any reserve here: a page more every 16 steps from step 13.
 OLD = Holding(num_tokens=113, lifetime_tokens=120, held_pages=7, lockstep=True)
+MID = Holding(num_tokens=101, lifetime_tokens=200, held_pages=7, lockstep=True)
 YOUNG = Holding(num_tokens=101, lifetime_tokens=10_000, held_pages=7, lockstep=True)
 
 
@@ -136,17 +138,20 @@ YOUNG = Holding(num_tokens=101, lifetime_tokens=10_000, held_pages=7, lockstep=T
     ("holdings", "reserve", "pages"),
     [
         ([OLD], 256, 1),  # one page until it returns its 8
-        ([YOUNG], 256, 16),
-        ([YOUNG], 12, 0),  # its 101st..112th positions fit the 7th page
-        ([YOUNG], 13, 1),
-        # the old decoder's 8 pages are back at step 10, before the young one has taken a page: the most
-        # taken is at step 253, 16 - 7; summing the reserves would commit 1 + 16
-        ([OLD, YOUNG], 256, 9),
-        ([OLD, YOUNG], 9, 1),  # before the return: the old one's page only
-        ([OLD, YOUNG], 1, 1),  # the optimistic reserve: step 1 only
-        # a holder that does not advance in lockstep (a prompt prefilling, drafts verified) keeps its
-        # pages: the sum of the reserves
-        ([Holding(113, 120, 7, lockstep=False), YOUNG], 256, 17),
+        ([MID], 256, 6),
+        ([YOUNG], 256, 16),  # positions 101..356: 23 pages
+        # OLD's 8 pages are back at step 10, before MID takes its first (step 13): the most the two take
+        # is OLD's page; summing their reserves would promise 1 + 6
+        ([OLD, MID], 256, 1),
+        # a request that outlives the reserve keeps all of it: OLD's return does not pay for YOUNG
+        ([OLD, YOUNG], 256, 1 + 16),
+        ([OLD, MID, YOUNG], 256, 1 + 16),
+        # with a reserve too short to see them finish, each keeps its own: OLD's page, MID's none yet
+        ([OLD, MID], 9, 1),
+        ([MID], 50, 3),  # positions up to 150: 10 pages
+        ([OLD, MID], 1, 1),  # the optimistic reserve: step 1 only
+        # a holder that does not advance in lockstep (a prompt prefilling, drafts verified) keeps its reserve
+        ([Holding(113, 120, 7, lockstep=False), MID], 256, 1 + 6),
         ([], 256, 0),
     ],
 )
@@ -154,20 +159,26 @@ def test_committed_pages_by_hand(holdings, reserve, pages):
     assert committed_pages(holdings, reserve, 16) == pages
 
 
+def _finishes(h: Holding, within: int) -> bool:
+    return h.lockstep and h.lifetime_tokens + 1 - h.num_tokens + RETURN_LAG_STEPS <= within
+
+
 def _projected(holdings: list[Holding], reserve: int, page_size: int) -> int:
-    """committed_pages by its definition: every step of the reserve, every request."""
+    """committed_pages by its definition: the reserves of the requests that outlive it, and the most the
+    others take together, every step of the reserve."""
+    finishing = [h for h in holdings if _finishes(h, reserve)]
+    kept = _sum_of_reserves([h for h in holdings if not _finishes(h, reserve)], reserve, page_size)
 
     def net(step: int) -> int:
         total = 0
-        for h in holdings:
-            last_token_step = h.lifetime_tokens + 1 - h.num_tokens
-            if h.lockstep and step >= last_token_step + RETURN_LAG_STEPS:
+        for h in finishing:
+            if step >= h.lifetime_tokens + 1 - h.num_tokens + RETURN_LAG_STEPS:
                 total -= h.held_pages
             else:
                 total += reserved_pages(h.num_tokens, h.lifetime_tokens, h.held_pages, step, page_size)
         return total
 
-    return max([0] + [net(step) for step in range(1, reserve + 1)])
+    return kept + max([0] + [net(step) for step in range(1, reserve + 1)])
 
 
 def _random_holdings(rng: random.Random, page_size: int) -> list[Holding]:

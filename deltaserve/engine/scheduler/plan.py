@@ -5,9 +5,9 @@ the scheduler's state) to a decision, so each rule is tested with hand-computed 
 
 KV policy: admission with a growth reserve, and recompute preemption. A request is admitted when its
 prompt and its next `reserve_tokens` tokens fit the pages not already promised to admitted requests: the
-most, at any step of their next `reserve_tokens` tokens, that the rest of their prompts and their growth
-(each capped at what its max_tokens can still take) take beyond the pages returned by the decoders that
-finish in that time (`committed_pages`). Decode growth takes pages one at a time, and when a step cannot
+rest of their prompts and their own next `reserve_tokens` tokens, each capped at what its max_tokens can
+still take, where the decoders that finish within the reserve count the pages they return as they
+finish (`committed_pages`). Decode growth takes pages one at a time, and when a step cannot
 get them, the newest requests are preempted (their pages and state slot freed, their tokens recomputed
 later). The reserve makes preemption rare where requests finish within it; a reserve of 1 token admits
 optimistically. The oldest request always makes progress, and every admitted request fits the pool alone
@@ -53,8 +53,8 @@ def reserved_pages(
 # A finished request's pages return to the pool this many steps after the step that sampled its last
 # token: a step launched ahead is read, and its finished requests retired, one step late.
 RETURN_LAG_STEPS = 2
-# Returns are projected step by step over at most this many steps of a reserve; past them each request
-# that has not returned its pages by then counts at its reserve's end, as without returns.
+# Returns are projected only for requests that finish within this many steps (a bound on the host work:
+# a page event per request every page_size steps); a later one keeps its whole reserve.
 PROJECTED_STEPS = 1024
 
 
@@ -72,47 +72,36 @@ class Holding:
 
 
 def committed_pages(holdings: Sequence[Holding], reserve_tokens: int, page_size: int) -> int:
-    """The most pages the admitted requests take beyond those they hold, at any step t = 1..reserve_tokens
-    ahead, net of the pages that the lockstep decoders finishing by then have returned. At step t a request
-    holds min(num_tokens + t - 1, lifetime) positions (`reserved_pages` at a reserve of t), so with no
-    returns in the reserve this is the sum of the requests' `reserved_pages`: what may be taken later by
-    one request is not counted as free because another finishes first, only what is returned before it
-    is taken."""
+    """Pages the admitted requests may still take beyond those they hold, within their next
+    `reserve_tokens` tokens. A request that outlives the reserve (or is not a lockstep decoder) keeps its
+    whole `reserved_pages`: its growth goes on past the reserve, and the pages kept in its name are what
+    absorb that until it finishes. The lockstep decoders that finish within the reserve count together:
+    the most they take at any step t, each holding min(num_tokens + t - 1, lifetime) positions until it
+    returns all its pages RETURN_LAG_STEPS steps after its last token. So the old requests' pages, which
+    come back soon, pay for the young ones' later growth instead of being promised twice."""
     horizon = min(reserve_tokens, PROJECTED_STEPS)
-    never = horizon + 1
-    returns = [
-        h.lifetime_tokens + 1 - h.num_tokens + RETURN_LAG_STEPS if h.lockstep else never for h in holdings
-    ]
-    # Net pages at the reserve's end (past the horizon, a bound: later returns are not counted). After the
-    # last return they only grow, so past it the most is there.
-    at_end = sum(
-        -h.held_pages
-        if returned <= horizon
-        else reserved_pages(h.num_tokens, h.lifetime_tokens, h.held_pages, reserve_tokens, page_size)
-        for h, returned in zip(holdings, returns, strict=True)
-    )
-    last_return = max((returned for returned in returns if returned <= horizon), default=0)
-    if last_return == 0:  # nothing returned: the sum of the reserves
-        return at_end
-    change: dict[int, int] = defaultdict(int)  # step -> change of the net pages since the step before
-    for h, returned in zip(holdings, returns, strict=True):
+    kept = 0
+    change: dict[int, int] = defaultdict(int)  # step -> change of the finishing requests' net pages
+    for h in holdings:
+        returned = h.lifetime_tokens + 1 - h.num_tokens + RETURN_LAG_STEPS
+        if not h.lockstep or returned > horizon:
+            kept += reserved_pages(h.num_tokens, h.lifetime_tokens, h.held_pages, reserve_tokens, page_size)
+            continue
         grown = reserved_pages(h.num_tokens, h.lifetime_tokens, h.held_pages, 1, page_size)
         change[1] += grown
-        last = min(returned - 1, last_return)
         # the steps whose position starts a page: each takes one more (once past the pages held)
         position = pages_for(min(h.num_tokens, h.lifetime_tokens), page_size) * page_size + 1
-        while position <= h.lifetime_tokens and position - h.num_tokens + 1 <= last:
+        while position <= h.lifetime_tokens:
             taken = max(0, pages_for(position, page_size) - h.held_pages)
             change[position - h.num_tokens + 1] += taken - grown
             grown = taken
             position += page_size
-        if returned <= horizon:
-            change[returned] -= grown + h.held_pages
+        change[returned] -= grown + h.held_pages
     peak = net = 0
     for step in sorted(change):
         net += change[step]
         peak = max(peak, net)
-    return max(peak, at_end)
+    return kept + peak
 
 
 class RejectReason(Enum):
@@ -140,7 +129,7 @@ class AdmissionCapacity:
     capacity_pages: int  # pages the pool can ever hand out
     free_pages: int
     # Pages admitted requests will still take (`committed_pages`): the rest of their prompts and their next
-    # reserve_tokens tokens, net of what the decoders finishing meanwhile return.
+    # reserve_tokens tokens, the decoders finishing within them net of what they return.
     committed_pages: int
     free_slots: int
     num_active: int  # requests holding a slot (prefilling or decoding)
