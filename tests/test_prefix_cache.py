@@ -37,6 +37,7 @@ def test_pages_are_shared_by_reference_and_only_unreferenced_cached_pages_are_ev
     assert a == [1, 2] and b == [3, 4] and kv.num_free == 0
     assert kv.register(1, b"k1") and kv.register(3, b"k3") and not kv.register(2, b"k1")
     kv.share(1)  # a second holder of page 1
+    assert kv.sole_held(a) == 1 and kv.sole_held(b) == 2  # what each holder's release would hand back
     kv.free(a)  # page 1 keeps one holder; page 2 (no key) is free
     assert kv.refs(1) == 1 and kv.num_free == 1
     kv.free(b)  # page 3 is cached (it has a key), page 4 free
@@ -350,3 +351,27 @@ def test_requests_share_cached_prefixes_only_with_the_same_salt(model):
                 rid,
                 (lambda r, q=rid: (r.tokens(q), r.logprobs(q)))(_alone(model, rid, prompt, greedy())),
             )
+
+
+def test_admission_counts_as_returned_only_the_pages_a_finishing_request_holds_alone(model):
+    """a and b share a 40-token cached prefix (10 pages of 4); a is near its end when z arrives. Of a's
+    pages only its own come back when it finishes: the shared ones stay with b. Counting all of them as
+    returned (24 pages, a 64-token reserve) admits z on pages that never come back, and b or z is
+    preempted; counting a's own keeps everyone running, with the tokens of an ample pool."""
+    prefix = _prompt(40, 50)
+    requests = [
+        ("a", prefix + [60], greedy(6), [40]),
+        ("b", prefix + [61], greedy(40), []),
+        ("z", [9] * 8, greedy(24), []),
+    ]
+    ample = Run(model, max_num_seqs=4, num_pages=4096, num_snapshots=4)
+    tight = Run(model, max_num_seqs=4, num_pages=24, num_snapshots=4, kv_reserve_tokens=64)
+    for run in (ample, tight):
+        for (rid, prompt, params, points), ticks in zip(requests, (4, 2, 0), strict=True):
+            run.add(rid, prompt, params, cache_points=points)
+            run.tick(ticks)
+        run.run_until_idle()
+    assert tight.sched.num_preemptions == 0
+    for rid, *_ in requests:
+        assert tight.terminal(rid).finish_reason == "length"
+        assert tight.tokens(rid) == ample.tokens(rid)

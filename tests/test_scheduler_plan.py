@@ -129,9 +129,12 @@ def test_reserved_pages_by_hand(num_tokens, lifetime, held, reserve, pages):
 # at step 1, its last token is sampled at step 8 and its 8 pages come back at step 10. MID: 100 positions
 # in 7 pages, lifetime 200: a page more at steps 13, 29, ..., 93 (6 in all), its pages back at step 102.
 # YOUNG: the same 100 positions, a lifetime past any reserve here: a page more every 16 steps from step 13.
-OLD = Holding(num_tokens=113, lifetime_tokens=120, held_pages=7, lockstep=True)
-MID = Holding(num_tokens=101, lifetime_tokens=200, held_pages=7, lockstep=True)
-YOUNG = Holding(num_tokens=101, lifetime_tokens=10_000, held_pages=7, lockstep=True)
+OLD = Holding(num_tokens=113, lifetime_tokens=120, held_pages=7, sole_pages=7, lockstep=True)
+MID = Holding(num_tokens=101, lifetime_tokens=200, held_pages=7, sole_pages=7, lockstep=True)
+YOUNG = Holding(num_tokens=101, lifetime_tokens=10_000, held_pages=7, sole_pages=7, lockstep=True)
+# OLD sharing 5 of its pages (a cached prefix another request holds, a state snapshot's page): it hands
+# back its 2 own pages and the page it takes, 3 at step 10.
+OLD_SHARING = Holding(num_tokens=113, lifetime_tokens=120, held_pages=7, sole_pages=2, lockstep=True)
 
 
 @pytest.mark.parametrize(
@@ -143,6 +146,8 @@ YOUNG = Holding(num_tokens=101, lifetime_tokens=10_000, held_pages=7, lockstep=T
         # OLD's 8 pages are back at step 10, before MID takes its first (step 13): the most the two take
         # is OLD's page; summing their reserves would promise 1 + 6
         ([OLD, MID], 256, 1),
+        # 3 back at step 10 (net -2), then MID's 6 pages at steps 13..93: net 4 at step 93
+        ([OLD_SHARING, MID], 256, 4),
         # a request that outlives the reserve keeps all of it: OLD's return does not pay for YOUNG
         ([OLD, YOUNG], 256, 1 + 16),
         ([OLD, MID, YOUNG], 256, 1 + 16),
@@ -151,7 +156,7 @@ YOUNG = Holding(num_tokens=101, lifetime_tokens=10_000, held_pages=7, lockstep=T
         ([MID], 50, 3),  # positions up to 150: 10 pages
         ([OLD, MID], 1, 1),  # the optimistic reserve: step 1 only
         # a holder that does not advance in lockstep (a prompt prefilling, drafts verified) keeps its reserve
-        ([Holding(113, 120, 7, lockstep=False), MID], 256, 1 + 6),
+        ([Holding(113, 120, 7, 7, lockstep=False), MID], 256, 1 + 6),
         ([], 256, 0),
     ],
 )
@@ -173,7 +178,7 @@ def _projected(holdings: list[Holding], reserve: int, page_size: int) -> int:
         total = 0
         for h in finishing:
             if step >= h.lifetime_tokens + 1 - h.num_tokens + RETURN_LAG_STEPS:
-                total -= h.held_pages
+                total -= h.sole_pages
             else:
                 total += reserved_pages(h.num_tokens, h.lifetime_tokens, h.held_pages, step, page_size)
         return total
@@ -188,7 +193,8 @@ def _random_holdings(rng: random.Random, page_size: int) -> list[Holding]:
         lifetime = num_tokens - 1 + rng.randrange(1, 70)
         full = pages_for(num_tokens - 1, page_size)  # a decoder's; a prompt prefilling holds fewer
         held = full if rng.random() < 0.7 else rng.randrange(full + 1)
-        holdings.append(Holding(num_tokens, lifetime, held, lockstep=rng.random() < 0.6))
+        sole = held if rng.random() < 0.5 else rng.randrange(held + 1)
+        holdings.append(Holding(num_tokens, lifetime, held, sole, lockstep=rng.random() < 0.6))
     return holdings
 
 

@@ -8,6 +8,7 @@ without touching live data. Free pages are recycled LIFO (a recently freed page 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 
 import torch
 
@@ -86,6 +87,10 @@ class PageAllocator:
 
     def refs(self, page: int) -> int:
         return self._refs[page]
+
+    def sole_held(self, pages: Sequence[int]) -> int:
+        """How many of `pages` have one holder: those its holder's release hands back."""
+        return list(map(self._refs.__getitem__, pages)).count(1)
 
     def allocate(self, n: int) -> list[int]:
         """`n` pages, each referenced once: free pages first, then the least recently used cached ones

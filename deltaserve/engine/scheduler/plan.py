@@ -65,6 +65,9 @@ class Holding:
     num_tokens: int  # prompt + outputs so far
     lifetime_tokens: int  # max_kv_tokens: the most KV positions it can ever occupy
     held_pages: int
+    # Of those, the pages it alone holds (not a prefix shared with another request, not a state
+    # snapshot's): with the pages it takes later, what it hands back when it finishes.
+    sole_pages: int
     # A decoder fed one token every step (every running request when no drafts are verified): it returns
     # its pages RETURN_LAG_STEPS steps after it reaches its lifetime. Any other (a prompt still
     # prefilling, a decoder advanced by accepted drafts at its own rate) is taken to keep its pages.
@@ -77,7 +80,7 @@ def committed_pages(holdings: Sequence[Holding], reserve_tokens: int, page_size:
     whole `reserved_pages`: its growth goes on past the reserve, and the pages kept in its name are what
     absorb that until it finishes. The lockstep decoders that finish within the reserve count together:
     the most they take at any step t, each holding min(num_tokens + t - 1, lifetime) positions until it
-    returns all its pages RETURN_LAG_STEPS steps after its last token. So the old requests' pages, which
+    hands back the pages it alone holds RETURN_LAG_STEPS steps after its last token. So the old requests' pages, which
     come back soon, pay for the young ones' later growth instead of being promised twice."""
     horizon = min(reserve_tokens, PROJECTED_STEPS)
     kept = 0
@@ -96,7 +99,7 @@ def committed_pages(holdings: Sequence[Holding], reserve_tokens: int, page_size:
             change[position - h.num_tokens + 1] += taken - grown
             grown = taken
             position += page_size
-        change[returned] -= grown + h.held_pages
+        change[returned] -= grown + h.sole_pages
     peak = net = 0
     for step in sorted(change):
         net += change[step]

@@ -93,7 +93,8 @@ def admit(sched: SchedulerState) -> None:
 
     def holding(r: Request, decoding: bool) -> Holding:
         lifetime = max_kv_tokens(len(r.prompt_token_ids), r.max_tokens)
-        return Holding(r.num_tokens, lifetime, len(r.seq.pages), lockstep=decoding and lockstep)
+        sole = cache.kv.sole_held(r.seq.pages) if decoding and lockstep else 0  # read for lockstep ones only
+        return Holding(r.num_tokens, lifetime, len(r.seq.pages), sole, lockstep=decoding and lockstep)
 
     holdings = [holding(r, True) for r in sched.running] + [holding(r, False) for r in holders]
     committed = committed_pages(holdings, reserve, page_size)
