@@ -66,12 +66,23 @@ class Holding:
     lifetime_tokens: int  # max_kv_tokens: the most KV positions it can ever occupy
     held_pages: int
     # Of those, the pages it alone holds (not a prefix shared with another request, not a state
-    # snapshot's): with the pages it takes later, what it hands back when it finishes.
+    # snapshot's): with the pages it takes later, what it hands back when it finishes. Read only for a
+    # lockstep decoder that `returns_within` the reserve.
     sole_pages: int
     # A decoder fed one token every step (every running request when no drafts are verified): it returns
     # its pages RETURN_LAG_STEPS steps after it reaches its lifetime. Any other (a prompt still
     # prefilling, a decoder advanced by accepted drafts at its own rate) is taken to keep its pages.
     lockstep: bool
+
+
+def return_step(num_tokens: int, lifetime_tokens: int) -> int:
+    """The step, counted from the next one (1), whose admission sees a lockstep decoder's pages back."""
+    return lifetime_tokens + 1 - num_tokens + RETURN_LAG_STEPS
+
+
+def returns_within(num_tokens: int, lifetime_tokens: int, reserve_tokens: int) -> bool:
+    """Whether admission counts a lockstep decoder's pages as coming back within the reserve."""
+    return return_step(num_tokens, lifetime_tokens) <= min(reserve_tokens, PROJECTED_STEPS)
 
 
 def committed_pages(holdings: Sequence[Holding], reserve_tokens: int, page_size: int) -> int:
@@ -80,14 +91,12 @@ def committed_pages(holdings: Sequence[Holding], reserve_tokens: int, page_size:
     whole `reserved_pages`: its growth goes on past the reserve, and the pages kept in its name are what
     absorb that until it finishes. The lockstep decoders that finish within the reserve count together:
     the most they take at any step t, each holding min(num_tokens + t - 1, lifetime) positions until it
-    hands back the pages it alone holds RETURN_LAG_STEPS steps after its last token. So the old requests' pages, which
-    come back soon, pay for the young ones' later growth instead of being promised twice."""
-    horizon = min(reserve_tokens, PROJECTED_STEPS)
+    hands back the pages it alone holds (`return_step`). So the old requests' pages, which come back
+    soon, pay for the young ones' later growth instead of being promised twice."""
     kept = 0
     change: dict[int, int] = defaultdict(int)  # step -> change of the finishing requests' net pages
     for h in holdings:
-        returned = h.lifetime_tokens + 1 - h.num_tokens + RETURN_LAG_STEPS
-        if not h.lockstep or returned > horizon:
+        if not (h.lockstep and returns_within(h.num_tokens, h.lifetime_tokens, reserve_tokens)):
             kept += reserved_pages(h.num_tokens, h.lifetime_tokens, h.held_pages, reserve_tokens, page_size)
             continue
         grown = reserved_pages(h.num_tokens, h.lifetime_tokens, h.held_pages, 1, page_size)
@@ -99,7 +108,7 @@ def committed_pages(holdings: Sequence[Holding], reserve_tokens: int, page_size:
             change[position - h.num_tokens + 1] += taken - grown
             grown = taken
             position += page_size
-        change[returned] -= grown + h.sole_pages
+        change[return_step(h.num_tokens, h.lifetime_tokens)] -= grown + h.sole_pages
     peak = net = 0
     for step in sorted(change):
         net += change[step]

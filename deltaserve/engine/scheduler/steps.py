@@ -61,6 +61,7 @@ from deltaserve.engine.scheduler.plan import (
     observe_step_cost,
     plan_prefill_chunks,
     preemptions_needed,
+    returns_within,
     step_token_budget,
 )
 from deltaserve.engine.scheduler.request import LaunchedStep, Phase, Request, ScheduledChunk
@@ -93,7 +94,8 @@ def admit(sched: SchedulerState) -> None:
 
     def holding(r: Request, decoding: bool) -> Holding:
         lifetime = max_kv_tokens(len(r.prompt_token_ids), r.max_tokens)
-        sole = cache.kv.sole_held(r.seq.pages) if decoding and lockstep else 0  # read for lockstep ones only
+        returns = decoding and lockstep and returns_within(r.num_tokens, lifetime, reserve)
+        sole = cache.kv.sole_held(r.seq.pages) if returns else 0  # read only where it counts
         return Holding(r.num_tokens, lifetime, len(r.seq.pages), sole, lockstep=decoding and lockstep)
 
     holdings = [holding(r, True) for r in sched.running] + [holding(r, False) for r in holders]
