@@ -94,9 +94,10 @@ def admit(sched: SchedulerState) -> None:
 
     def holding(r: Request, decoding: bool) -> Holding:
         lifetime = max_kv_tokens(len(r.prompt_token_ids), r.max_tokens)
-        returns = decoding and lockstep and returns_within(r.num_tokens, lifetime, reserve)
+        in_step = decoding and lockstep
+        returns = in_step and returns_within(r.num_tokens, lifetime, reserve)
         sole = cache.kv.sole_held(r.seq.pages) if returns else 0  # read only where it counts
-        return Holding(r.num_tokens, lifetime, len(r.seq.pages), sole, lockstep=decoding and lockstep)
+        return Holding(r.num_tokens, lifetime, len(r.seq.pages), sole, lockstep=in_step)
 
     holdings = [holding(r, True) for r in sched.running] + [holding(r, False) for r in holders]
     committed = committed_pages(holdings, reserve, page_size)
