@@ -72,6 +72,7 @@ REFUSED = [
         "'repetition_penalty'], got 'max_new_tokens'",
     ),
     (["--override-generation-config", '{"temperature": "hot"}'], "temperature must be a finite number"),
+    (["--stream-interval", "0"], "--stream-interval must be an integer >= 1 (tokens per event), got 0"),
 ]
 
 
@@ -173,6 +174,8 @@ def test_vllm_aliases_reach_the_engine_and_server_configs() -> None:
             "--disable-fastapi-docs",
             "--enable-force-include-usage",
             "--return-tokens-as-token-ids",
+            "--stream-interval",
+            "8",
         ]
     )
     check_vllm_arguments(args)
@@ -182,6 +185,7 @@ def test_vllm_aliases_reach_the_engine_and_server_configs() -> None:
     assert server.generation_overrides == {"top_p": 0.5}
     assert server.fastapi_docs is False and server.force_include_usage is True
     assert server.return_tokens_as_token_ids is True
+    assert server.stream_interval == 8
 
 
 def test_override_generation_config_goes_over_the_generation_config_file(tmp_path) -> None:

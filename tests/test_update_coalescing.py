@@ -1,5 +1,6 @@
 """A consumer behind its engine gets each request's backlog as one update (engine/protocol.py's
-coalesce_updates, used by engine/client.py's generate)."""
+coalesce_updates, used by engine/client.py's generate), and with a stream interval its tokens that many
+at a time (releases_held)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import asyncio
 
 import pytest
 
-from deltaserve.engine.client import AsyncEngineClient, EngineDeadError, _EngineGone
+from deltaserve.engine.client import AsyncEngineClient, EngineDeadError, _EngineGone, releases_held
 from deltaserve.engine.core import EngineInfo
 from deltaserve.engine.liveness import HangLimits
 from deltaserve.engine.protocol import RequestUpdate, TokenLogprobs, coalesce_updates
@@ -64,6 +65,15 @@ def _client() -> AsyncEngineClient:
     return AsyncEngineClient(info, None, None, _Push(), None, "", HangLimits())  # type: ignore[arg-type]
 
 
+def _deliver(client: AsyncEngineClient, item: RequestUpdate | _EngineGone) -> None:
+    """As the client's receiving task hands an engine update (or the engine's death) to request "r"."""
+    stream = client._streams["r"]
+    if isinstance(item, _EngineGone):
+        stream.end(item.reason)
+    else:
+        stream.receive(item, client.stream_interval)
+
+
 async def _first_update_after(client: AsyncEngineClient, queued: list[RequestUpdate | _EngineGone]):
     """Starts a request, queues `queued` while its reader waits, and returns the reader's iterator and
     what it read first."""
@@ -72,7 +82,7 @@ async def _first_update_after(client: AsyncEngineClient, queued: list[RequestUpd
     await asyncio.sleep(0)  # the request is sent and its reader waits on its queue
     # The reader is woken by the first item; everything queued before it runs is read in the same go.
     for item in queued:
-        client._queues["r"].put_nowait(item)
+        _deliver(client, item)
     return updates, await reading
 
 
@@ -104,3 +114,76 @@ def test_tokens_read_before_the_engine_died_are_delivered_then_the_death_is_rais
     first, dead = asyncio.run(run())
     assert first.new_token_ids == [3, 4] and not first.finished
     assert str(dead) == "engine died"
+
+
+@pytest.mark.parametrize(
+    ("held_tokens", "interval", "token_sent", "finished", "released"),
+    [
+        (0, 1, True, False, True),  # interval 1: every update at once, a token-less one too
+        (1, 4, False, False, True),  # the first token at once
+        (0, 4, False, False, True),  # and what comes before it
+        (3, 4, True, False, False),  # then held until the interval is full
+        (4, 4, True, False, True),
+        (6, 4, True, False, True),  # a backlog past the interval leaves whole
+        (1, 4, True, True, True),  # the terminal never waits
+    ],
+)
+def test_releases_held_by_hand(
+    held_tokens: int, interval: int, token_sent: bool, finished: bool, released: bool
+) -> None:
+    assert releases_held(held_tokens, interval, token_sent, finished) is released
+
+
+def _read_one_by_one(interval: int, items: list[RequestUpdate | _EngineGone]) -> list[RequestUpdate | str]:
+    """What a reader of a client with `interval` gets when the engine's updates arrive one at a time,
+    each read before the next arrives; an engine death ends the list with its message."""
+
+    async def run() -> list[RequestUpdate | str]:
+        client = _client()
+        client.stream_interval = interval
+        updates = client.generate("r", [1, 2], SamplingParams(max_tokens=8))
+        got: list[RequestUpdate | str] = []
+
+        async def read() -> None:
+            try:
+                async for update in updates:
+                    got.append(update)
+            except EngineDeadError as exc:
+                got.append(str(exc))
+
+        reader = asyncio.ensure_future(read())
+        await asyncio.sleep(0)
+        for item in items:
+            _deliver(client, item)
+            for _ in range(3):  # the reader runs up to its next wait
+                await asyncio.sleep(0)
+        await reader
+        return got
+
+    return asyncio.run(run())
+
+
+def test_a_stream_interval_sends_the_first_token_at_once_then_that_many_and_the_rest_at_the_end() -> None:
+    steps = [RequestUpdate("r", [10 + i], num_output_tokens=i + 1) for i in range(7)]
+    steps.append(RequestUpdate("r", [17], finish_reason="length", num_output_tokens=8))
+    got = _read_one_by_one(3, list(steps))
+    assert [(u.new_token_ids, u.finish_reason) for u in got] == [  # type: ignore[union-attr]
+        ([10], None),
+        ([11, 12, 13], None),
+        ([14, 15, 16], None),
+        ([17], "length"),
+    ]
+    assert [u.num_output_tokens for u in got] == [1, 4, 7, 8]  # type: ignore[union-attr]
+    one_by_one = _read_one_by_one(1, list(steps))
+    assert [u.new_token_ids for u in one_by_one] == [[10 + i] for i in range(8)]  # type: ignore[union-attr]
+
+
+def test_tokens_held_for_the_interval_are_delivered_before_the_engine_death_is_raised() -> None:
+    items: list[RequestUpdate | _EngineGone] = [
+        RequestUpdate("r", [3], num_output_tokens=1),
+        RequestUpdate("r", [4], num_output_tokens=2),
+        RequestUpdate("r", [5], num_output_tokens=3),
+        _EngineGone("engine died"),
+    ]
+    got = _read_one_by_one(4, items)
+    assert [u if isinstance(u, str) else u.new_token_ids for u in got] == [[3], [4, 5], "engine died"]

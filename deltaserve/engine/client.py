@@ -84,6 +84,44 @@ def wait_for_start_up_report(
     return ("error", f"the engine did not become ready within {timeout_s:.0f} s")
 
 
+@dataclass(slots=True)
+class _Stream:
+    """One in-flight request's side of the client: its reader's queue, and the updates received but
+    held back for the stream interval (they wake no reader until released)."""
+
+    queue: asyncio.Queue[RequestUpdate | _EngineGone]
+    held: list[RequestUpdate]
+    held_tokens: int = 0
+    token_sent: bool = False
+
+    def receive(self, update: RequestUpdate, stream_interval: int) -> None:
+        if stream_interval <= 1:  # nothing is ever held
+            self.queue.put_nowait(update)
+            return
+        self.held.append(update)
+        self.held_tokens += len(update.new_token_ids)
+        if releases_held(self.held_tokens, stream_interval, self.token_sent, update.finished):
+            self.release()
+
+    def release(self) -> None:
+        if self.held:
+            update = self.held[0] if len(self.held) == 1 else coalesce_updates(self.held)
+            self.token_sent = self.token_sent or bool(update.new_token_ids)
+            self.queue.put_nowait(update)
+            self.held, self.held_tokens = [], 0
+
+    def end(self, reason: str) -> None:
+        """The engine is gone (or the client shuts down): what is held first, then the end."""
+        self.release()
+        self.queue.put_nowait(_EngineGone(reason))
+
+
+def releases_held(held_tokens: int, stream_interval: int, token_sent: bool, finished: bool) -> bool:
+    """Whether a request's held updates go to its consumer now: at every update for an interval of 1;
+    else the first token at once, then once `stream_interval` tokens are held, and the terminal."""
+    return stream_interval <= 1 or finished or not token_sent or held_tokens >= stream_interval
+
+
 class AsyncEngineClient:
     def __init__(
         self,
@@ -94,8 +132,10 @@ class AsyncEngineClient:
         pull: zmq.asyncio.Socket,
         sock_dir: str,
         limits: HangLimits,
+        stream_interval: int = 1,
     ) -> None:
         self.info = info
+        self.stream_interval = stream_interval  # tokens per update a consumer gets (releases_held)
         self.load = LoadSnapshot(
             kv_pages_total=info.kv_pages,
             state_slots_free=info.max_num_seqs,
@@ -111,7 +151,7 @@ class AsyncEngineClient:
         self._pull = pull
         self._sock_dir = sock_dir
         self._limits = limits
-        self._queues: dict[str, asyncio.Queue[RequestUpdate | _EngineGone]] = {}
+        self._streams: dict[str, _Stream] = {}
         self._tasks: list[asyncio.Task] = []
         self._closing = False
         self._last_heard = time.monotonic()  # any message from the engine
@@ -125,9 +165,10 @@ class AsyncEngineClient:
         launch: EngineLaunch | None = None,
         startup_timeout_s: float = 1800.0,
         limits: HangLimits | None = None,
+        stream_interval: int = 1,
     ) -> AsyncEngineClient:
         """Connects to `launch` (an engine process already spawned by spawn_engine(config)) or spawns
-        one, and returns once the engine is ready."""
+        one, and returns once the engine is ready. `stream_interval`: see releases_held."""
         if launch is None:
             launch = spawn_engine(config)
         process, ready = launch.process, launch.ready
@@ -148,7 +189,16 @@ class AsyncEngineClient:
             ctx.term()
             launch.abandon()
             raise ConfigError(str(payload))
-        client = cls(EngineInfo(**payload), process, ctx, push, pull, launch.sock_dir, limits or HangLimits())
+        client = cls(
+            EngineInfo(**payload),
+            process,
+            ctx,
+            push,
+            pull,
+            launch.sock_dir,
+            limits or HangLimits(),
+            stream_interval,
+        )
         client._tasks = [asyncio.create_task(client._receive()), asyncio.create_task(client._watchdog())]
         return client
 
@@ -164,10 +214,10 @@ class AsyncEngineClient:
     ) -> AsyncIterator[RequestUpdate]:
         if self.dead or self._closing:
             raise EngineDeadError(self.dead_reason or "the engine is not running (shutting down)")
-        if request_id in self._queues:
+        if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in flight")
         q: asyncio.Queue[RequestUpdate | _EngineGone] = asyncio.Queue()
-        self._queues[request_id] = q
+        self._streams[request_id] = _Stream(q, [])
         finished = False
         try:
             await self._send(
@@ -197,7 +247,7 @@ class AsyncEngineClient:
                     finished = True
                     raise EngineDeadError(gone.reason)
         finally:
-            self._queues.pop(request_id, None)
+            self._streams.pop(request_id, None)
             if not finished and not self.dead:
                 await self.abort(request_id)
 
@@ -227,9 +277,9 @@ class AsyncEngineClient:
             if self.on_outputs is not None:
                 self.on_outputs(outputs.updates)
             for update in outputs.updates:
-                q = self._queues.get(update.request_id)
-                if q is not None:
-                    q.put_nowait(update)
+                stream = self._streams.get(update.request_id)
+                if stream is not None:
+                    stream.receive(update, self.stream_interval)
 
     async def _watchdog(self) -> None:
         while self._process.is_alive():
@@ -246,7 +296,7 @@ class AsyncEngineClient:
     async def _hang(self) -> str | None:
         """Why the engine counts as hung, or None. Messages still unread (this loop was busy) are news."""
         silent = time.monotonic() - self._last_heard
-        reason = hang_reason(silent, self._last_heartbeat, bool(self._queues), self._limits)
+        reason = hang_reason(silent, self._last_heartbeat, bool(self._streams), self._limits)
         if (
             reason is not None
             and silent > self._limits.heartbeat_timeout_s
@@ -260,9 +310,9 @@ class AsyncEngineClient:
             return
         self.dead = True
         self.dead_reason = reason
-        logger.error("%s; failing %d in-flight requests", reason, len(self._queues))
-        for q in list(self._queues.values()):
-            q.put_nowait(_EngineGone(reason))
+        logger.error("%s; failing %d in-flight requests", reason, len(self._streams))
+        for stream in list(self._streams.values()):
+            stream.end(reason)
         if self.on_dead is not None:
             self.on_dead(reason)
 
@@ -280,8 +330,8 @@ class AsyncEngineClient:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        for q in list(self._queues.values()):
-            q.put_nowait(_EngineGone(reason))
+        for stream in list(self._streams.values()):
+            stream.end(reason)
         self._push.close(0)
         self._pull.close(0)
         self._ctx.term()

@@ -228,7 +228,9 @@ async def open_state(
     the spawn by as much."""
     model_dir = resolve_model_dir(engine_config.model)
     engine_start = asyncio.create_task(
-        AsyncEngineClient.start(engine_config, launch=launch, limits=config.hang_limits)
+        AsyncEngineClient.start(
+            engine_config, launch=launch, limits=config.hang_limits, stream_interval=config.stream_interval
+        )
     )
     await asyncio.sleep(0)  # the task runs up to its wait for readiness: the process is spawned
     tokenizer_load = asyncio.get_running_loop().run_in_executor(

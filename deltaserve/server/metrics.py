@@ -162,7 +162,11 @@ class RequestTracker:
             if queued_time is not None:
                 m.queue.observe(max(queued_time, 0.0))
         else:
-            m.itl.observe(t - self.last_token)
+            # A delta of several tokens (a stream interval, a consumer catching up, speculative tokens)
+            # counts each at the mean gap, so the histogram does not depend on how tokens were batched.
+            gap = (t - self.last_token) / num_tokens
+            for _ in range(num_tokens):
+                m.itl.observe(gap)
         self.last_token = t
         m.generation_tokens.inc(num_tokens)
         m.totals.generation += num_tokens
