@@ -1,7 +1,8 @@
 """Prometheus metrics with vLLM's names (`vllm:*`, labelled `model_name`), on a dedicated registry.
 
 Latencies are measured in the API server from the request's arrival (before tokenization), as vLLM does:
-TTFT = first output token - arrival; ITL = gap between successive output updates of one request;
+TTFT = first output token - arrival; ITL = gap between successive output tokens of one request (a
+delta of k tokens counts k gaps of a k-th of its interval);
 e2e = terminal - arrival; queue time = the engine's first-scheduled - arrival. Load gauges (running,
 waiting, KV use, preemptions, prefix-cache queries and hits in tokens) are read from the engine's latest
 LoadSnapshot at scrape time.
