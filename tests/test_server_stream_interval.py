@@ -50,5 +50,14 @@ def test_events_carry_the_first_token_then_the_interval_and_the_text_is_the_whol
         assert "".join(texts) == whole["choices"][0]["text"]
         assert events[-1]["usage"]["completion_tokens"] == 10
         assert itl_after - itl_before == 9  # every token after the first, not one per event
+        # A stop string inside a held group ends the text where the unbatched stream ends it.
+        stop = whole["choices"][0]["text"].split()[4]
+        with httpx.Client(timeout=30) as client:
+            cut = client.post(f"{url}/v1/completions", json={**body, "stop": [stop], "stream_options": None})
+            events = _stream(client, url, {**body, "stop": [stop]})
+        expected = cut.json()["choices"][0]
+        assert expected["finish_reason"] == "stop" and stop not in expected["text"]
+        assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == expected["text"]
+        assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "stop"
     finally:
         stop_server(server)
