@@ -3,8 +3,9 @@
 `AsyncEngineClient.start(config)` spawns the engine process (or takes over one that
 engine/process.py's `spawn_engine` started earlier) and returns once the engine is ready (model
 loaded, caches sized). `generate()` submits one request and yields its RequestUpdates until the terminal
-one (with a stream interval N, its first token at once, then N tokens to an update: releases_held); leaving the iterator early (client disconnect, cancellation) aborts the engine request. If the
-engine process dies, or hangs, every in-flight request's iterator raises EngineDeadError, `dead` turns
+one (with a stream interval N, its first token at once, then N tokens to an update: releases_held);
+leaving the iterator early (client disconnect, cancellation) aborts the engine request. If the engine
+process dies, or hangs, every in-flight request's iterator raises EngineDeadError, `dead` turns
 true and `on_dead` is called (the server turns /health 503 and exits non-zero): never a zombie that
 accepts work.
 
