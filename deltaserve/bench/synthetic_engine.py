@@ -19,6 +19,7 @@ from multiprocessing.connection import Connection
 
 import zmq
 
+from deltaserve.engine.client_sockets import ClientAddress, ClientSockets
 from deltaserve.engine.core import EngineInfo, resolve_model_dir
 from deltaserve.engine.process import EngineLaunch, launch_engine_process
 from deltaserve.engine.protocol import (
@@ -31,8 +32,6 @@ from deltaserve.engine.protocol import (
     ResetPrefixCache,
     Shutdown,
     StepOutputs,
-    decode_client_message,
-    encode_engine_message,
 )
 from deltaserve.process_name import set_process_name
 from deltaserve.tokenizer import Tokenizer
@@ -58,14 +57,18 @@ class _Running:
     emitted: int = 0
 
 
-def spawn_synthetic_engine(config: SyntheticEngineConfig) -> EngineLaunch:
+def spawn_synthetic_engine(config: SyntheticEngineConfig, num_clients: int = 1) -> EngineLaunch:
     return launch_engine_process(
-        run_synthetic_engine, config, name="deltaserve-synthetic-engine", daemon=True
+        run_synthetic_engine,
+        config,
+        name="deltaserve-synthetic-engine",
+        daemon=True,
+        num_clients=num_clients,
     )
 
 
 def run_synthetic_engine(
-    config: SyntheticEngineConfig, input_addr: str, output_addr: str, ready: Connection
+    config: SyntheticEngineConfig, clients: tuple[ClientAddress, ...], ready: Connection
 ) -> None:
     set_process_name("dserve-synth")
     model_dir = resolve_model_dir(config.model)
@@ -84,10 +87,7 @@ def run_synthetic_engine(
         dtype="none",
     )
     ctx = zmq.Context()
-    inbox = ctx.socket(zmq.PULL)
-    inbox.connect(input_addr)
-    outbox = ctx.socket(zmq.PUSH)
-    outbox.connect(output_addr)
+    sockets = ClientSockets(ctx, clients)
     ready.send(("ready", dataclasses.asdict(info)))
     ready.close()
     parent = os.getppid()
@@ -97,28 +97,23 @@ def run_synthetic_engine(
     while os.getppid() == parent:
         timeout_ms = max(0, int((next_step - time.monotonic()) * 1000))
         updates: list[RequestUpdate] = []
-        if inbox.poll(timeout_ms):
-            while True:
-                try:
-                    msg = decode_client_message(inbox.recv(zmq.NOBLOCK))
-                except zmq.Again:
-                    break
-                if isinstance(msg, AddRequest):
-                    waiting.append(msg)
-                elif isinstance(msg, AbortRequest):
-                    gone = running.pop(msg.request_id, None)
-                    if gone is not None:
-                        updates.append(RequestUpdate(msg.request_id, finish_reason="abort"))
-                    waiting = deque(w for w in waiting if w.request_id != msg.request_id)
-                elif isinstance(msg, Shutdown):
-                    ends = [*running, *(w.request_id for w in waiting)]
-                    done = [RequestUpdate(r, finish_reason="abort", error=msg.reason) for r in ends]
-                    outbox.send(encode_engine_message(StepOutputs(done, LoadSnapshot())))
-                    with contextlib.suppress(zmq.ZMQError):
-                        outbox.close(linger=2000)
-                    return
-                elif not isinstance(msg, ResetPrefixCache):
-                    raise TypeError(f"unexpected message {type(msg).__name__}")
+        for msg in sockets.receive(timeout_ms):
+            if isinstance(msg, AddRequest):
+                waiting.append(msg)
+            elif isinstance(msg, AbortRequest):
+                gone = running.pop(msg.request_id, None)
+                if gone is not None:
+                    updates.append(RequestUpdate(msg.request_id, finish_reason="abort"))
+                waiting = deque(w for w in waiting if w.request_id != msg.request_id)
+            elif isinstance(msg, Shutdown):
+                ends = [*running, *(w.request_id for w in waiting)]
+                done = [RequestUpdate(r, finish_reason="abort", error=msg.reason) for r in ends]
+                sockets.publish(StepOutputs(done, LoadSnapshot()))
+                with contextlib.suppress(zmq.ZMQError):
+                    sockets.close()
+                return
+            elif not isinstance(msg, ResetPrefixCache):
+                raise TypeError(f"unexpected message {type(msg).__name__}")
         now = time.monotonic()
         if now >= next_step:
             next_step += config.step_s
@@ -139,10 +134,10 @@ def run_synthetic_engine(
             kv_pages_total=info.kv_pages,
         )
         if updates:
-            outbox.send(encode_engine_message(StepOutputs(updates, load)))
+            sockets.publish(StepOutputs(updates, load))
         if now >= next_beat:
             next_beat = now + HEARTBEAT_INTERVAL_S
-            outbox.send(encode_engine_message(Heartbeat(stalled_s=0.0, load=load)))
+            sockets.publish(Heartbeat(stalled_s=0.0, load=load))
 
 
 def _next_token(

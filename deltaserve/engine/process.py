@@ -29,13 +29,8 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from deltaserve import memory_history
-from deltaserve.engine.protocol import (
-    HEARTBEAT_INTERVAL_S,
-    EngineMessage,
-    Heartbeat,
-    decode_client_message,
-    encode_engine_message,
-)
+from deltaserve.engine.client_sockets import ClientAddress, ClientSockets
+from deltaserve.engine.protocol import HEARTBEAT_INTERVAL_S, EngineMessage, Heartbeat
 from deltaserve.engine_config import EngineConfig
 from deltaserve.errors import ConfigError
 from deltaserve.heap import freeze_startup_heap
@@ -55,15 +50,23 @@ ENGINE_PROCESS_NAME = "dserve-engine"  # what ps and top show (Linux keeps 15 ch
 
 @dataclass(slots=True)
 class EngineLaunch:
-    """A spawned engine process before its client connects: the client binds `input_addr` (the engine
-    pulls requests there) and `output_addr` (it pushes outputs there); `ready` receives the one
-    ("ready", EngineInfo fields) or ("error", message) of its start-up."""
+    """A spawned engine process before its clients connect: API server process k binds
+    `clients[k].input` (the engine pulls its requests there) and `clients[k].output` (the engine pushes
+    its outputs there); `ready` receives the one ("ready", EngineInfo fields) or ("error", message) of
+    its start-up."""
 
     process: multiprocessing.process.BaseProcess
     ready: Connection
     sock_dir: str
-    input_addr: str
-    output_addr: str
+    clients: tuple[ClientAddress, ...]
+
+    @property
+    def input_addr(self) -> str:
+        return self.clients[0].input
+
+    @property
+    def output_addr(self) -> str:
+        return self.clients[0].output
 
     def abandon(self) -> None:
         """For a server that fails before its client takes the launch over: kill the process (a
@@ -75,29 +78,46 @@ class EngineLaunch:
         shutil.rmtree(self.sock_dir, ignore_errors=True)
 
 
-def spawn_engine(config: EngineConfig) -> EngineLaunch:
+def spawn_engine(config: EngineConfig, num_clients: int = 1) -> EngineLaunch:
     """Starts the engine process (it loads the model meanwhile); light enough to call before the
-    server imports its own modules, so the engine's start-up overlaps theirs."""
+    server imports its own modules, so the engine's start-up overlaps theirs. `num_clients`: the API
+    server processes that will connect (--api-server-count)."""
     # A daemonic process may not start processes: with tensor parallelism the engine starts its rank
     # processes, so it is not daemonic (it still exits when this process is gone).
     return launch_engine_process(
-        run_engine_process, config, name="deltaserve-engine", daemon=config.tensor_parallel_size == 1
+        run_engine_process,
+        config,
+        name="deltaserve-engine",
+        daemon=config.tensor_parallel_size == 1,
+        num_clients=num_clients,
     )
+
+
+def client_addresses(sock_dir: str, num_clients: int) -> tuple[ClientAddress, ...]:
+    """ipc:// addresses in `sock_dir`: `input` and `output` for the first client, `input-k` and
+    `output-k` for client k after it."""
+
+    def addr(name: str, k: int) -> str:
+        return f"ipc://{os.path.join(sock_dir, name if k == 0 else f'{name}-{k}')}"
+
+    return tuple(ClientAddress(addr("input", k), addr("output", k)) for k in range(num_clients))
 
 
 def launch_engine_process(
-    target: Callable[[Any, str, str, Connection], None], config: Any, *, name: str, daemon: bool
+    target: Callable[[Any, tuple[ClientAddress, ...], Connection], None],
+    config: Any,
+    *,
+    name: str,
+    daemon: bool,
+    num_clients: int = 1,
 ) -> EngineLaunch:
-    """Spawns `target(config, input_addr, output_addr, ready)`, an engine speaking engine/protocol.py
-    on sockets in a private directory, and reporting its start-up on `ready`."""
+    """Spawns `target(config, clients, ready)`, an engine speaking engine/protocol.py to `num_clients`
+    API server processes on sockets in a private directory, and reporting its start-up on `ready`."""
     sock_dir = tempfile.mkdtemp(prefix="deltaserve-")
-    input_addr = f"ipc://{os.path.join(sock_dir, 'input')}"
-    output_addr = f"ipc://{os.path.join(sock_dir, 'output')}"
+    clients = client_addresses(sock_dir, num_clients)
     mp = multiprocessing.get_context("spawn")
     parent_end, child_end = mp.Pipe(duplex=False)
-    process = mp.Process(
-        target=target, args=(config, input_addr, output_addr, child_end), name=name, daemon=daemon
-    )
+    process = mp.Process(target=target, args=(config, clients, child_end), name=name, daemon=daemon)
     try:
         process.start()
     except BaseException:
@@ -105,10 +125,10 @@ def launch_engine_process(
             os.rmdir(sock_dir)
         raise
     child_end.close()
-    return EngineLaunch(process, parent_end, sock_dir, input_addr, output_addr)
+    return EngineLaunch(process, parent_end, sock_dir, clients)
 
 
-def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str, ready: Connection) -> None:
+def run_engine_process(config: EngineConfig, clients: tuple[ClientAddress, ...], ready: Connection) -> None:
     logging.basicConfig(
         level=os.environ.get("DELTASERVE_LOG_LEVEL", "INFO"),
         format="%(asctime)s engine %(levelname)s %(message)s",
@@ -134,17 +154,8 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str, 
         raise SystemExit(1) from exc
 
     ctx = zmq.Context()
-    inbox = ctx.socket(zmq.PULL)
-    inbox.connect(input_addr)
-    outbox = ctx.socket(zmq.PUSH)
-    outbox.connect(output_addr)
-    send_lock = threading.Lock()
-
-    def publish(msg: EngineMessage) -> None:
-        data = encode_engine_message(msg)
-        with send_lock:
-            outbox.send(data)
-
+    sockets = ClientSockets(ctx, clients)
+    publish = sockets.publish
     core.start(publish)
     if recording:
         memory_history.mark_serving()
@@ -156,16 +167,9 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str, 
     threading.Thread(
         target=_send_heartbeats, args=(core, publish, beating), name="deltaserve-heartbeat", daemon=True
     ).start()
-    poller = zmq.Poller()
-    poller.register(inbox, zmq.POLLIN)
     while thread.is_alive():
-        if dict(poller.poll(timeout=int(PARENT_POLL_S * 1000))).get(inbox):
-            while True:
-                try:
-                    data = inbox.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                core.submit(decode_client_message(data))
+        for msg in sockets.receive(int(PARENT_POLL_S * 1000)):
+            core.submit(msg)
         if os.getppid() != parent:
             logger.error("the API server process is gone; shutting the engine down")
             core.shutdown("the API server process is gone")
@@ -177,8 +181,7 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str, 
     core.close()
     failed = core.scheduler is not None and not core.scheduler.stopped
     time.sleep(0.1)  # let the last outputs leave the socket
-    outbox.close(linger=2000)
-    inbox.close(linger=0)
+    sockets.close()
     ctx.term()
     raise SystemExit(1 if failed else 0)
 
