@@ -6,11 +6,18 @@ import argparse
 import dataclasses
 import logging
 import os
+import socket
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from deltaserve import __version__
 from deltaserve.engine_config import CPU_MAX_NUM_SEQS, LOAD_FORMATS, EngineConfig, SpeculativeConfig
 from deltaserve.errors import ConfigError, RequestValidationError
+
+if TYPE_CHECKING:
+    from deltaserve.engine.process import EngineLaunch
+    from deltaserve.server.args import ServerConfig
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -251,10 +258,27 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     server_config = ServerConfig.from_args(args)
     sock = bind_socket(server_config.host, server_config.port)
     dump_stacks_on_sigusr1()
+    return _serve_over(
+        lambda clients: spawn_engine(engine_config, clients), server_config, engine_config, sock
+    )
+
+
+def _serve_over(
+    spawn: Callable[[int], EngineLaunch],
+    server_config: ServerConfig,
+    engine_config: EngineConfig,
+    sock: socket.socket,
+) -> int:
+    """Spawns the engine for the configured API server processes (their shared metrics set up first,
+    before anything imports prometheus_client), then serves on `sock` until the server exits."""
+    from deltaserve.server import metrics_processes
+
+    metrics_dir = metrics_processes.enable(server_config.api_server_count)
     try:
-        launch = spawn_engine(engine_config)
+        launch = spawn(server_config.api_server_count)
     except BaseException:
         sock.close()
+        metrics_processes.disable(metrics_dir)
         raise
     try:
         from deltaserve.server.app import run_server
@@ -262,6 +286,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return run_server(server_config, engine_config, sock=sock, launch=launch)
     finally:
         launch.abandon()  # a no-op after an orderly shutdown; a server that failed takes its engine along
+        metrics_processes.disable(metrics_dir)
 
 
 def _cmd_bench_api(args: argparse.Namespace) -> int:
@@ -286,13 +311,9 @@ def _cmd_bench_api_server(args: argparse.Namespace) -> int:
         engine_config.max_num_seqs or CPU_MAX_NUM_SEQS,
         engine_config.max_model_len or 32768,
     )
-    launch = spawn_synthetic_engine(synthetic)
-    try:
-        from deltaserve.server.app import run_server
-
-        return run_server(server_config, engine_config, sock=sock, launch=launch)
-    finally:
-        launch.abandon()
+    return _serve_over(
+        lambda clients: spawn_synthetic_engine(synthetic, clients), server_config, engine_config, sock
+    )
 
 
 def _cmd_bench_serve(args: argparse.Namespace) -> int:

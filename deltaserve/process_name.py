@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+API_WORKER_NAME = "dserve-api"  # + the index: the extra API server processes (--api-server-count)
+
 
 def set_process_name(name: str) -> None:
     """Names this process for ps/top on Linux; a no-op elsewhere."""

@@ -70,7 +70,6 @@ IGNORED = (
 ONE_OF = (
     Flag(("--data-parallel-size", "-dp"), "one engine per server", _INT, allowed=("1",)),
     Flag(("--pipeline-parallel-size", "-pp"), "use --tensor-parallel-size", _INT, allowed=("1",)),
-    Flag(("--api-server-count",), "one API server process", _INT, allowed=("1",)),
     Flag(("--distributed-executor-backend",), "deltaserve spawns its rank processes", allowed=("mp", "uni")),
     Flag(("--tokenizer-mode",), "the checkpoint's tokenizer.json", allowed=("auto", "hf")),
     Flag(("--config-format",), "the checkpoint's config.json", allowed=("auto", "hf")),

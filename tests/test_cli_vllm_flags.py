@@ -72,6 +72,7 @@ REFUSED = [
         "'repetition_penalty'], got 'max_new_tokens'",
     ),
     (["--override-generation-config", '{"temperature": "hot"}'], "temperature must be a finite number"),
+    (["--api-server-count", "0"], "--api-server-count must be an integer >= 1, got 0"),
     (["--stream-interval", "0"], "--stream-interval must be an integer >= 1 (tokens per event), got 0"),
 ]
 

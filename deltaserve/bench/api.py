@@ -24,7 +24,7 @@ from deltaserve.bench.matrix_server import (
     stop_server,
     wait_ready,
 )
-from deltaserve.bench.proc_stats import cpu_seconds
+from deltaserve.bench.proc_stats import tree_cpu_seconds
 from deltaserve.bench.serve import add_bench_serve_arguments, run_bench_serve
 
 READY_TIMEOUT_S = 120.0
@@ -72,7 +72,7 @@ def add_bench_api_arguments(parser: argparse.ArgumentParser) -> None:
 
 @dataclass(frozen=True, slots=True)
 class ApiProcessCost:
-    cpu_s: float  # the API process's user + system CPU over the measured run
+    cpu_s: float  # user + system CPU of the API server processes (all of them) over the measured run
     wall_s: float
     output_tokens: int
 
@@ -122,9 +122,9 @@ def run_bench_api(args: argparse.Namespace) -> int:
     try:
         wait_ready(server, READY_TIMEOUT_S)
         first_completion_s(server, args.model)  # routes warm
-        before = cpu_seconds(server.proc.pid)
+        before = tree_cpu_seconds(server.proc.pid)
         result = run_bench_serve(args)
-        after = cpu_seconds(server.proc.pid)
+        after = tree_cpu_seconds(server.proc.pid)
     except ServerError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -133,6 +133,6 @@ def run_bench_api(args: argparse.Namespace) -> int:
     if before is None or after is None:
         print("the API process's CPU time cannot be read here (no /proc)", file=sys.stderr)
         return 0 if result.completed else 1
-    cost = ApiProcessCost(after - before, result.duration, result.total_output_tokens)
+    cost = ApiProcessCost(after["server"] - before["server"], result.duration, result.total_output_tokens)
     print(format_api_cost(cost, args.step_ms, args.max_num_seqs))
     return 0 if result.completed else 1

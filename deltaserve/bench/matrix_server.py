@@ -20,8 +20,6 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from prometheus_client.parser import text_string_to_metric_families
-
 STOP_TIMEOUT_S = 60.0
 # A line the server logged at ERROR or above (its format: "<date> <time> <logger> <LEVEL> <message>").
 _LOG_ERROR = re.compile(r" (ERROR|CRITICAL) ")
@@ -157,6 +155,10 @@ def read_counter(server: ServerProcess, name: str, timeout_s: float = 5.0) -> fl
             text = resp.read().decode()
     except (urllib.error.URLError, OSError, UnicodeDecodeError):
         return None
+    # Imported here: the CLI builds every parser, this module's included, before `serve` sets up
+    # prometheus_client's multiprocess mode, which must come before its first import.
+    from prometheus_client.parser import text_string_to_metric_families
+
     for family in text_string_to_metric_families(text):
         if family.name == name and family.type == "counter":
             return sum(s.value for s in family.samples if s.name == f"{name}_total")

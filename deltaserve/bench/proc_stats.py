@@ -1,11 +1,14 @@
-"""Linux /proc readings of a process and its direct children (the API server and its engine):
-resident memory and CPU time. Each reading is None (or skips a process) where /proc cannot tell."""
+"""Linux /proc readings of a process and its direct children (the API server, its engine, and its extra
+API server processes): resident memory and CPU time. Each reading is None (or skips a process) where
+/proc cannot tell."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 from pathlib import Path
+
+from deltaserve.process_name import API_WORKER_NAME
 
 _PAGE_BYTES = 4096
 
@@ -37,10 +40,25 @@ def cpu_seconds(pid: int) -> float | None:
     return (utime + stime) / os.sysconf("SC_CLK_TCK")
 
 
+def _is_api_worker(pid: int) -> bool:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/comm").read_text().startswith(API_WORKER_NAME)
+    return False
+
+
 def tree_cpu_seconds(pid: int) -> dict[str, float] | None:
-    """{"server": CPU s of `pid`, "engine": CPU s of its children}, or None without /proc."""
+    """{"server": CPU s of `pid` and its extra API server processes, "engine": CPU s of its other
+    children}, or None without /proc."""
     own = cpu_seconds(pid)
     if own is None:
         return None
-    children = [cpu_seconds(p) for p in child_pids(pid)]
-    return {"server": own, "engine": sum(c for c in children if c is not None)}
+    server, engine = own, 0.0
+    for child in child_pids(pid):
+        seconds = cpu_seconds(child)
+        if seconds is None:
+            continue
+        if _is_api_worker(child):
+            server += seconds
+        else:
+            engine += seconds
+    return {"server": server, "engine": engine}

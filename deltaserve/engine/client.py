@@ -20,14 +20,17 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import shutil
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 import zmq
 import zmq.asyncio
 
+from deltaserve.engine.client_sockets import ClientAddress
 from deltaserve.engine.core import EngineInfo
 from deltaserve.engine.liveness import HangLimits, hang_reason
 from deltaserve.engine.process import EngineLaunch, spawn_engine
@@ -117,6 +120,44 @@ class _Stream:
         self.queue.put_nowait(_EngineGone(reason))
 
 
+class PeerEngineProcess:
+    """The engine process as an extra API server process sees it (--api-server-count): started by the
+    main API server process, which alone shuts it down, joins it or kills it. It counts as gone once
+    its pid has exited, or once the main process is (the engine exits with its parent)."""
+
+    exitcode = None
+
+    def __init__(self, pid: int, main_pid: int) -> None:
+        self.pid = pid
+        self._main_pid = main_pid
+
+    def is_alive(self) -> bool:
+        if os.getppid() != self._main_pid:
+            return False
+        try:
+            stat = Path(f"/proc/{self.pid}/stat").read_text()
+        except OSError:
+            return False
+        return stat[stat.rindex(")") + 2] not in "ZX"  # a zombie has exited, unreaped
+
+    def gone_reason(self) -> str:
+        if os.getppid() != self._main_pid:
+            return "the main API server process is gone"
+        return "the engine process exited"
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+    def kill(self) -> None:
+        pass
+
+
+def _gone_reason(process: multiprocessing.process.BaseProcess | PeerEngineProcess) -> str:
+    if isinstance(process, PeerEngineProcess):
+        return process.gone_reason()
+    return f"the engine process exited (exit code {process.exitcode})"
+
+
 def releases_held(held_tokens: int, stream_interval: int, token_sent: bool, finished: bool) -> bool:
     """Whether a request's held updates go to its consumer now: at every update for an interval of 1;
     else the first token at once, then once `stream_interval` tokens are held, and the terminal."""
@@ -127,7 +168,7 @@ class AsyncEngineClient:
     def __init__(
         self,
         info: EngineInfo,
-        process: multiprocessing.process.BaseProcess,
+        process: multiprocessing.process.BaseProcess | PeerEngineProcess,
         ctx: zmq.asyncio.Context,
         push: zmq.asyncio.Socket,
         pull: zmq.asyncio.Socket,
@@ -200,6 +241,28 @@ class AsyncEngineClient:
             limits or HangLimits(),
             stream_interval,
         )
+        client._tasks = [asyncio.create_task(client._receive()), asyncio.create_task(client._watchdog())]
+        return client
+
+    @classmethod
+    def attach(
+        cls,
+        info: EngineInfo,
+        address: ClientAddress,
+        engine: PeerEngineProcess,
+        *,
+        limits: HangLimits | None = None,
+        stream_interval: int = 1,
+    ) -> AsyncEngineClient:
+        """The client of an extra API server process: the engine, already running and serving the main
+        process, connected to `address` when it started and reads this client's requests there once
+        this binds it. Shutting this client down ends only its own requests."""
+        ctx = zmq.asyncio.Context()
+        push = ctx.socket(zmq.PUSH)
+        push.bind(address.input)
+        pull = ctx.socket(zmq.PULL)
+        pull.bind(address.output)
+        client = cls(info, engine, ctx, push, pull, "", limits or HangLimits(), stream_interval)
         client._tasks = [asyncio.create_task(client._receive()), asyncio.create_task(client._watchdog())]
         return client
 
@@ -292,7 +355,7 @@ class AsyncEngineClient:
                 return
         await asyncio.sleep(WATCHDOG_INTERVAL_S)  # let the engine's last outputs arrive
         if not self._closing:
-            self._mark_dead(f"the engine process exited (exit code {self._process.exitcode})")
+            self._mark_dead(_gone_reason(self._process))
 
     async def _hang(self) -> str | None:
         """Why the engine counts as hung, or None. Messages still unread (this loop was busy) are news."""
@@ -318,9 +381,15 @@ class AsyncEngineClient:
             self.on_dead(reason)
 
     async def shutdown(self, reason: str = "server shutting down", timeout_s: float = 30.0) -> None:
-        """Asks the engine to give every in-flight request its terminal, then stops it."""
+        """Asks the engine to give every in-flight request its terminal, then stops it. An extra API
+        server process's client (attach) aborts its own requests in the engine instead, which serves
+        on; each still gets `reason` as its terminal here."""
         self._closing = True
-        if self._process.is_alive() and not self.dead:
+        peer = isinstance(self._process, PeerEngineProcess)
+        if peer and not self.dead:
+            for request_id in list(self._streams):
+                await self._send(AbortRequest(request_id))
+        elif self._process.is_alive() and not self.dead:
             await self._send(Shutdown(reason))
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(None, self._process.join, timeout_s)
@@ -333,10 +402,8 @@ class AsyncEngineClient:
                 await task
         for stream in list(self._streams.values()):
             stream.end(reason)
-        self._push.close(0)
+        self._push.close(1000 if peer else 0)  # a peer's aborts must still reach the engine
         self._pull.close(0)
         self._ctx.term()
-        with contextlib.suppress(OSError):
-            for name in ("input", "output"):
-                os.unlink(os.path.join(self._sock_dir, name))
-            os.rmdir(self._sock_dir)
+        if self._sock_dir:
+            shutil.rmtree(self._sock_dir, ignore_errors=True)

@@ -3,7 +3,8 @@
 Each API server process k binds a PUSH socket at `clients[k].input` (its requests) and a PULL socket at
 `clients[k].output` (its outputs); the engine connects to all of them. A request's updates go back to
 the process that sent it: the sender of each AddRequest is remembered until the request's terminal
-update leaves. Heartbeats (the load and liveness every client reads) go to every client.
+update leaves. Every client gets every step's load (a step's message with none of its updates) and
+every heartbeat.
 
 With several clients an output socket queues without bound for a client that has not connected yet or
 reads slowly: a full queue would block the engine's publishing, and every client with it. A client
@@ -86,16 +87,17 @@ class ClientSockets:
                 for outbox in self._outboxes:
                     outbox.send(data)
                 return
-            for k, updates in self._route(msg).items():
+            for k, updates in enumerate(self._route(msg)):
                 self._outboxes[k].send(encode_engine_message(StepOutputs(updates, msg.load)))
 
-    def _route(self, msg: StepOutputs) -> dict[int, list]:
-        routed: dict[int, list] = {}
+    def _route(self, msg: StepOutputs) -> list[list]:
+        """Each client's updates; a client with none still gets the step's load (its /load and load
+        gauges stay as fresh as the others')."""
+        routed: list[list] = [[] for _ in self._outboxes]
         for update in msg.updates:
-            k = self._sender.get(update.request_id, 0)
+            routed[self._sender.get(update.request_id, 0)].append(update)
             if update.finished:
                 self._sender.pop(update.request_id, None)
-            routed.setdefault(k, []).append(update)
         return routed
 
     def close(self, output_linger_ms: int = 2000) -> None:

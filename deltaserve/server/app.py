@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from multiprocessing.connection import Connection
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -24,6 +25,7 @@ from deltaserve import __version__
 from deltaserve.engine.process import EngineLaunch
 from deltaserve.engine_config import EngineConfig
 from deltaserve.server import chat, completions, invocations, responses, service, tokenize
+from deltaserve.server.api_workers import WorkerAttach, set_up_worker_process
 from deltaserve.server.args import ServerConfig
 from deltaserve.server.disconnect import ClientDisconnected
 from deltaserve.server.errors import AUTHENTICATION, INVALID_REQUEST, NOT_FOUND, SERVER_ERROR, APIError
@@ -158,4 +160,21 @@ def run_server(
     listening socket and the engine process when the caller started them already."""
     from deltaserve.server.lifecycle import serve
 
-    return asyncio.run(serve(config, engine_config, build_app, sock=sock, launch=launch))
+    return asyncio.run(
+        serve(config, engine_config, build_app, sock=sock, launch=launch, worker_entry=run_api_worker)
+    )
+
+
+def run_api_worker(
+    config: ServerConfig,
+    engine_config: EngineConfig,
+    sock: socket.socket,
+    attach: WorkerAttach,
+    ready: Connection,
+) -> None:
+    """An extra API server process (--api-server-count): spawned, it serves beside the main one."""
+    from deltaserve.server.lifecycle import serve
+
+    set_up_worker_process(attach)
+    code = asyncio.run(serve(config, engine_config, build_app, sock=sock, attach=attach, ready=ready))
+    raise SystemExit(code)

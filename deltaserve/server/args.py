@@ -64,6 +64,8 @@ class ServerConfig:
     # A request's tokens reach its endpoint (an SSE event when streaming) this many at a time, the first
     # token and the last at once: fewer, larger events cost the API process less per token.
     stream_interval: int = 1
+    # API server processes sharing the listening socket and the engine (server/api_workers.py).
+    api_server_count: int = 1
     structured_output_compile_timeout_s: float = 2.0
     engine_heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
     engine_step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S
@@ -113,6 +115,7 @@ class ServerConfig:
             max_choices_per_request=args.max_choices_per_request,
             max_queued_requests=args.max_queued_requests,
             stream_interval=args.stream_interval,
+            api_server_count=args.api_server_count,
             structured_output_compile_timeout_s=args.structured_output_compile_timeout_s,
             engine_heartbeat_timeout_s=args.engine_heartbeat_timeout_s,
             engine_step_timeout_s=args.engine_step_timeout_s,
@@ -156,6 +159,8 @@ class ServerConfig:
                 raise ConfigError(f"{flag} must be > 0, got {value}")
         if self.max_choices_per_request < 1:
             raise ConfigError(f"--max-choices-per-request must be >= 1, got {self.max_choices_per_request}")
+        if self.api_server_count < 1:
+            raise ConfigError(f"--api-server-count must be an integer >= 1, got {self.api_server_count}")
         if self.stream_interval < 1:
             raise ConfigError(
                 f"--stream-interval must be an integer >= 1 (tokens per event), got {self.stream_interval}"
@@ -268,6 +273,14 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=d.max_choices_per_request,
         help="the most choices (prompts x n) one request may ask for; more is HTTP 400",
+    )
+    g.add_argument(
+        "--api-server-count",
+        type=int,
+        default=d.api_server_count,
+        help="API server processes serving the port, each with its own event loop, beside one engine: "
+        "more streams per second of output at high concurrency (metrics are summed over them; a stored "
+        "response is found by the process that answered it)",
     )
     g.add_argument(
         "--stream-interval",

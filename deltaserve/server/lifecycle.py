@@ -22,6 +22,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 from pathlib import Path
 from types import FrameType
 
@@ -29,14 +30,15 @@ import uvicorn
 from fastapi import FastAPI
 
 from deltaserve.config import read_sampling_defaults
-from deltaserve.engine.client import AsyncEngineClient
-from deltaserve.engine.core import resolve_model_dir
-from deltaserve.engine.process import EngineLaunch
+from deltaserve.engine.client import AsyncEngineClient, PeerEngineProcess
+from deltaserve.engine.core import EngineInfo, resolve_model_dir
+from deltaserve.engine.process import EngineLaunch, spawn_engine
 from deltaserve.engine_config import EngineConfig
 from deltaserve.errors import ConfigError
 from deltaserve.heap import freeze_startup_heap
 from deltaserve.process_clock import since_start_note
 from deltaserve.server.admission import Admission
+from deltaserve.server.api_workers import WORKER_STOP_SIGNAL, ApiWorkers, WorkerAttach, WorkerEntry
 from deltaserve.server.args import ServerConfig
 from deltaserve.server.grammar_check import GrammarChecker
 from deltaserve.server.listen import bind_socket
@@ -56,6 +58,8 @@ DEFAULT_MODEL_NAME = "deltaserve-tiny-random"
 SHUTDOWN_REASON = "the server is shutting down"
 FORCED_REASON = "the server was stopped (a second signal)"
 FORCED_ENGINE_SHUTDOWN_S = 5.0
+WORKER_WATCH_INTERVAL_S = 0.2
+WORKER_EXIT_GRACE_S = 10.0  # past --shutdown-timeout-s, before a worker still running is killed
 # A connection closed at shutdown whose reply is fully written is aborted after this long: asyncio gives
 # a closing TLS connection 30 s to receive the peer's close_notify, which an idle keep-alive client never
 # sends, and uvicorn waits for every connection to be gone.
@@ -116,11 +120,20 @@ def _generation_file_defaults(source: str, model_dir: Path) -> dict[str, float |
 class _Server(uvicorn.Server):
     """uvicorn's server, told about SIGTERM/SIGINT so in-flight requests can be drained."""
 
-    def __init__(self, config: uvicorn.Config, on_signal: Callable[[], None]) -> None:
+    def __init__(self, config: uvicorn.Config, on_signal: Callable[[], None], worker: bool = False) -> None:
         super().__init__(config)
         self._on_signal = on_signal
+        # An extra API server process stops when the main one tells it (WORKER_STOP_SIGNAL), once per
+        # signal the main process got: a SIGTERM or Ctrl-C sent to the whole process group, which
+        # reaches it too, is not counted twice.
+        self._worker = worker
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._worker:  # not through uvicorn's handler: it would raise the signal again on its way out
+            if sig == WORKER_STOP_SIGNAL:
+                self._on_signal()
+                self.should_exit = True
+            return
         self._on_signal()
         super().handle_exit(sig, frame)
 
@@ -147,8 +160,9 @@ class _Server(uvicorn.Server):
 
 
 class _Lifecycle:
-    def __init__(self, state: ServerState) -> None:
+    def __init__(self, state: ServerState, workers: ApiWorkers | None = None) -> None:
         self.state = state
+        self.workers = workers  # the extra API server processes (the main process only)
         self.server: _Server | None = None
         self._engine_closing: asyncio.Future[None] | None = None
         self._drain_task: asyncio.Task[None] | None = None  # held so the task is not collected
@@ -157,7 +171,9 @@ class _Lifecycle:
         self.forced = False
 
     def on_signal(self) -> None:
-        """Runs in the signal handler: only flags and scheduling here."""
+        """Runs in the signal handler: only flags, scheduling and forwarding the signal here."""
+        if self.workers is not None:
+            self.workers.signal_all()
         if self.state.draining:
             self.forced = True
             if self.server is not None:
@@ -185,6 +201,8 @@ class _Lifecycle:
             logger.warning(
                 "%d requests still running after %.0f s; ending them", self.state.inflight, timeout_s
             )
+        if self.workers is not None:  # they drain their own requests, which the engine serves to the end
+            await self.workers.wait_exited(max(deadline - time.monotonic(), 0.0) + WORKER_EXIT_GRACE_S)
         await self.close_engine(SHUTDOWN_REASON)
 
     def on_engine_dead(self, reason: str) -> None:
@@ -205,6 +223,20 @@ class _Lifecycle:
         if self.server is not None:
             self.server.should_exit = True
 
+    async def watch_workers(self) -> None:
+        """Fails the server closed when an extra API server process exits on its own: /health 503, the
+        others told to stop, this one stops accepting and exits 1 once its requests have ended."""
+        assert self.workers is not None
+        while True:
+            await asyncio.sleep(WORKER_WATCH_INTERVAL_S)
+            reason = self.workers.first_exited()
+            if reason is not None and not self.state.draining:
+                self.state.dead_reason = reason
+                logger.error("%s: the server stops and exits 1", reason)
+                self.workers.signal_all()
+                self._exit()
+                return
+
     async def close_engine(self, reason: str, timeout_s: float = 30.0) -> None:
         """Shuts the engine down once; later calls wait for that shutdown to finish."""
         if self._engine_closing is None:
@@ -216,22 +248,39 @@ def _ignore_signal(sig: int, frame: FrameType | None) -> None:
     pass
 
 
+async def _engine_client(
+    config: ServerConfig,
+    engine_config: EngineConfig,
+    launch: EngineLaunch | None,
+    attach: WorkerAttach | None,
+) -> AsyncEngineClient:
+    if attach is None:
+        return await AsyncEngineClient.start(
+            engine_config, launch=launch, limits=config.hang_limits, stream_interval=config.stream_interval
+        )
+    return AsyncEngineClient.attach(
+        EngineInfo(**attach.engine_info),
+        attach.address,
+        PeerEngineProcess(attach.engine_pid, attach.main_pid),
+        limits=config.hang_limits,
+        stream_interval=config.stream_interval,
+    )
+
+
 async def open_state(
     config: ServerConfig,
     engine_config: EngineConfig,
     sampling_defaults: dict[str, float | int] | None = None,
     launch: EngineLaunch | None = None,
+    attach: WorkerAttach | None = None,
 ) -> ServerState:
-    """Starts the engine process (unless `launch` is one already spawned), the grammar compiler worker
-    and loads the tokenizer (about a second for Qwen's vocabulary) concurrently. The engine process is
-    spawned first: the tokenizer load holds the GIL for most of its second, which would otherwise delay
-    the spawn by as much."""
+    """Starts the engine process (unless `launch` is one already spawned, or `attach` one this extra API
+    server process serves beside the main one), the grammar compiler worker and loads the tokenizer
+    (about a second for Qwen's vocabulary) concurrently. The engine process is spawned first: the
+    tokenizer load holds the GIL for most of its second, which would otherwise delay the spawn by as
+    much."""
     model_dir = resolve_model_dir(engine_config.model)
-    engine_start = asyncio.create_task(
-        AsyncEngineClient.start(
-            engine_config, launch=launch, limits=config.hang_limits, stream_interval=config.stream_interval
-        )
-    )
+    engine_start = asyncio.create_task(_engine_client(config, engine_config, launch, attach))
     await asyncio.sleep(0)  # the task runs up to its wait for readiness: the process is spawned
     tokenizer_load = asyncio.get_running_loop().run_in_executor(
         None,
@@ -260,6 +309,7 @@ async def open_state(
     names = config.served_model_names or (engine_config.model or DEFAULT_MODEL_NAME,)
     name = names[0]
     metrics = ServerMetrics(name, lambda: client.load)
+    index = 0 if attach is None else attach.index
     return ServerState(
         config=config,
         client=client,
@@ -268,12 +318,20 @@ async def open_state(
         model_aliases=names[1:],
         sampling_defaults=sampling_defaults or {},
         metrics=metrics,
-        responses=ResponseStore(config.response_store_size),
+        responses=ResponseStore(config.response_store_size, index, config.api_server_count),
         token_texts=TokenTexts(tokenizer),
         workers=TextWorkers(),
         grammars=grammars,
         admission=Admission(config.max_choices_per_request, config.max_queued_requests, metrics.shed.inc),
     )
+
+
+def _report_failed_start(ready: Connection | None, exc: BaseException) -> None:
+    """An extra API server process's start-up failure, for the main process to name."""
+    if ready is not None:
+        with contextlib.suppress(OSError):
+            ready.send(("error", str(exc) or type(exc).__name__))
+            ready.close()
 
 
 def close_workers(state: ServerState) -> None:
@@ -292,10 +350,16 @@ async def serve(
     *,
     sock: socket.socket | None = None,
     launch: EngineLaunch | None = None,
+    attach: WorkerAttach | None = None,
+    ready: Connection | None = None,
+    worker_entry: WorkerEntry | None = None,
 ) -> int:
     """`sock`: the listening socket when the caller bound it already; `launch`: the engine process
-    when the caller spawned it already (`deltaserve serve` does both before importing the server)."""
-    if engine_config.model is None:
+    when the caller spawned it already (`deltaserve serve` does both before importing the server).
+    `attach` and `ready`: this is extra API server process `attach.index` (server/api_workers.py),
+    which reports its start-up on `ready`; `worker_entry`: what the extra processes run, where
+    --api-server-count asks for them."""
+    if engine_config.model is None and attach is None:
         warn_random_weights()
     if sock is None:
         sock = bind_socket(config.host, config.port)
@@ -304,17 +368,36 @@ async def serve(
         sampling_defaults = generation_defaults(
             config.generation_config, model_dir, config.generation_overrides
         )
-    except BaseException:
+        if launch is None and attach is None and config.api_server_count > 1:
+            launch = spawn_engine(engine_config, config.api_server_count)
+    except BaseException as exc:
+        _report_failed_start(ready, exc)
         sock.close()
         raise
     quiet_writes_to_gone_clients()
     try:
-        state = await open_state(config, engine_config, sampling_defaults, launch)
-    except BaseException:
+        state = await open_state(config, engine_config, sampling_defaults, launch, attach)
+    except BaseException as exc:
+        _report_failed_start(ready, exc)
         sock.close()
         raise
+    workers = None
+    if attach is None and config.api_server_count > 1:
+        assert launch is not None and worker_entry is not None
+        try:
+            workers = await ApiWorkers.start(
+                config, engine_config, sock, launch, state.client.info, worker_entry
+            )
+        except BaseException:
+            await state.client.shutdown("an API server process failed to start")
+            close_workers(state)
+            sock.close()
+            raise
+    if ready is not None:
+        ready.send(("ready", {}))
+        ready.close()
     name, client = state.model_name, state.client
-    life = _Lifecycle(state)
+    life = _Lifecycle(state, workers)
     client.on_dead = life.on_engine_dead
     uv_config = uvicorn.Config(
         build_app(state),
@@ -325,16 +408,20 @@ async def serve(
         ssl_keyfile=config.ssl_keyfile,
         ssl_certfile=config.ssl_certfile,
     )
-    life.server = _Server(uv_config, life.on_signal)
+    life.server = _Server(uv_config, life.on_signal, worker=attach is not None)
+    if attach is not None:
+        signal.signal(WORKER_STOP_SIGNAL, life.server.handle_exit)
     # uvicorn re-raises the signal that stopped it once it is done; these handlers make that a no-op, so
     # an orderly shutdown exits with our code rather than being killed by the re-raised signal.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _ignore_signal)
-    stats = (
-        asyncio.create_task(log_stats_periodically(state, config.log_interval_s))
+    background = (
+        [asyncio.create_task(log_stats_periodically(state, config.log_interval_s))]
         if config.log_stats
-        else None
+        else []
     )
+    if workers is not None:
+        background.append(asyncio.create_task(life.watch_workers()))
     host, port = sock.getsockname()[:2]
     scheme = "https" if config.ssl_certfile else "http"
     freeze_startup_heap()
@@ -350,15 +437,17 @@ async def serve(
     try:
         await life.server.serve(sockets=[sock])
     finally:
-        if stats is not None:
-            stats.cancel()
+        for task in background:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await stats
+                await task
+        if workers is not None:  # each drains its own requests; the engine serves them to the end
+            await workers.wait_exited(config.shutdown_timeout_s + WORKER_EXIT_GRACE_S)
         await life.close_engine(SHUTDOWN_REASON)
         sock.close()
         close_workers(state)
     if state.dead_reason is not None:
-        logger.error("exiting because the engine died: %s", state.dead_reason)
+        logger.error("exiting: %s", state.dead_reason)
         return 1
     if life.forced:
         logger.error("exiting before in-flight requests finished (a second signal)")

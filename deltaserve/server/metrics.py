@@ -10,15 +10,17 @@ LoadSnapshot at scrape time.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, multiprocess
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from deltaserve.engine.protocol import LoadSnapshot
+from deltaserve.server.metrics_processes import MULTIPROCESS_ENV
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -130,7 +132,8 @@ class ServerMetrics:
             "Requests refused with 503 because the queue was full (--max-queued-requests).",
         )
         self._model_name = model_name
-        r.register(_LoadCollector(model_name, load))
+        self._load_collector = _LoadCollector(model_name, load)
+        r.register(self._load_collector)
 
     def request_finished(self, finish_reason: str) -> None:
         self._success.labels(model_name=self._model_name, finished_reason=finish_reason).inc()
@@ -139,6 +142,13 @@ class ServerMetrics:
         return RequestTracker(self, arrival)
 
     def render(self) -> bytes:
+        """With several API server processes (prometheus_client's multiprocess mode, set up before this
+        module's first import) every process's request metrics summed, and the engine's load."""
+        if os.environ.get(MULTIPROCESS_ENV):
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+            registry.register(self._load_collector)
+            return generate_latest(registry)
         return generate_latest(self.registry)
 
 

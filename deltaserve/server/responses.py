@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -172,7 +171,7 @@ def _prepare(
         max_tokens_field="max_output_tokens",
         prompt_field="input",
     )
-    rid = f"resp_{uuid.uuid4().hex}"
+    rid = state.responses.new_id()
     response = ResponseObject(
         id=rid,
         model=state.model_name,
@@ -203,10 +202,14 @@ def _prepare(
 
 @router.get("/v1/responses/{response_id}", response_model=ResponseObject)
 async def retrieve_response(response_id: str, request: Request) -> ResponseObject:
-    entry = get_state(request).responses.get(response_id)
+    store = get_state(request).responses
+    entry = store.get(response_id)
     if entry is None:
         raise APIError(
-            404, f"no stored response with id {response_id!r}", type=NOT_FOUND, param="response_id"
+            404,
+            f"no stored response with id {response_id!r}{store.elsewhere(response_id)}",
+            type=NOT_FOUND,
+            param="response_id",
         )
     return entry.response
 
@@ -229,7 +232,7 @@ def _history(state: ServerState, previous_id: str | None) -> list[dict[str, Any]
         raise APIError(
             400,
             f"previous response {previous_id!r} was not found (never stored, or evicted from the store of "
-            f"{state.responses.capacity} responses)",
+            f"{state.responses.capacity} responses){state.responses.elsewhere(previous_id)}",
             param="previous_response_id",
             code="previous_response_not_found",
         )
