@@ -5,8 +5,9 @@ the socket write of its event) outgrows one core; the engine stays one process w
 sends each request's outputs to the process that sent it (engine/client_sockets.py).
 
 The main process owns the engine and the workers:
-- start: once the engine is ready it spawns the workers and waits for each to report ready before it
-  serves; a worker that fails to start fails the server's start, naming the worker.
+- start: it spawns the workers while the engine loads, sends them the engine's info once it is ready,
+  and waits for each to report ready before it serves; a worker that fails to start fails the server's
+  start, naming the worker.
 - SIGTERM / SIGINT to the main process: passed on to every worker as WORKER_STOP_SIGNAL (each drains
   its own requests as the main does, a second signal forces it too); the engine is shut down once the
   workers have exited. Workers ignore SIGTERM and SIGINT themselves: sent to the whole process group
@@ -34,7 +35,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
 
 from deltaserve.engine.client import wait_for_start_up_report
 from deltaserve.engine.client_sockets import ClientAddress
@@ -55,16 +55,30 @@ WORKER_STOP_SIGNAL = signal.SIGUSR2
 
 @dataclass(frozen=True, slots=True)
 class WorkerAttach:
-    """What an extra API server process needs to serve beside the main one."""
+    """What an extra API server process needs to serve beside the main one; the engine's EngineInfo
+    follows on its channel once the engine is ready."""
 
     index: int  # 1..N-1 (the main process is 0)
     address: ClientAddress  # its sockets to the engine
     engine_pid: int
-    engine_info: dict[str, Any]  # EngineInfo's fields
     main_pid: int
 
 
-# An extra API server process's entry point: (config, engine config, listening socket, attach, ready).
+@dataclass(frozen=True, slots=True)
+class ApiWorker:
+    """This process is extra API server process `attach.index`: `channel` brings the engine's info and
+    takes its start-up report."""
+
+    attach: WorkerAttach
+    channel: Connection
+
+    def report(self, status: str, payload: object) -> None:
+        with contextlib.suppress(OSError):  # the main process is gone: the worker exits on its own
+            self.channel.send((status, payload))
+
+
+# An extra API server process's entry point: (config, engine config, listening socket, attach, channel),
+# the channel a duplex pipe to the main process: EngineInfo's fields in, its start-up report out.
 WorkerEntry = Callable[[ServerConfig, EngineConfig, socket.socket, "WorkerAttach", Connection], None]
 
 
@@ -72,23 +86,30 @@ def worker_process_name(index: int) -> str:
     return f"{API_WORKER_NAME}{index}"
 
 
+def receive_engine_info(channel: Connection) -> EngineInfo:
+    """In an extra API server process: blocks until the main process sends the ready engine's info."""
+    try:
+        return EngineInfo(**channel.recv())
+    except EOFError:
+        raise ConfigError("the main API server process stopped before its engine was ready") from None
+
+
 class ApiWorkers:
-    def __init__(self, processes: list[multiprocessing.process.BaseProcess]) -> None:
-        self.processes = processes
+    def __init__(self) -> None:
+        self.processes: list[multiprocessing.process.BaseProcess] = []
+        self._channels: list[Connection] = []
 
     @classmethod
-    async def start(
+    def spawn(
         cls,
         config: ServerConfig,
         engine_config: EngineConfig,
         sock: socket.socket,
         launch: EngineLaunch,
-        info: EngineInfo,
         entry: WorkerEntry,
-        timeout_s: float = WORKER_START_TIMEOUT_S,
     ) -> ApiWorkers:
-        """Spawns workers 1..N-1, each running `entry` (a module-level function: it is spawned), and
-        returns once each has reported ready."""
+        """Spawns workers 1..N-1, each running `entry` (a module-level function: it is spawned), while
+        the engine loads: their imports, tokenizer and routes are ready by the time it is (`release`)."""
         if len(launch.clients) < config.api_server_count:
             raise ConfigError(
                 f"--api-server-count {config.api_server_count} needs an engine started for as many "
@@ -96,38 +117,46 @@ class ApiWorkers:
             )
         mp = multiprocessing.get_context("spawn")
         worker_config = dataclasses.replace(config, log_stats=False)  # the main logs the load
-        workers, readies = cls([]), []
+        workers = cls()
         try:
             for k in range(1, config.api_server_count):
-                attach = WorkerAttach(
-                    k, launch.clients[k], launch.process.pid, dataclasses.asdict(info), os.getpid()
-                )
-                parent_end, child_end = mp.Pipe(duplex=False)
+                attach = WorkerAttach(k, launch.clients[k], launch.process.pid, os.getpid())
+                main_end, worker_end = mp.Pipe()
                 process = mp.Process(
                     target=entry,
-                    args=(worker_config, engine_config, sock, attach, child_end),
+                    args=(worker_config, engine_config, sock, attach, worker_end),
                     name=f"deltaserve-api{k}",
                 )
                 process.start()
-                child_end.close()
+                worker_end.close()
                 workers.processes.append(process)
-                readies.append(parent_end)
-            loop = asyncio.get_running_loop()
-            deadline = time.monotonic() + timeout_s
-            for k, (process, ready) in enumerate(zip(workers.processes, readies, strict=True), start=1):
+                workers._channels.append(main_end)
+        except BaseException:
+            workers.kill()
+            raise
+        return workers
+
+    async def release(self, info: EngineInfo, timeout_s: float = WORKER_START_TIMEOUT_S) -> None:
+        """Sends every worker the ready engine's info and returns once each has reported ready."""
+        loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + timeout_s
+        try:
+            for channel in self._channels:
+                with contextlib.suppress(OSError):  # a worker that died: its report says so below
+                    channel.send(dataclasses.asdict(info))
+            for k, (process, channel) in enumerate(zip(self.processes, self._channels, strict=True), start=1):
                 status, payload = await loop.run_in_executor(
-                    None, wait_for_start_up_report, ready, process, deadline, timeout_s
+                    None, wait_for_start_up_report, channel, process, deadline, timeout_s
                 )
                 if status != "ready":
                     raise ConfigError(f"API server process {k} failed to start: {payload}")
         except BaseException:
-            workers.kill()
+            self.kill()
             raise
         finally:
-            for ready in readies:
-                ready.close()
-        logger.info("%d more API server processes serve the port", len(workers.processes))
-        return workers
+            for channel in self._channels:
+                channel.close()
+        logger.info("%d more API server processes serve the port", len(self.processes))
 
     def signal_all(self, sig: int = WORKER_STOP_SIGNAL) -> None:
         """Safe in a signal handler."""

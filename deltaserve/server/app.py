@@ -25,7 +25,7 @@ from deltaserve import __version__
 from deltaserve.engine.process import EngineLaunch
 from deltaserve.engine_config import EngineConfig
 from deltaserve.server import chat, completions, invocations, responses, service, tokenize
-from deltaserve.server.api_workers import WorkerAttach, set_up_worker_process
+from deltaserve.server.api_workers import ApiWorker, WorkerAttach, set_up_worker_process
 from deltaserve.server.args import ServerConfig
 from deltaserve.server.disconnect import ClientDisconnected
 from deltaserve.server.errors import AUTHENTICATION, INVALID_REQUEST, NOT_FOUND, SERVER_ERROR, APIError
@@ -170,11 +170,11 @@ def run_api_worker(
     engine_config: EngineConfig,
     sock: socket.socket,
     attach: WorkerAttach,
-    ready: Connection,
+    channel: Connection,
 ) -> None:
     """An extra API server process (--api-server-count): spawned, it serves beside the main one."""
     from deltaserve.server.lifecycle import serve
 
     set_up_worker_process(attach)
-    code = asyncio.run(serve(config, engine_config, build_app, sock=sock, attach=attach, ready=ready))
-    raise SystemExit(code)
+    worker = ApiWorker(attach, channel)
+    raise SystemExit(asyncio.run(serve(config, engine_config, build_app, sock=sock, api_worker=worker)))

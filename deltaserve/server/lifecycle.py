@@ -22,7 +22,6 @@ import socket
 import sys
 import time
 from collections.abc import Callable
-from multiprocessing.connection import Connection
 from pathlib import Path
 from types import FrameType
 
@@ -31,14 +30,20 @@ from fastapi import FastAPI
 
 from deltaserve.config import read_sampling_defaults
 from deltaserve.engine.client import AsyncEngineClient, PeerEngineProcess
-from deltaserve.engine.core import EngineInfo, resolve_model_dir
+from deltaserve.engine.core import resolve_model_dir
 from deltaserve.engine.process import EngineLaunch, spawn_engine
 from deltaserve.engine_config import EngineConfig
 from deltaserve.errors import ConfigError
 from deltaserve.heap import freeze_startup_heap
 from deltaserve.process_clock import since_start_note
 from deltaserve.server.admission import Admission
-from deltaserve.server.api_workers import WORKER_STOP_SIGNAL, ApiWorkers, WorkerAttach, WorkerEntry
+from deltaserve.server.api_workers import (
+    WORKER_STOP_SIGNAL,
+    ApiWorker,
+    ApiWorkers,
+    WorkerEntry,
+    receive_engine_info,
+)
 from deltaserve.server.args import ServerConfig
 from deltaserve.server.grammar_check import GrammarChecker
 from deltaserve.server.listen import bind_socket
@@ -252,14 +257,16 @@ async def _engine_client(
     config: ServerConfig,
     engine_config: EngineConfig,
     launch: EngineLaunch | None,
-    attach: WorkerAttach | None,
+    api_worker: ApiWorker | None,
 ) -> AsyncEngineClient:
-    if attach is None:
+    if api_worker is None:
         return await AsyncEngineClient.start(
             engine_config, launch=launch, limits=config.hang_limits, stream_interval=config.stream_interval
         )
+    attach = api_worker.attach
+    info = await asyncio.get_running_loop().run_in_executor(None, receive_engine_info, api_worker.channel)
     return AsyncEngineClient.attach(
-        EngineInfo(**attach.engine_info),
+        info,
         attach.address,
         PeerEngineProcess(attach.engine_pid, attach.main_pid),
         limits=config.hang_limits,
@@ -272,15 +279,15 @@ async def open_state(
     engine_config: EngineConfig,
     sampling_defaults: dict[str, float | int] | None = None,
     launch: EngineLaunch | None = None,
-    attach: WorkerAttach | None = None,
+    api_worker: ApiWorker | None = None,
 ) -> ServerState:
-    """Starts the engine process (unless `launch` is one already spawned, or `attach` one this extra API
-    server process serves beside the main one), the grammar compiler worker and loads the tokenizer
+    """Starts the engine process (unless `launch` is one already spawned, or this is an extra API server
+    process, `api_worker`, which waits for the main one's engine to be ready), the grammar compiler worker and loads the tokenizer
     (about a second for Qwen's vocabulary) concurrently. The engine process is spawned first: the
     tokenizer load holds the GIL for most of its second, which would otherwise delay the spawn by as
     much."""
     model_dir = resolve_model_dir(engine_config.model)
-    engine_start = asyncio.create_task(_engine_client(config, engine_config, launch, attach))
+    engine_start = asyncio.create_task(_engine_client(config, engine_config, launch, api_worker))
     await asyncio.sleep(0)  # the task runs up to its wait for readiness: the process is spawned
     tokenizer_load = asyncio.get_running_loop().run_in_executor(
         None,
@@ -309,7 +316,7 @@ async def open_state(
     names = config.served_model_names or (engine_config.model or DEFAULT_MODEL_NAME,)
     name = names[0]
     metrics = ServerMetrics(name, lambda: client.load)
-    index = 0 if attach is None else attach.index
+    index = 0 if api_worker is None else api_worker.attach.index
     return ServerState(
         config=config,
         client=client,
@@ -326,12 +333,10 @@ async def open_state(
     )
 
 
-def _report_failed_start(ready: Connection | None, exc: BaseException) -> None:
+def _report_failed_start(api_worker: ApiWorker | None, exc: BaseException) -> None:
     """An extra API server process's start-up failure, for the main process to name."""
-    if ready is not None:
-        with contextlib.suppress(OSError):
-            ready.send(("error", str(exc) or type(exc).__name__))
-            ready.close()
+    if api_worker is not None:
+        api_worker.report("error", str(exc) or type(exc).__name__)
 
 
 def close_workers(state: ServerState) -> None:
@@ -350,16 +355,14 @@ async def serve(
     *,
     sock: socket.socket | None = None,
     launch: EngineLaunch | None = None,
-    attach: WorkerAttach | None = None,
-    ready: Connection | None = None,
+    api_worker: ApiWorker | None = None,
     worker_entry: WorkerEntry | None = None,
 ) -> int:
     """`sock`: the listening socket when the caller bound it already; `launch`: the engine process
     when the caller spawned it already (`deltaserve serve` does both before importing the server).
-    `attach` and `ready`: this is extra API server process `attach.index` (server/api_workers.py),
-    which reports its start-up on `ready`; `worker_entry`: what the extra processes run, where
-    --api-server-count asks for them."""
-    if engine_config.model is None and attach is None:
+    `api_worker`: this is an extra API server process (server/api_workers.py); `worker_entry`: what
+    the extra processes run, where --api-server-count asks for them."""
+    if engine_config.model is None and api_worker is None:
         warn_random_weights()
     if sock is None:
         sock = bind_socket(config.host, config.port)
@@ -368,34 +371,36 @@ async def serve(
         sampling_defaults = generation_defaults(
             config.generation_config, model_dir, config.generation_overrides
         )
-        if launch is None and attach is None and config.api_server_count > 1:
-            launch = spawn_engine(engine_config, config.api_server_count)
+        workers = None
+        if api_worker is None and config.api_server_count > 1:
+            if launch is None:
+                launch = spawn_engine(engine_config, config.api_server_count)
+            assert worker_entry is not None
+            workers = ApiWorkers.spawn(config, engine_config, sock, launch, worker_entry)
     except BaseException as exc:
-        _report_failed_start(ready, exc)
+        _report_failed_start(api_worker, exc)
         sock.close()
         raise
     quiet_writes_to_gone_clients()
     try:
-        state = await open_state(config, engine_config, sampling_defaults, launch, attach)
+        state = await open_state(config, engine_config, sampling_defaults, launch, api_worker)
     except BaseException as exc:
-        _report_failed_start(ready, exc)
+        _report_failed_start(api_worker, exc)
+        if workers is not None:
+            workers.kill()
         sock.close()
         raise
-    workers = None
-    if attach is None and config.api_server_count > 1:
-        assert launch is not None and worker_entry is not None
+    if workers is not None:
         try:
-            workers = await ApiWorkers.start(
-                config, engine_config, sock, launch, state.client.info, worker_entry
-            )
+            await workers.release(state.client.info)
         except BaseException:
             await state.client.shutdown("an API server process failed to start")
             close_workers(state)
             sock.close()
             raise
-    if ready is not None:
-        ready.send(("ready", {}))
-        ready.close()
+    if api_worker is not None:
+        api_worker.report("ready", {})
+        api_worker.channel.close()
     name, client = state.model_name, state.client
     life = _Lifecycle(state, workers)
     client.on_dead = life.on_engine_dead
@@ -408,8 +413,8 @@ async def serve(
         ssl_keyfile=config.ssl_keyfile,
         ssl_certfile=config.ssl_certfile,
     )
-    life.server = _Server(uv_config, life.on_signal, worker=attach is not None)
-    if attach is not None:
+    life.server = _Server(uv_config, life.on_signal, worker=api_worker is not None)
+    if api_worker is not None:
         signal.signal(WORKER_STOP_SIGNAL, life.server.handle_exit)
     # uvicorn re-raises the signal that stopped it once it is done; these handlers make that a no-op, so
     # an orderly shutdown exits with our code rather than being killed by the re-raised signal.
