@@ -282,10 +282,10 @@ async def open_state(
     api_worker: ApiWorker | None = None,
 ) -> ServerState:
     """Starts the engine process (unless `launch` is one already spawned, or this is an extra API server
-    process, `api_worker`, which waits for the main one's engine to be ready), the grammar compiler worker and loads the tokenizer
-    (about a second for Qwen's vocabulary) concurrently. The engine process is spawned first: the
-    tokenizer load holds the GIL for most of its second, which would otherwise delay the spawn by as
-    much."""
+    process, `api_worker`, which waits for the main one's engine to be ready), the grammar compiler
+    worker and loads the tokenizer (about a second for Qwen's vocabulary) concurrently. The engine
+    process is spawned first: the tokenizer load holds the GIL for most of its second, which would
+    otherwise delay the spawn by as much."""
     model_dir = resolve_model_dir(engine_config.model)
     engine_start = asyncio.create_task(_engine_client(config, engine_config, launch, api_worker))
     await asyncio.sleep(0)  # the task runs up to its wait for readiness: the process is spawned
