@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import re
 import signal
 import subprocess
@@ -32,7 +33,7 @@ def _number(report: str, label: str) -> float:
     return float(match.group(1))
 
 
-def test_bench_api_streams_every_token_at_the_engines_pace_and_reports_the_api_process_cost() -> None:
+def test_bench_api_streams_every_token_at_the_engines_pace_and_reports_the_api_process_cost(tmp_path) -> None:
     result = subprocess.run(
         [
             sys.executable,
@@ -54,8 +55,10 @@ def test_bench_api_streams_every_token_at_the_engines_pace_and_reports_the_api_p
         capture_output=True,
         text=True,
         timeout=180,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert not list(tmp_path.glob("deltaserve-bench-api-*"))  # the server's log is not kept after a good run
     out = result.stdout
     assert _number(out, "Successful requests:") == 12
     assert _number(out, "Total generated tokens:") == 12 * 24

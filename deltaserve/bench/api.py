@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import shutil
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -115,9 +116,9 @@ def run_bench_api(args: argparse.Namespace) -> int:
         str(port),
         *shlex.split(args.server_args),
     ]
-    log_dir = (
-        Path(args.result_dir) if args.result_dir else Path(tempfile.mkdtemp(prefix="deltaserve-bench-api-"))
-    )
+    # The server's log goes with the results, or to a temporary folder kept only when the run fails.
+    scratch = None if args.result_dir else tempfile.mkdtemp(prefix="deltaserve-bench-api-")
+    log_dir = Path(args.result_dir or scratch)
     server = start_server(argv, args.base_url, log_dir / "api-server.log")
     try:
         wait_ready(server, READY_TIMEOUT_S)
@@ -126,10 +127,12 @@ def run_bench_api(args: argparse.Namespace) -> int:
         result = run_bench_serve(args)
         after = tree_cpu_seconds(server.proc.pid)
     except ServerError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {exc} (server log: {log_dir / 'api-server.log'})", file=sys.stderr)
         return 1
     finally:
         stop_server(server)
+    if scratch is not None and result.completed and not result.failed:
+        shutil.rmtree(scratch, ignore_errors=True)
     if before is None or after is None:
         print("the API process's CPU time cannot be read here (no /proc)", file=sys.stderr)
         return 0 if result.completed else 1
