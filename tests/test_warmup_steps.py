@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from deltaserve.engine import warmup
-from deltaserve.engine.warmup import MixedStep, mixed_rows, mixed_steps
+from deltaserve.engine.warmup import MixedStep, gated_norm_tokens, mixed_rows, mixed_steps
 from deltaserve.ops.batch import build_forward_batch
 from deltaserve.ops.triton import attention
+from deltaserve.ops.triton.norm import _gated_launch_shape
 
 PAGE = 16
 
@@ -66,3 +67,16 @@ def test_the_mixed_steps_take_every_launch_an_eager_step_can(monkeypatch, sms, n
     apart = {(False, False), (False, True)}
     budget = attention.DECODE_APART_MAX_TOKENS
     assert {_launch(step, num_kv_heads) for step in mixed_steps(budget, *args)} == apart
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
+@pytest.mark.parametrize("heads", [1, 3, 8, 16, 32, 48])
+def test_the_warm_up_meets_every_program_shape_of_the_gated_norm(heads: int, head_dim: int) -> None:
+    reachable = {_gated_launch_shape(head_dim, rows, None) for rows in range(1, 70_000, 7)}
+    warmed = {
+        _gated_launch_shape(head_dim, tokens * heads, None) for tokens in gated_norm_tokens(heads, head_dim)
+    }
+    assert warmed == reachable
+    # By hand at the 4B shape (32 heads of 128): 1, 2, 4 and 8 heads per program.
+    if (heads, head_dim) == (32, 128):
+        assert gated_norm_tokens(heads, head_dim) == [32, 64, 128, 256]

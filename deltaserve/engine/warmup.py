@@ -22,8 +22,9 @@ from deltaserve.engine.penalty_counts import PenaltyCounts, PenaltyReset
 from deltaserve.engine.sampler import Sampler, SamplingRow
 from deltaserve.engine.step import sample_and_stage
 from deltaserve.model.layers.attention import GatedAttention
+from deltaserve.model.layers.gdn import GatedDeltaNet
 from deltaserve.model.qwen35 import Qwen35ForCausalLM
-from deltaserve.ops import fresh_attention
+from deltaserve.ops import fresh_attention, gated_rms_norm
 from deltaserve.ops.batch import BatchRow, build_forward_batch
 from deltaserve.sampling_params import SamplingParams
 
@@ -154,6 +155,8 @@ def warm_up(
         hidden = model(batch, cache.kv, cache.states)
         model.compute_logits(hidden)
     phase_done("decode forwards")
+    warm_gated_norm(model)
+    phase_done("gated norm shapes")
     # The LM head's GEMM at every decode bucket's row count, where steps outside a decode graph run it
     # (cuda_graphs.padded_logits_rows): each loads its kernel here, not behind a step launched ahead,
     # whether or not that bucket's graph has been captured yet.
@@ -174,6 +177,28 @@ def warm_up(
         fresh_attention_plans=fresh_plans,
         phases=phases,
     )
+
+
+def gated_norm_tokens(heads: int, head_dim: int) -> list[int]:
+    """Token counts whose gated-norm rows (`heads` each) reach every program shape of the kernel."""
+    from deltaserve.ops.triton.norm import gated_launch_row_counts
+
+    return [-(-rows // heads) for rows in gated_launch_row_counts(head_dim)]
+
+
+def warm_gated_norm(model: Qwen35ForCausalLM) -> None:
+    """The GDN layers' gated norm at each of its program shapes (chosen by its row count, heads x tokens:
+    `gated_launch_row_counts`), on views laid out as a GDN layer's (z a slice of in_proj's output), so
+    its compiles happen here whatever row counts the forwards above met."""
+    layer = next((m for m in model.modules() if isinstance(m, GatedDeltaNet)), None)
+    if layer is None:
+        return
+    heads, head_dim = layer.num_v_heads, layer.head_v_dim
+    for tokens in gated_norm_tokens(heads, head_dim):
+        proj = torch.zeros(tokens, layer.in_proj.shape[0], dtype=layer.in_proj.dtype, device=model.device)
+        z = proj[:, layer.conv_dim : layer.conv_dim + layer.value_dim].reshape(tokens, heads, head_dim)
+        out = torch.zeros(tokens, heads, head_dim, dtype=z.dtype, device=model.device)
+        gated_rms_norm(out, z, layer.norm, layer.eps)
 
 
 def warm_fresh_attention(model: Qwen35ForCausalLM, max_batched_tokens: int) -> int:

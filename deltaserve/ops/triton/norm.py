@@ -74,6 +74,17 @@ def _gated_launch_shape(head_dim: int, num_rows: int, launch: tuple[int, int] | 
     return block_r, block_d, num_warps
 
 
+def gated_launch_row_counts(head_dim: int) -> list[int]:
+    """A row count (heads x tokens) for each program shape the gated norm launches at this head size,
+    smallest first: the warm-up compiles every one, so that none is first met while serving."""
+    most = max(1, _GATED_TILE // triton.next_power_of_2(head_dim))
+    counts, block_r = [], 1
+    while block_r <= most:
+        counts.append(block_r * _GATED_ROWS_PER_GROUP)
+        block_r *= 2
+    return counts
+
+
 def _check_out(out: torch.Tensor | None, like: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
     if out is None:
         return torch.empty(like.shape, dtype=dtype, device=like.device)
