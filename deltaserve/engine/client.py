@@ -23,7 +23,7 @@ import os
 import shutil
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -94,7 +94,7 @@ class _Stream:
     held back for the stream interval (they wake no reader until released)."""
 
     queue: asyncio.Queue[RequestUpdate | _EngineGone]
-    held: list[RequestUpdate]
+    held: list[RequestUpdate] = field(default_factory=list)
     held_tokens: int = 0
     token_sent: bool = False
 
@@ -281,7 +281,7 @@ class AsyncEngineClient:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in flight")
         q: asyncio.Queue[RequestUpdate | _EngineGone] = asyncio.Queue()
-        self._streams[request_id] = _Stream(q, [])
+        self._streams[request_id] = _Stream(q)
         finished = False
         try:
             await self._send(

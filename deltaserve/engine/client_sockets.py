@@ -78,15 +78,13 @@ class ClientSockets:
         return messages
 
     def publish(self, msg: EngineMessage) -> None:
-        with self._lock:
-            if len(self._outboxes) == 1:
-                self._outboxes[0].send(encode_engine_message(msg))
-                return
-            if not isinstance(msg, StepOutputs):
-                data = encode_engine_message(msg)
+        if len(self._outboxes) == 1 or not isinstance(msg, StepOutputs):
+            data = encode_engine_message(msg)  # outside the lock: the other thread may send meanwhile
+            with self._lock:
                 for outbox in self._outboxes:
                     outbox.send(data)
-                return
+            return
+        with self._lock:
             for k, updates in enumerate(self._route(msg)):
                 self._outboxes[k].send(encode_engine_message(StepOutputs(updates, msg.load)))
 

@@ -132,8 +132,15 @@ class ServerMetrics:
             "Requests refused with 503 because the queue was full (--max-queued-requests).",
         )
         self._model_name = model_name
-        self._load_collector = _LoadCollector(model_name, load)
-        r.register(self._load_collector)
+        load_collector = _LoadCollector(model_name, load)
+        r.register(load_collector)
+        # With several API server processes (prometheus_client's multiprocess mode, set up before this
+        # module's first import): every process's request metrics summed, and the engine's load.
+        self._rendered = r
+        if os.environ.get(MULTIPROCESS_ENV):
+            self._rendered = CollectorRegistry()
+            multiprocess.MultiProcessCollector(self._rendered)
+            self._rendered.register(load_collector)
 
     def request_finished(self, finish_reason: str) -> None:
         self._success.labels(model_name=self._model_name, finished_reason=finish_reason).inc()
@@ -142,14 +149,7 @@ class ServerMetrics:
         return RequestTracker(self, arrival)
 
     def render(self) -> bytes:
-        """With several API server processes (prometheus_client's multiprocess mode, set up before this
-        module's first import) every process's request metrics summed, and the engine's load."""
-        if os.environ.get(MULTIPROCESS_ENV):
-            registry = CollectorRegistry()
-            multiprocess.MultiProcessCollector(registry)
-            registry.register(self._load_collector)
-            return generate_latest(registry)
-        return generate_latest(self.registry)
+        return generate_latest(self._rendered)
 
 
 @dataclass(slots=True)
