@@ -15,9 +15,9 @@ import textwrap
 import pytest
 import torch
 
-from deltaserve.ops.triton import activation, attention, conv1d, gdn, gdn_gating, linear, norm, pdl
+from deltaserve.ops.triton import activation, attention, conv1d, gdn, gdn_gating, linear, norm, pdl, prefetch
 
-MODULES = (activation, attention, conv1d, gdn, gdn_gating, linear, norm)
+MODULES = (activation, attention, conv1d, gdn, gdn_gating, linear, norm, prefetch)
 # The kernels of a decode step, and the prefill gating between its layers' kernels: each takes USE_GDC.
 DECODE_KERNELS = {
     "_silu_and_mul_kernel",
@@ -32,6 +32,7 @@ DECODE_KERNELS = {
     "_skinny_kernel",
     "_rms_norm_kernel",
     "_gated_rms_norm_kernel",
+    "_l2_prefetch_kernel",
 }
 
 

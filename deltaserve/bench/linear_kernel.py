@@ -9,6 +9,10 @@ python3 -m deltaserve.bench.linear_kernel   (needs CUDA; docs/benchmarks/2026-12
 
 With --fused: the three GEMV fusions of one decode row (DELTASERVE_FUSED_GEMV) against the kernels they
 replace, inside CUDA graphs as a decode step runs them (the per-kernel gaps included), per layer call.
+
+With --prefetch: each decode linear behind short kernels (1 or 4 RMSNorms of a hidden row, standing in
+for a step's norms, convolution and recurrent update), with the first N MiB of its weight prefetched into
+L2 before them (DELTASERVE_L2_PREFETCH_MIB) against no prefetch, inside CUDA graphs.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ from deltaserve.ops.triton.linear import (
     gemv_swiglu,
     skinny_gemm,
 )
-from deltaserve.ops.triton.norm import gated_rms_norm
+from deltaserve.ops.triton.norm import gated_rms_norm, rms_norm
+from deltaserve.ops.triton.prefetch import prefetch_l2
 
 DEV = torch.device("cuda")
 DTYPE = torch.bfloat16
@@ -116,15 +121,55 @@ def fused_main() -> None:
         print(f"{name:<22}{t_unfused:>12.4f}{t_fused:>10.4f}{(t_unfused - t_fused) * 1e3:>10.1f}  {same}")
 
 
+PREFETCH_MIB = (4, 8, 16, 32)
+
+
+def prefetch_main() -> None:
+    """The GEMV of each decode linear behind `gap` RMSNorms, with and without its weight's first MiB
+    prefetched before them: ms per layer call, and the µs each prefetch size saves."""
+    hidden = 2560
+    h = torch.randn(1, hidden, device=DEV, dtype=DTYPE)
+    norm_w = torch.randn(hidden, device=DEV, dtype=DTYPE) * 0.2
+    sizes = "".join(f"{f'{m} MiB':>9}" for m in PREFETCH_MIB)
+    print(f"{'linear':<14}{'gap':>4}{'gap ms':>9}{'gemv ms':>9}{'none ms':>9}{sizes}   (saved us)")
+    for name, n, k in SHAPES[:-1]:
+        weights = [torch.randn(n, k, device=DEV, dtype=DTYPE) * 0.02 for _ in range(COPIES)]
+        x = torch.randn(1, k, device=DEV, dtype=DTYPE)
+        t_gemv = graph_ms(lambda w, x=x: gemv(x, w), weights)
+        for gap in (1, 4):
+
+            def step(w: torch.Tensor, mib: int, gap: int = gap, x: torch.Tensor = x) -> None:
+                if mib:
+                    prefetch_l2(w, mib << 20)
+                for _ in range(gap):
+                    rms_norm(h, norm_w, 1e-6)
+                gemv(x, w)
+
+            t_gap = graph_ms(lambda w, gap=gap: [rms_norm(h, norm_w, 1e-6) for _ in range(gap)], weights)
+            t_none = graph_ms(lambda w: step(w, 0), weights)
+            saved = "".join(
+                f"{(t_none - graph_ms(lambda w, m=m: step(w, m), weights)) * 1e3:>9.2f}" for m in PREFETCH_MIB
+            )
+            print(f"{name:<14}{gap:>4}{t_gap:>9.4f}{t_gemv:>9.4f}{t_none:>9.4f}{saved}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default=",".join(str(m) for m in range(1, GEMV_MAX_ROWS + 1)))
     parser.add_argument(
         "--fused", action="store_true", help="the GEMV fusions against the kernels they replace"
     )
+    parser.add_argument(
+        "--prefetch",
+        action="store_true",
+        help="each linear behind short kernels, its weight prefetched or not",
+    )
     args = parser.parse_args()
     if args.fused:
         fused_main()
+        return
+    if args.prefetch:
+        prefetch_main()
         return
     rows_list = [int(m) for m in args.rows.split(",")]
     torch.manual_seed(0)

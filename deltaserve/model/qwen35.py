@@ -20,7 +20,7 @@ from deltaserve.model.layers.decoder import DecoderLayer
 from deltaserve.model.layers.parallel import SINGLE, TensorParallel
 from deltaserve.model.layers.params import WeightRequirement, new_param, single
 from deltaserve.model.mtp import MtpHead
-from deltaserve.ops import linear, rms_norm
+from deltaserve.ops import linear, prefetch_weight, rms_norm
 from deltaserve.ops.batch import CacheLayers, ForwardBatch
 from deltaserve.ops.rotary import inv_frequencies
 
@@ -117,8 +117,9 @@ class Qwen35ForCausalLM(nn.Module):
         """Runs every new token of the batch; returns the final-normed hidden states of the
         `batch.logits_indices` rows, [R, hidden], or with `every_token` of every token, [T, hidden]."""
         h = F.embedding(batch.input_ids, self.embed_tokens)
+        rows = h.shape[0]
         residual: torch.Tensor | None = None
-        for layer, cache_index in zip(self.layers, self.cache_index, strict=True):
+        for i, (layer, cache_index) in enumerate(zip(self.layers, self.cache_index, strict=True)):
             if residual is None:
                 residual = h
                 x = rms_norm(h, layer.input_layernorm, layer.eps)
@@ -128,14 +129,19 @@ class Qwen35ForCausalLM(nn.Module):
                 h = layer.mixer(x, batch, self.inv_freq, kv.layer(cache_index))
             else:
                 h = layer.mixer(x, batch, states.layer(cache_index))
+            prefetch_weight(rows, layer.mlp.first_projection)
             x, residual = rms_norm(
                 self.tp.all_reduce_(h), layer.post_attention_layernorm, layer.eps, residual
             )
             h = self.tp.all_reduce_(layer.mlp(x))
+            following = (
+                self.layers[i + 1].mixer.first_projection if i + 1 < len(self.layers) else self.lm_head
+            )
+            prefetch_weight(rows, following)
         if every_token:
             return rms_norm(h, self.norm, self.config.rms_norm_eps, residual)[0]
-        rows = batch.logits_indices
-        return rms_norm(h[rows], self.norm, self.config.rms_norm_eps, residual[rows])[0]
+        logit_rows = batch.logits_indices
+        return rms_norm(h[logit_rows], self.norm, self.config.rms_norm_eps, residual[logit_rows])[0]
 
     def mtp_forward(
         self, input_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, kv: CacheLayers

@@ -60,6 +60,23 @@ def parse_gemv_fusions(text: str) -> frozenset[str]:
 FUSED_GEMV = parse_gemv_fusions(os.environ.get("DELTASERVE_FUSED_GEMV", ""))
 
 
+def parse_prefetch_mib(text: str) -> int:
+    """DELTASERVE_L2_PREFETCH_MIB's value: MiB of each next weight to prefetch, 0 (off) or more."""
+    try:
+        mib = int(text)
+    except ValueError:
+        mib = -1
+    if mib < 0:
+        raise ValueError(f"DELTASERVE_L2_PREFETCH_MIB must be an integer >= 0 (MiB), got {text!r}")
+    return mib
+
+
+# DELTASERVE_L2_PREFETCH_MIB=N: at GEMV rows (see linear), after each projection the first N MiB of the
+# next projection's weight are prefetched into L2 (ops/triton/prefetch.py), to stream under the short
+# kernels between the two. 0 turns it off.
+L2_PREFETCH_MIB = parse_prefetch_mib(os.environ.get("DELTASERVE_L2_PREFETCH_MIB", "0"))
+
+
 def _rows_per_expert_setting(name: str) -> int:
     """A DELTASERVE_MOE_*_FROM threshold in rows per expert: 0 (off) or more."""
     value = int(os.environ.get(name, "0"))
@@ -118,6 +135,25 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             if rows <= SKINNY_MAX_ROWS:
                 return skinny_gemm(x, weight)
     return F.linear(x, weight)
+
+
+def prefetch_weight(rows: int, weight: torch.Tensor | None) -> None:
+    """Hints that `weight` is the next projection of a step of `rows` rows: at GEMV rows on a GPU that
+    has the instruction (Hopper and later), with DELTASERVE_L2_PREFETCH_MIB set, its first bytes start
+    streaming into L2 now. Changes no value; a no-op elsewhere (the reference has nothing to do)."""
+    if (
+        weight is None
+        or not L2_PREFETCH_MIB
+        or not 1 <= rows <= GEMV_ROWS
+        or not use_kernels(weight)
+        or not weight.is_contiguous()
+    ):
+        return
+    from deltaserve.ops.triton.device_info import hopper_or_later
+    from deltaserve.ops.triton.prefetch import prefetch_l2
+
+    if hopper_or_later(weight.device):
+        prefetch_l2(weight, L2_PREFETCH_MIB << 20)
 
 
 def silu_and_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

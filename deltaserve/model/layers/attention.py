@@ -8,7 +8,13 @@ from torch import nn
 from deltaserve.config import ModelConfig
 from deltaserve.model.layers.parallel import SINGLE, TensorParallel
 from deltaserve.model.layers.params import WeightRequirement, new_param, single, stacked
-from deltaserve.ops import linear, paged_attention, qk_norm_rope_write_kv, sigmoid_gated_linear
+from deltaserve.ops import (
+    linear,
+    paged_attention,
+    prefetch_weight,
+    qk_norm_rope_write_kv,
+    sigmoid_gated_linear,
+)
 from deltaserve.ops.batch import ForwardBatch
 
 
@@ -51,6 +57,11 @@ class GatedAttention(nn.Module):
             single(f"{prefix}.k_norm.weight", self.k_norm),
         ]
 
+    @property
+    def first_projection(self) -> torch.Tensor:
+        """The weight a forward streams first (prefetched ahead of it at GEMV rows)."""
+        return self.qkv_proj
+
     def forward(
         self,
         x: torch.Tensor,
@@ -60,6 +71,7 @@ class GatedAttention(nn.Module):
     ) -> torch.Tensor:
         tokens = x.shape[0]
         qkv = linear(x, self.qkv_proj)
+        prefetch_weight(tokens, self.o_proj)
         q_gate, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q_gate = q_gate.view(tokens, self.num_heads, 2 * self.head_dim)
         q, gate = q_gate[..., : self.head_dim], q_gate[..., self.head_dim :]

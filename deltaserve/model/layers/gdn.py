@@ -12,7 +12,7 @@ from torch import nn
 from deltaserve.config import ModelConfig
 from deltaserve.model.layers.parallel import SINGLE, TensorParallel
 from deltaserve.model.layers.params import WeightRequirement, new_param, single, stacked
-from deltaserve.ops import causal_conv1d_split, gated_delta_rule, gated_norm_linear, linear
+from deltaserve.ops import causal_conv1d_split, gated_delta_rule, gated_norm_linear, linear, prefetch_weight
 from deltaserve.ops.batch import ForwardBatch
 
 
@@ -66,12 +66,18 @@ class GatedDeltaNet(nn.Module):
             single(f"{prefix}.out_proj.weight", self.out_proj, tp.shard(1)),
         ]
 
+    @property
+    def first_projection(self) -> torch.Tensor:
+        """The weight a forward streams first (prefetched ahead of it at GEMV rows)."""
+        return self.in_proj
+
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, state: tuple[torch.Tensor, torch.Tensor]
     ) -> torch.Tensor:
         tokens = x.shape[0]
         conv_state, ssm_state = state
         proj = linear(x, self.in_proj)
+        prefetch_weight(tokens, self.out_proj)
         mixed, z, b, a = proj.split(
             [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1
         )

@@ -8,7 +8,7 @@ from torch import nn
 from deltaserve.config import ModelConfig
 from deltaserve.model.layers.parallel import SINGLE, TensorParallel
 from deltaserve.model.layers.params import CheckpointTensor, WeightRequirement, new_param, single, stacked
-from deltaserve.ops import fused_experts, linear, route, silu_and_mul_linear
+from deltaserve.ops import fused_experts, linear, prefetch_weight, route, silu_and_mul_linear
 
 
 class MLP(nn.Module):
@@ -42,8 +42,15 @@ class MLP(nn.Module):
             single(f"{prefix}.down_proj.weight", self.down_proj, self.tp.shard(1)),
         ]
 
+    @property
+    def first_projection(self) -> torch.Tensor:
+        """The weight a forward streams first (prefetched ahead of it at GEMV rows)."""
+        return self.gate_up_proj
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return silu_and_mul_linear(linear(x, self.gate_up_proj), self.down_proj)
+        gate_up = linear(x, self.gate_up_proj)
+        prefetch_weight(x.shape[0], self.down_proj)
+        return silu_and_mul_linear(gate_up, self.down_proj)
 
 
 class SparseMoeBlock(nn.Module):
@@ -88,6 +95,11 @@ class SparseMoeBlock(nn.Module):
             *self.shared_expert.weight_requirements(f"{prefix}.shared_expert"),
             single(f"{prefix}.shared_expert_gate.weight", self.shared_expert_gate),
         ]
+
+    @property
+    def first_projection(self) -> None:
+        """None: the experts a forward streams are known only once it has routed."""
+        return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(linear(x, self.gate), self.top_k, self.renormalize)

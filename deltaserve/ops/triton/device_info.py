@@ -1,5 +1,5 @@
-"""What the launch rules of the Triton kernels ask of the device: its SM count and its opt-in shared memory
-per block, read once per device. Off CUDA (Triton's CPU interpreter) nominal values keep the rules
+"""What the launch rules of the Triton kernels ask of the device: its SM count, its opt-in shared memory
+per block and its compute capability, read once per device. Off CUDA (Triton's CPU interpreter) nominal values keep the rules
 exercised."""
 
 from __future__ import annotations
@@ -22,6 +22,11 @@ def smem_per_block(device: torch.device) -> int | None:
     if device.type != "cuda":
         return None
     return _cuda_properties(_cuda_index(device)).shared_memory_per_block_optin
+
+
+def hopper_or_later(device: torch.device) -> bool:
+    """Whether `device` is a CUDA GPU of compute capability 9.0 or later (PDL, bulk copies)."""
+    return device.type == "cuda" and _cuda_properties(_cuda_index(device)).major >= 9
 
 
 def _cuda_index(device: torch.device) -> int:

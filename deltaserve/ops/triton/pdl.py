@@ -18,27 +18,21 @@ edges when a step is captured.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 
+from deltaserve.ops.triton.device_info import hopper_or_later
+
 ENABLED = os.environ.get("DELTASERVE_PDL", "1") != "0"
-
-
-@functools.cache
-def _capable(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def use_pdl(device: torch.device) -> bool:
     """Whether a kernel launched on `device` now goes out with PDL (pass it as both USE_GDC and
     launch_pdl, see `launch_options`)."""
-    if not ENABLED or device.type != "cuda":
-        return False
-    return _capable(device.index if device.index is not None else torch.cuda.current_device())
+    return ENABLED and hopper_or_later(device)
 
 
 def launch_options(device: torch.device) -> dict[str, bool]:
