@@ -116,8 +116,9 @@ class Qwen35ForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Runs every new token of the batch; returns the final-normed hidden states of the
         `batch.logits_indices` rows, [R, hidden], or with `every_token` of every token, [T, hidden]."""
+        rows = batch.input_ids.shape[0]
+        prefetch_weight(rows, self.layers[0].mixer.first_projection)
         h = F.embedding(batch.input_ids, self.embed_tokens)
-        rows = h.shape[0]
         residual: torch.Tensor | None = None
         for i, (layer, cache_index) in enumerate(zip(self.layers, self.cache_index, strict=True)):
             if residual is None:
