@@ -6,6 +6,10 @@ and off; on the GPU that is checked bit for bit (tests/gpu/test_l2_prefetch_gpu.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -140,3 +144,32 @@ def test_each_prefetch_names_the_next_projection_streamed(preset, monkeypatch):
             assert _same_storage(following, w), f"prefetch #{i} is not the next projection's weight"
     if preset == "tiny":  # every projection of a dense model is prefetched
         assert len(prefetched) == sum(kind == "linear" for kind, _ in events)
+
+
+_COMPILE_FOR_HOPPER = """
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+
+from deltaserve.ops.triton import prefetch
+
+signature = {"base": "i64", "nbytes": "i32", "CHUNK": "constexpr", "LANES": "constexpr", "USE_GDC": "constexpr"}
+constexprs = {"CHUNK": prefetch.CHUNK_BYTES, "LANES": 32, "USE_GDC": True}
+source = ASTSource(fn=prefetch._l2_prefetch_kernel, signature=signature, constexprs=constexprs)
+print(compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1}).asm["ptx"])
+"""
+
+
+def test_the_kernel_compiles_for_hopper_and_prefetches_after_its_wait():
+    """Compiled for sm_90 without a GPU (Triton's own ptxas; outside the interpreter, in a process of its
+    own): the bulk prefetch survives as the kernel's one memory instruction, after the PDL wait."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE_FOR_HOPPER], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = (line.strip() for line in done.stdout.splitlines())
+    code = [line for line in lines if line and not line.startswith((".", "//", ")")) and line not in "{}"]
+    wait = next(i for i, line in enumerate(code) if line.startswith("griddepcontrol.wait"))
+    fetch = next(i for i, line in enumerate(code) if "cp.async.bulk.prefetch.L2.global" in line)
+    assert wait < fetch
+    assert not [line for line in code if line.startswith(("ld.global", "st.global"))]
