@@ -45,7 +45,7 @@ def test_gemv_rejects_mismatched_inputs_naming_them():
 def test_op_boundary_sends_16bit_rows_to_the_gemv_and_when_switched_on_the_skinny_gemm(monkeypatch):
     calls = []
     monkeypatch.setattr(
-        triton_linear, "gemv", lambda x, w: calls.append(("gemv", *x.shape)) or F.linear(x, w)
+        triton_linear, "gemv", lambda x, w, prefetch=None: calls.append(("gemv", *x.shape)) or F.linear(x, w)
     )
     monkeypatch.setattr(
         triton_linear, "skinny_gemm", lambda x, w: calls.append(("skinny", *x.shape)) or F.linear(x, w)
@@ -143,10 +143,10 @@ def test_op_boundary_fuses_the_swiglu_into_the_gemvs_rows_only(monkeypatch):
     monkeypatch.setattr(
         triton_linear,
         "gemv_swiglu",
-        lambda g, w: calls.append(("fused", *g.shape)) or F.linear(ops.silu_and_mul(g), w),
+        lambda g, w, prefetch=None: calls.append(("fused", *g.shape)) or F.linear(ops.silu_and_mul(g), w),
     )
     monkeypatch.setattr(
-        triton_linear, "gemv", lambda x, w: calls.append(("gemv", *x.shape)) or F.linear(x, w)
+        triton_linear, "gemv", lambda x, w, prefetch=None: calls.append(("gemv", *x.shape)) or F.linear(x, w)
     )
     monkeypatch.setattr(ops, "use_kernels", lambda t: False)
     w = torch.randn(8, 16, dtype=torch.bfloat16)
@@ -204,12 +204,12 @@ def test_op_boundary_gates_inside_the_gemvs_rows_only(monkeypatch):
     monkeypatch.setattr(
         triton_linear,
         "gemv_sigmoid_gated",
-        lambda x, g, w: (
+        lambda x, g, w, prefetch=None: (
             calls.append(("fused", *x.shape)) or F.linear(x * torch.sigmoid(g.reshape(x.shape)), w)
         ),
     )
     monkeypatch.setattr(
-        triton_linear, "gemv", lambda x, w: calls.append(("gemv", *x.shape)) or F.linear(x, w)
+        triton_linear, "gemv", lambda x, w, prefetch=None: calls.append(("gemv", *x.shape)) or F.linear(x, w)
     )
     w = torch.randn(8, 32, dtype=torch.bfloat16)
     q_gate = torch.randn(2, 2, 32, dtype=torch.bfloat16)
@@ -294,10 +294,12 @@ def test_gemv_gated_norm_refuses_what_it_cannot_normalise_naming_it():
 def test_op_boundary_normalises_inside_the_gemvs_rows_only(monkeypatch):
     calls = []
     monkeypatch.setattr(
-        triton_linear, "gemv_gated_norm", lambda x, z, nw, eps, w: calls.append(("fused", *x.shape)) or None
+        triton_linear,
+        "gemv_gated_norm",
+        lambda x, z, nw, eps, w, prefetch=None: calls.append(("fused", *x.shape)) or None,
     )
     monkeypatch.setattr(
-        triton_linear, "gemv", lambda x, w: calls.append(("gemv", *x.shape)) or F.linear(x, w)
+        triton_linear, "gemv", lambda x, w, prefetch=None: calls.append(("gemv", *x.shape)) or F.linear(x, w)
     )
     w = torch.randn(8, 64, dtype=torch.bfloat16)
     x = torch.randn(2, 4, 16, dtype=torch.bfloat16)

@@ -12,7 +12,6 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import deltaserve.ops as ops
 from deltaserve.cache.device import build_device_caches
@@ -23,6 +22,7 @@ from deltaserve.model import qwen35
 from deltaserve.model.layers import attention, gdn, mlp
 from deltaserve.ops.batch import BatchRow
 from deltaserve.ops.triton import device_info, prefetch
+from deltaserve.ops.triton import linear as triton_linear
 from deltaserve.tiny import text_config
 
 MODULES_THAT_PREFETCH = (qwen35, attention, gdn, mlp)
@@ -88,14 +88,26 @@ def test_more_gemv_rows_prefetch_too(launches, monkeypatch):
     assert len(launches) == 1
 
 
+def test_a_gemv_row_carries_the_next_weight_to_its_kernel(launches, monkeypatch):
+    seen = []
+    monkeypatch.setattr(triton_linear, "gemv", lambda x, w, prefetch=None: seen.append(prefetch) or x @ w.t())
+    x, w, following = (torch.zeros(rows, 4, dtype=torch.bfloat16) for rows in (1, 8, 2))
+    ops.linear(x, w, following)
+    ops.linear(x, w)
+    assert seen[0] == triton_linear.NextWeight(following, 16 << 20) and seen[1] is None
+
+
 def test_the_kernel_refuses_a_tensor_off_a_hopper_gpu():
-    with pytest.raises(ValueError, match="compute capability 9.0 or later, got cpu"):
+    with pytest.raises(
+        ValueError, match="a prefetch needs a contiguous tensor on a GPU of compute capability 9.0"
+    ):
         prefetch.prefetch_l2(torch.zeros(8), 1 << 20)
 
 
 def _decode_row_projections(preset: str, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, torch.Tensor]]:
-    """The weights one decode row's forward and logits stream, in order ("linear"), with each
-    prefetch_weight call in its place ("prefetch")."""
+    """The weights one decode row's forward and logits stream, in order ("linear"), with each weight
+    named for a prefetch in its place ("prefetch"): after the projection whose GEMV carries it, or where
+    the step's first projection gets a kernel of its own."""
     cfg = ModelConfig.from_dict(text_config(preset))
     model = qwen35.Qwen35ForCausalLM(cfg, dtype=torch.float32, device=torch.device("cpu"))
     for p in model.parameters():
@@ -111,20 +123,23 @@ def _decode_row_projections(preset: str, monkeypatch: pytest.MonkeyPatch) -> lis
     cache.advance(seq, 2)
 
     events: list[tuple[str, torch.Tensor]] = []
-    real_linear = F.linear
+    real_linear = ops.linear
 
-    def recording_linear(x, weight, bias=None):
+    def recording_linear(x, weight, then=None):
         events.append(("linear", weight))
-        return real_linear(x, weight, bias)
+        out = real_linear(x, weight, then)
+        if then is not None:  # the GEMV prefetches `then` as it ends
+            events.append(("prefetch", then))
+        return out
 
     def recording_prefetch(rows, weight):
         assert rows == 1
         if weight is not None:
             events.append(("prefetch", weight))
 
-    monkeypatch.setattr(F, "linear", recording_linear)
-    for module in MODULES_THAT_PREFETCH:
-        monkeypatch.setattr(module, "prefetch_weight", recording_prefetch)
+    for module in (ops, *MODULES_THAT_PREFETCH):
+        monkeypatch.setattr(module, "linear", recording_linear, raising=False)
+    monkeypatch.setattr(qwen35, "prefetch_weight", recording_prefetch)
     backend.logits([BatchRow([7], 2, seq.pages, seq.slot)])
     return events
 
@@ -142,34 +157,65 @@ def test_each_prefetch_names_the_next_projection_streamed(preset, monkeypatch):
         if kind == "prefetch":
             following = next(v for k, v in events[i + 1 :] if k == "linear")
             assert _same_storage(following, w), f"prefetch #{i} is not the next projection's weight"
-    if preset == "tiny":  # every projection of a dense model is prefetched
+    if preset == "tiny":  # every projection of a dense model is prefetched, the LM head's too
         assert len(prefetched) == sum(kind == "linear" for kind, _ in events)
 
 
 _COMPILE_FOR_HOPPER = """
+import sys
+
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 
-from deltaserve.ops.triton import prefetch
+from deltaserve.ops.triton import linear, prefetch
 
-signature = {"base": "i64", "nbytes": "i32", "CHUNK": "constexpr", "LANES": "constexpr", "USE_GDC": "constexpr"}
-constexprs = {"CHUNK": prefetch.CHUNK_BYTES, "LANES": 32, "USE_GDC": True}
-source = ASTSource(fn=prefetch._l2_prefetch_kernel, signature=signature, constexprs=constexprs)
-print(compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1}).asm["ptx"])
+if sys.argv[1] == "prefetch":
+    fn, signature, constexprs = prefetch._l2_prefetch_kernel, {"base": "i64", "nbytes": "i32"}, {"USE_GDC": True}
+else:
+    fn = linear._gemv_kernel
+    signature = {name: "*bf16" for name in ("x_ptr", "w_ptr", "out_ptr", "g_ptr", "nw_ptr")}
+    signature |= {"eps": "fp32", "N": "i32", "K": "i32"}
+    signature |= {name: "i32" for name in ("stride_xm", "stride_wn", "stride_om", "stride_gm", "stride_gh")}
+    signature |= {"pf_base": "i64", "pf_bytes": "i32"}
+    constexprs = {"ROWS": 1, "MODE": 0, "HEAD_DIM": 1, "BLOCK_N": 8, "BLOCK_K": 256, "PREFETCH": True}
+    constexprs["USE_GDC"] = True
+signature |= {name: "constexpr" for name in constexprs}
+source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+print(compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"])
 """
 
 
-def test_the_kernel_compiles_for_hopper_and_prefetches_after_its_wait():
-    """Compiled for sm_90 without a GPU (Triton's own ptxas; outside the interpreter, in a process of its
-    own): the bulk prefetch survives as the kernel's one memory instruction, after the PDL wait."""
+def _hopper_ptx(kernel: str) -> list[str]:
+    """The instructions of a kernel compiled for sm_90 without a GPU (Triton's own ptxas; outside the
+    interpreter, in a process of its own)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run(
-        [sys.executable, "-c", _COMPILE_FOR_HOPPER], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", _COMPILE_FOR_HOPPER, kernel],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     lines = (line.strip() for line in done.stdout.splitlines())
-    code = [line for line in lines if line and not line.startswith((".", "//", ")")) and line not in "{}"]
-    wait = next(i for i, line in enumerate(code) if line.startswith("griddepcontrol.wait"))
-    fetch = next(i for i, line in enumerate(code) if "cp.async.bulk.prefetch.L2.global" in line)
-    assert wait < fetch
+    return [line for line in lines if line and not line.startswith((".", "//", ")")) and line not in "{}"]
+
+
+def _index(code: list[str], pattern: str, last: bool = False) -> int:
+    found = [i for i, line in enumerate(code) if pattern in line]
+    assert found, f"no {pattern!r} in the kernel"
+    return found[-1] if last else found[0]
+
+
+def test_the_kernel_of_its_own_prefetches_after_its_wait():
+    """The bulk prefetch survives compilation as the kernel's one memory instruction (it fails if the asm
+    is marked pure), after the PDL wait, issued by one thread."""
+    code = _hopper_ptx("prefetch")
+    assert _index(code, "griddepcontrol.wait") < _index(code, "cp.async.bulk.prefetch.L2.global")
+    assert "%tid.x" in code[_index(code, "cp.async.bulk.prefetch.L2.global")]
     assert not [line for line in code if line.startswith(("ld.global", "st.global"))]
+
+
+def test_a_gemv_prefetches_after_its_stores():
+    code = _hopper_ptx("gemv")
+    assert _index(code, "st.global", last=True) < _index(code, "cp.async.bulk.prefetch.L2.global")

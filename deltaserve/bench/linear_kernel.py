@@ -10,9 +10,10 @@ python3 -m deltaserve.bench.linear_kernel   (needs CUDA; docs/benchmarks/2026-12
 With --fused: the three GEMV fusions of one decode row (DELTASERVE_FUSED_GEMV) against the kernels they
 replace, inside CUDA graphs as a decode step runs them (the per-kernel gaps included), per layer call.
 
-With --prefetch: each decode linear behind short kernels (1 or 4 RMSNorms of a hidden row, standing in
-for a step's norms, convolution and recurrent update), with the first N MiB of its weight prefetched into
-L2 before them (DELTASERVE_L2_PREFETCH_MIB) against no prefetch, inside CUDA graphs.
+With --prefetch: each decode linear behind a GEMV and short kernels (1 or 4 RMSNorms of a hidden row,
+standing in for a step's norms, convolution and recurrent update), the GEMV before it prefetching the
+first N MiB of its weight into L2 as it ends (DELTASERVE_L2_PREFETCH_MIB) against no prefetch, inside CUDA
+graphs.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import triton.testing
 from deltaserve.ops.triton.activation import silu_and_mul
 from deltaserve.ops.triton.linear import (
     GEMV_MAX_ROWS,
+    NextWeight,
     gemv,
     gemv_gated_norm,
     gemv_sigmoid_gated,
@@ -33,7 +35,6 @@ from deltaserve.ops.triton.linear import (
     skinny_gemm,
 )
 from deltaserve.ops.triton.norm import gated_rms_norm, rms_norm
-from deltaserve.ops.triton.prefetch import prefetch_l2
 
 DEV = torch.device("cuda")
 DTYPE = torch.bfloat16
@@ -125,32 +126,35 @@ PREFETCH_MIB = (4, 8, 16, 32)
 
 
 def prefetch_main() -> None:
-    """The GEMV of each decode linear behind `gap` RMSNorms, with and without its weight's first MiB
-    prefetched before them: ms per layer call, and the µs each prefetch size saves."""
+    """Each decode linear behind a GEMV (the 4B down projection) and `gap` RMSNorms, the GEMV before it
+    prefetching its weight's first MiB or not: ms per pair, and the µs each prefetch size saves."""
     hidden = 2560
     h = torch.randn(1, hidden, device=DEV, dtype=DTYPE)
     norm_w = torch.randn(hidden, device=DEV, dtype=DTYPE) * 0.2
+    x_before = torch.randn(1, 9216, device=DEV, dtype=DTYPE)
+    before = [torch.randn(hidden, 9216, device=DEV, dtype=DTYPE) * 0.02 for _ in range(COPIES)]
     sizes = "".join(f"{f'{m} MiB':>9}" for m in PREFETCH_MIB)
-    print(f"{'linear':<14}{'gap':>4}{'gap ms':>9}{'gemv ms':>9}{'none ms':>9}{sizes}   (saved us)")
+    print(f"{'linear':<14}{'gap':>4}{'gap ms':>9}{'pair ms':>9}{sizes}   (saved us)")
     for name, n, k in SHAPES[:-1]:
         weights = [torch.randn(n, k, device=DEV, dtype=DTYPE) * 0.02 for _ in range(COPIES)]
+        pairs = list(zip(before, weights, strict=True))
         x = torch.randn(1, k, device=DEV, dtype=DTYPE)
-        t_gemv = graph_ms(lambda w, x=x: gemv(x, w), weights)
         for gap in (1, 4):
 
-            def step(w: torch.Tensor, mib: int, gap: int = gap, x: torch.Tensor = x) -> None:
-                if mib:
-                    prefetch_l2(w, mib << 20)
+            def step(pair, mib: int, gap: int = gap, x: torch.Tensor = x) -> None:
+                first, following = pair
+                gemv(x_before, first, prefetch=NextWeight(following, mib << 20) if mib else None)
                 for _ in range(gap):
                     rms_norm(h, norm_w, 1e-6)
-                gemv(x, w)
+                gemv(x, following)
 
-            t_gap = graph_ms(lambda w, gap=gap: [rms_norm(h, norm_w, 1e-6) for _ in range(gap)], weights)
-            t_none = graph_ms(lambda w: step(w, 0), weights)
+            t_gap = graph_ms(lambda pair, gap=gap: [rms_norm(h, norm_w, 1e-6) for _ in range(gap)], pairs)
+            t_none = graph_ms(lambda pair: step(pair, 0), pairs)
             saved = "".join(
-                f"{(t_none - graph_ms(lambda w, m=m: step(w, m), weights)) * 1e3:>9.2f}" for m in PREFETCH_MIB
+                f"{(t_none - graph_ms(lambda pair, m=m: step(pair, m), pairs)) * 1e3:>9.2f}"
+                for m in PREFETCH_MIB
             )
-            print(f"{name:<14}{gap:>4}{t_gap:>9.4f}{t_gemv:>9.4f}{t_none:>9.4f}{saved}")
+            print(f"{name:<14}{gap:>4}{t_gap:>9.4f}{t_none:>9.4f}{saved}")
 
 
 def main() -> None:

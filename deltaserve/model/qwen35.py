@@ -126,19 +126,18 @@ class Qwen35ForCausalLM(nn.Module):
                 x = rms_norm(h, layer.input_layernorm, layer.eps)
             else:
                 x, residual = rms_norm(h, layer.input_layernorm, layer.eps, residual)
+            after_mixer = layer.mlp.first_projection
             if layer.is_full_attention:
-                h = layer.mixer(x, batch, self.inv_freq, kv.layer(cache_index))
+                h = layer.mixer(x, batch, self.inv_freq, kv.layer(cache_index), then=after_mixer)
             else:
-                h = layer.mixer(x, batch, states.layer(cache_index))
-            prefetch_weight(rows, layer.mlp.first_projection)
+                h = layer.mixer(x, batch, states.layer(cache_index), then=after_mixer)
             x, residual = rms_norm(
                 self.tp.all_reduce_(h), layer.post_attention_layernorm, layer.eps, residual
             )
-            h = self.tp.all_reduce_(layer.mlp(x))
-            following = (
+            after_mlp = (
                 self.layers[i + 1].mixer.first_projection if i + 1 < len(self.layers) else self.lm_head
             )
-            prefetch_weight(rows, following)
+            h = self.tp.all_reduce_(layer.mlp(x, then=after_mlp))
         if every_token:
             return rms_norm(h, self.norm, self.config.rms_norm_eps, residual)[0]
         logit_rows = batch.logits_indices

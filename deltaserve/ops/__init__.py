@@ -5,6 +5,7 @@ reference everywhere (to bisect a GPU discrepancy)."""
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,9 @@ from deltaserve.ops import moe as _moe_ref
 from deltaserve.ops import norm as _norm_ref
 from deltaserve.ops import rotary as _rotary_ref
 from deltaserve.ops.batch import ForwardBatch
+
+if TYPE_CHECKING:
+    from deltaserve.ops.triton.linear import NextWeight
 
 REFERENCE_ONLY = os.environ.get("DELTASERVE_REFERENCE_OPS", "") == "1"
 # DELTASERVE_SKINNY_GEMM=1 sends 2..16-row 16-bit linears to the skinny GEMM instead of cuBLAS. Off by
@@ -71,9 +75,9 @@ def parse_prefetch_mib(text: str) -> int:
     return mib
 
 
-# DELTASERVE_L2_PREFETCH_MIB=N: at GEMV rows (see linear), after each projection the first N MiB of the
-# next projection's weight are prefetched into L2 (ops/triton/prefetch.py), to stream under the short
-# kernels between the two. 0 turns it off.
+# DELTASERVE_L2_PREFETCH_MIB=N: at GEMV rows (see linear), each projection's GEMV prefetches the first N
+# MiB of the next projection's weight into L2 as it ends (ops/triton/prefetch.py), to stream under the
+# short kernels between the two. 0 turns it off.
 L2_PREFETCH_MIB = parse_prefetch_mib(os.environ.get("DELTASERVE_L2_PREFETCH_MIB", "0"))
 
 
@@ -119,16 +123,18 @@ def _streams_weights(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, then: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight^T. One 16-bit row on the GPU (batch-1 decode; up to GEMV_ROWS rows when raised) takes
     the GEMV kernel, which streams the weight once for all its rows; up to 16 rows take the skinny GEMM
-    when it is switched on (SKINNY_GEMM); everything else is F.linear (cuBLAS)."""
+    when it is switched on (SKINNY_GEMM); everything else is F.linear (cuBLAS). `then`: the projection
+    the step streams next, whose first bytes the GEMV prefetches into L2 as it ends (DELTASERVE_L2_
+    PREFETCH_MIB; `_prefetch_target`). The same for the fused linears below."""
     rows = x.shape[0]
     if _streams_weights(x, weight):
         if 1 <= rows <= GEMV_ROWS:
             from deltaserve.ops.triton.linear import gemv
 
-            return gemv(x, weight)
+            return gemv(x, weight, prefetch=_prefetch_target(rows, then))
         if SKINNY_GEMM:
             from deltaserve.ops.triton.linear import SKINNY_MAX_ROWS, skinny_gemm
 
@@ -137,10 +143,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
-def prefetch_weight(rows: int, weight: torch.Tensor | None) -> None:
-    """Hints that `weight` is the next projection of a step of `rows` rows: at GEMV rows on a GPU that
-    has the instruction (Hopper and later), with DELTASERVE_L2_PREFETCH_MIB set, its first bytes start
-    streaming into L2 now. Changes no value; a no-op elsewhere (the reference has nothing to do)."""
+def _prefetch_target(rows: int, weight: torch.Tensor | None) -> NextWeight | None:
+    """`weight` as the next projection to prefetch into L2 in a step of `rows` rows: at GEMV rows on a GPU
+    that has the instruction (Hopper and later), with DELTASERVE_L2_PREFETCH_MIB set; else None."""
     if (
         weight is None
         or not L2_PREFETCH_MIB
@@ -148,25 +153,42 @@ def prefetch_weight(rows: int, weight: torch.Tensor | None) -> None:
         or not use_kernels(weight)
         or not weight.is_contiguous()
     ):
-        return
+        return None
     from deltaserve.ops.triton.device_info import hopper_or_later
-    from deltaserve.ops.triton.prefetch import prefetch_l2
 
-    if hopper_or_later(weight.device):
-        prefetch_l2(weight, L2_PREFETCH_MIB << 20)
+    if not hopper_or_later(weight.device):
+        return None
+    from deltaserve.ops.triton.linear import NextWeight
+
+    return NextWeight(weight, L2_PREFETCH_MIB << 20)
 
 
-def silu_and_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def prefetch_weight(rows: int, weight: torch.Tensor | None) -> None:
+    """Starts the first bytes of `weight`, a step's first projection (no GEMV before it to carry the
+    prefetch, see `linear`'s `then`), streaming into L2 from a kernel of its own. Changes no value; a
+    no-op where _prefetch_target says none (the reference has nothing to do)."""
+    target = _prefetch_target(rows, weight)
+    if target is not None:
+        from deltaserve.ops.triton.prefetch import prefetch_l2
+
+        prefetch_l2(target.weight, target.max_bytes)
+
+
+def silu_and_mul_linear(
+    gate_up: torch.Tensor, weight: torch.Tensor, then: torch.Tensor | None = None
+) -> torch.Tensor:
     """linear(silu_and_mul(gate_up), weight): a SwiGLU MLP's down projection. With the "swiglu" fusion
     (FUSED_GEMV) the GEMV's rows (see linear) compute the activation inside the GEMV, with the same bits as the two ops."""
     if "swiglu" in FUSED_GEMV and _streams_weights(gate_up, weight) and 1 <= gate_up.shape[0] <= GEMV_ROWS:
         from deltaserve.ops.triton.linear import gemv_swiglu
 
-        return gemv_swiglu(gate_up, weight)
-    return linear(silu_and_mul(gate_up), weight)
+        return gemv_swiglu(gate_up, weight, prefetch=_prefetch_target(gate_up.shape[0], then))
+    return linear(silu_and_mul(gate_up), weight, then)
 
 
-def sigmoid_gated_linear(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def sigmoid_gated_linear(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, then: torch.Tensor | None = None
+) -> torch.Tensor:
     """linear(x * sigmoid(gate), weight) with x [T, H * D] and gate [T, H, D] (any row and head strides):
     gated attention's output projection. With the "gate" fusion the GEMV's rows (see linear) gate inside the
     GEMV, rounded as the two ops round."""
@@ -178,12 +200,17 @@ def sigmoid_gated_linear(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tens
     ):
         from deltaserve.ops.triton.linear import gemv_sigmoid_gated
 
-        return gemv_sigmoid_gated(x, gate, weight)
-    return linear(sigmoid_gate(x, gate).view(x.shape), weight)
+        return gemv_sigmoid_gated(x, gate, weight, prefetch=_prefetch_target(x.shape[0], then))
+    return linear(sigmoid_gate(x, gate).view(x.shape), weight, then)
 
 
 def gated_norm_linear(
-    x: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor
+    x: torch.Tensor,
+    z: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    then: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """linear(gated_rms_norm(x, z, norm_weight, eps) as [T, H * D], weight) with x, z [T, H, D]: a Gated
     DeltaNet layer's output projection. With the "norm" fusion the GEMV's rows (see linear) normalise inside
@@ -194,8 +221,8 @@ def gated_norm_linear(
 
         # x.flatten(1) is a view once gated_norm_problem has found its heads adjacent
         if gated_norm_problem(x, z, norm_weight) is None and _streams_weights(x.flatten(1), weight):
-            return gemv_gated_norm(x, z, norm_weight, eps, weight)
-    return linear(gated_rms_norm(x, z, norm_weight, eps).reshape(tokens, heads * head_dim), weight)
+            return gemv_gated_norm(x, z, norm_weight, eps, weight, prefetch=_prefetch_target(tokens, then))
+    return linear(gated_rms_norm(x, z, norm_weight, eps).reshape(tokens, heads * head_dim), weight, then)
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

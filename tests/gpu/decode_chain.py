@@ -12,16 +12,19 @@ HIDDEN, INTER = 2560, 9216
 
 
 def _chain(x: torch.Tensor, w: dict[str, torch.Tensor], prefetch_mib: int) -> torch.Tensor:
-    """With `prefetch_mib`, each GEMV's weight is prefetched into L2 ahead of the short kernels before it."""
+    """With `prefetch_mib`, each GEMV prefetches the next one's weight into L2 as it ends (the first from
+    a kernel of its own), as a decode step does."""
+
+    def then(weight: torch.Tensor) -> linear.NextWeight | None:
+        return linear.NextWeight(weight, prefetch_mib << 20) if prefetch_mib else None
+
+    if prefetch_mib:
+        prefetch.prefetch_l2(w["gate_up"], prefetch_mib << 20)
     residual = x
     for _ in range(4):
-        if prefetch_mib:
-            prefetch.prefetch_l2(w["gate_up"], prefetch_mib << 20)
         h, residual = norm.rms_norm(x, w["norm"], 1e-6, residual=residual)
-        gate_up = linear.gemv(h, w["gate_up"])
-        if prefetch_mib:
-            prefetch.prefetch_l2(w["down"], prefetch_mib << 20)
-        x = linear.gemv(activation.silu_and_mul(gate_up), w["down"])
+        gate_up = linear.gemv(h, w["gate_up"], prefetch=then(w["down"]))
+        x = linear.gemv(activation.silu_and_mul(gate_up), w["down"], prefetch=then(w["gate_up"]))
     return x + residual
 
 

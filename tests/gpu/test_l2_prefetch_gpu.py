@@ -19,9 +19,7 @@ pytestmark = pytest.mark.skipif(
 
 def test_the_kernel_issues_bulk_l2_prefetches():
     w = torch.zeros(INTER, HIDDEN, device="cuda", dtype=torch.bfloat16)
-    compiled = prefetch._l2_prefetch_kernel[(1,)](
-        w.data_ptr(), 1 << 20, CHUNK=prefetch.CHUNK_BYTES, LANES=32, USE_GDC=False, num_warps=1
-    )
+    compiled = prefetch._l2_prefetch_kernel[(4,)](w.data_ptr(), 1 << 20, USE_GDC=False, num_warps=1)
     torch.cuda.synchronize()
     assert "cp.async.bulk.prefetch.L2.global" in compiled.asm["ptx"]
 

@@ -11,7 +11,6 @@ from deltaserve.model.layers.params import WeightRequirement, new_param, single,
 from deltaserve.ops import (
     linear,
     paged_attention,
-    prefetch_weight,
     qk_norm_rope_write_kv,
     sigmoid_gated_linear,
 )
@@ -68,10 +67,11 @@ class GatedAttention(nn.Module):
         batch: ForwardBatch,
         inv_freq: torch.Tensor,
         kv: tuple[torch.Tensor, torch.Tensor],
+        then: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """`then`: the weight the step streams after this layer's (prefetched at GEMV rows: ops.linear)."""
         tokens = x.shape[0]
-        qkv = linear(x, self.qkv_proj)
-        prefetch_weight(tokens, self.o_proj)
+        qkv = linear(x, self.qkv_proj, self.o_proj)
         q_gate, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q_gate = q_gate.view(tokens, self.num_heads, 2 * self.head_dim)
         q, gate = q_gate[..., : self.head_dim], q_gate[..., self.head_dim :]
@@ -90,4 +90,4 @@ class GatedAttention(nn.Module):
             batch.slot_mapping,
         )
         out = paged_attention(q, k_cache, v_cache, batch, self.scale)
-        return sigmoid_gated_linear(out.reshape(tokens, -1), gate, self.o_proj)
+        return sigmoid_gated_linear(out.reshape(tokens, -1), gate, self.o_proj, then)

@@ -12,7 +12,7 @@ from torch import nn
 from deltaserve.config import ModelConfig
 from deltaserve.model.layers.parallel import SINGLE, TensorParallel
 from deltaserve.model.layers.params import WeightRequirement, new_param, single, stacked
-from deltaserve.ops import causal_conv1d_split, gated_delta_rule, gated_norm_linear, linear, prefetch_weight
+from deltaserve.ops import causal_conv1d_split, gated_delta_rule, gated_norm_linear, linear
 from deltaserve.ops.batch import ForwardBatch
 
 
@@ -72,12 +72,16 @@ class GatedDeltaNet(nn.Module):
         return self.in_proj
 
     def forward(
-        self, x: torch.Tensor, batch: ForwardBatch, state: tuple[torch.Tensor, torch.Tensor]
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        state: tuple[torch.Tensor, torch.Tensor],
+        then: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """`then`: the weight the step streams after this layer's (prefetched at GEMV rows: ops.linear)."""
         tokens = x.shape[0]
         conv_state, ssm_state = state
-        proj = linear(x, self.in_proj)
-        prefetch_weight(tokens, self.out_proj)
+        proj = linear(x, self.in_proj, self.out_proj)
         mixed, z, b, a = proj.split(
             [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1
         )
@@ -94,4 +98,4 @@ class GatedDeltaNet(nn.Module):
             batch,
         )
         z = z.reshape(tokens, self.num_v_heads, self.head_v_dim)
-        return gated_norm_linear(out, z, self.norm, self.eps, self.out_proj)
+        return gated_norm_linear(out, z, self.norm, self.eps, self.out_proj, then)

@@ -8,7 +8,7 @@ from torch import nn
 from deltaserve.config import ModelConfig
 from deltaserve.model.layers.parallel import SINGLE, TensorParallel
 from deltaserve.model.layers.params import CheckpointTensor, WeightRequirement, new_param, single, stacked
-from deltaserve.ops import fused_experts, linear, prefetch_weight, route, silu_and_mul_linear
+from deltaserve.ops import fused_experts, linear, route, silu_and_mul_linear
 
 
 class MLP(nn.Module):
@@ -47,10 +47,9 @@ class MLP(nn.Module):
         """The weight a forward streams first (prefetched ahead of it at GEMV rows)."""
         return self.gate_up_proj
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = linear(x, self.gate_up_proj)
-        prefetch_weight(x.shape[0], self.down_proj)
-        return silu_and_mul_linear(gate_up, self.down_proj)
+    def forward(self, x: torch.Tensor, then: torch.Tensor | None = None) -> torch.Tensor:
+        """`then`: the weight the step streams after this MLP's (prefetched at GEMV rows: ops.linear)."""
+        return silu_and_mul_linear(linear(x, self.gate_up_proj, self.down_proj), self.down_proj, then)
 
 
 class SparseMoeBlock(nn.Module):
@@ -97,12 +96,14 @@ class SparseMoeBlock(nn.Module):
         ]
 
     @property
-    def first_projection(self) -> None:
-        """None: the experts a forward streams are known only once it has routed."""
-        return None
+    def first_projection(self) -> torch.Tensor:
+        """The router's weight: the experts a forward streams are known only once it has routed."""
+        return self.gate
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, then: torch.Tensor | None = None) -> torch.Tensor:
+        """`then`: the weight the step streams after this block's (prefetched at GEMV rows: ops.linear)."""
         weights, ids = route(linear(x, self.gate), self.top_k, self.renormalize)
         routed = fused_experts(x, self.w13, self.w2, weights, ids)
-        shared = self.shared_expert(x) * torch.sigmoid(linear(x, self.shared_expert_gate))
+        shared = self.shared_expert(x, self.shared_expert_gate)
+        shared = shared * torch.sigmoid(linear(x, self.shared_expert_gate, then))
         return routed + shared

@@ -25,12 +25,15 @@ tunes (engine warm-up makes those calls before serving, and before CUDA-graph ca
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from deltaserve.ops.triton.activation import _INTERPRETER, round_to, sigmoid_f32, silu_f32
 from deltaserve.ops.triton.pdl import gdc_enter, launch_options
+from deltaserve.ops.triton.prefetch import issue_share, prefetch_bytes
 
 # (BLOCK_N, BLOCK_K, warps): the winners of a sweep over 4..32 x 256..1024 x 4..8 at the 4B shapes
 # (few rows per program for the narrow N = 2560 projections, wider for N >= 10k).
@@ -40,6 +43,15 @@ GATED_NORM_MAX_HEAD_DIM = min(k for _, k, _ in _CONFIGS)  # every tuned K block 
 
 
 GEMV_MAX_ROWS = 4  # rows streamed together (a K = 3 verify row has 4 tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class NextWeight:
+    """The projection a GEMV's step streams next: up to `max_bytes` of its start are prefetched into L2
+    as the GEMV's programs end."""
+
+    weight: torch.Tensor
+    max_bytes: int
 
 
 # What the GEMV reads as x (its MODE): a plain row, a SwiGLU MLP's [gate | up] row, an attention output
@@ -115,11 +127,14 @@ def _gemv_kernel(
     stride_om,
     stride_gm,
     stride_gh,
+    pf_base,
+    pf_bytes,
     ROWS: tl.constexpr,
     MODE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PREFETCH: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
     # Each weight tile is loaded once for all ROWS rows (1..4), each row with its own accumulator in the
@@ -154,6 +169,8 @@ def _gemv_kernel(
         accs = summed
     for r in tl.static_range(ROWS):
         _store_row(out_ptr + r * stride_om, accs[r], rows, row_ok)
+    if PREFETCH:  # the next projection's first pf_bytes at pf_base, a share per program
+        issue_share(pf_base, pf_bytes)
 
 
 _gemv_tuned = triton.autotune(
@@ -267,16 +284,28 @@ def _check_operands(x: torch.Tensor, weight: torch.Tensor, *, max_rows: int) -> 
         raise ValueError("needs a unit column stride in x and the weight")
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    prefetch: NextWeight | None = None,
+) -> torch.Tensor:
     """x: [M, K] with 1 <= M <= GEMV_MAX_ROWS (any row stride, unit column stride); weight: [N, K] with
     unit column stride (row slices of a larger matrix are fine). Returns [M, N] in x's dtype, written
-    into `out` when given (contiguous). The weight is streamed once for all M rows."""
+    into `out` when given (contiguous). The weight is streamed once for all M rows. `prefetch` (every
+    GEMV takes it): the next projection's weight, whose first bytes the programs prefetch into L2 as they
+    end (ops/triton/prefetch.py; a Hopper GPU only)."""
     _check_operands(x, weight, max_rows=GEMV_MAX_ROWS)
-    return _launch_gemv(x, weight, out, PLAIN)
+    return _launch_gemv(x, weight, out, PLAIN, prefetch=prefetch)
 
 
 def gemv_swiglu(
-    gate_up: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = None
+    gate_up: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    prefetch: NextWeight | None = None,
 ) -> torch.Tensor:
     """gemv(silu_and_mul(gate_up), weight) in one kernel, with the same bits: gate_up [M, 2K] (gate
     first; any row stride, unit column stride), weight [N, K]. The activation is computed as the weight
@@ -287,11 +316,16 @@ def gemv_swiglu(
             f"got {tuple(gate_up.shape)}"
         )
     _check_operands(gate_up[:, : weight.shape[1]], weight, max_rows=GEMV_MAX_ROWS)
-    return _launch_gemv(gate_up, weight, out, SWIGLU)
+    return _launch_gemv(gate_up, weight, out, SWIGLU, prefetch=prefetch)
 
 
 def gemv_sigmoid_gated(
-    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = None
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    prefetch: NextWeight | None = None,
 ) -> torch.Tensor:
     """gemv(x * sigmoid(gate), weight) in one kernel, rounded as torch rounds the two ops: x [M, H * D]
     (an attention output), gate [M, H, D] with a unit column stride (any row and head strides: the gate
@@ -306,7 +340,7 @@ def gemv_sigmoid_gated(
         )
     if gate.dtype != x.dtype:
         raise ValueError(f"gate dtype {gate.dtype} differs from x's {x.dtype}")
-    return _launch_gemv(x, weight, out, SIGMOID_GATE, gate)
+    return _launch_gemv(x, weight, out, SIGMOID_GATE, gate, prefetch=prefetch)
 
 
 def gated_norm_problem(x: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor) -> str | None:
@@ -341,6 +375,7 @@ def gemv_gated_norm(
     weight: torch.Tensor,
     *,
     out: torch.Tensor | None = None,
+    prefetch: NextWeight | None = None,
 ) -> torch.Tensor:
     """gemv(gated_rms_norm(x, z, norm_weight, eps) as [M, H * D], weight) in one kernel: x [M, H, D]
     (heads adjacent, unit column stride), z [M, H, D] (unit column stride; any row and head strides),
@@ -353,7 +388,7 @@ def gemv_gated_norm(
     m, heads, head_dim = x.shape
     rows = x.as_strided((m, heads * head_dim), (x.stride(0), 1))
     _check_operands(rows, weight, max_rows=GEMV_MAX_ROWS)
-    return _launch_gemv(rows, weight, out, GATED_NORM, z, norm_weight.contiguous(), eps)
+    return _launch_gemv(rows, weight, out, GATED_NORM, z, norm_weight.contiguous(), eps, prefetch=prefetch)
 
 
 def _launch_gemv(
@@ -364,8 +399,14 @@ def _launch_gemv(
     gate: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
+    *,
+    prefetch: NextWeight | None = None,
 ) -> torch.Tensor:
     m, (n, k) = x.shape[0], weight.shape
+    pf_base, pf_bytes = 0, 0
+    if prefetch is not None:
+        pf_bytes = prefetch_bytes(prefetch.weight, prefetch.max_bytes)
+        pf_base = prefetch.weight.data_ptr() if pf_bytes else 0
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     elif out.shape != (m, n) or out.dtype != x.dtype or not out.is_contiguous():
@@ -390,6 +431,8 @@ def _launch_gemv(
         out.stride(0),
         stride_gm,
         stride_gh,
+        pf_base,
+        pf_bytes,
     )
     if _INTERPRETER:
         block_n, block_k = _INTERPRETER_BLOCKS
@@ -401,9 +444,12 @@ def _launch_gemv(
             HEAD_DIM=head_dim,
             BLOCK_N=block_n,
             BLOCK_K=block_k,
+            PREFETCH=False,  # the interpreter runs no inline assembly; a prefetch changes no value
             **launch_options(x.device),
         )
     else:
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-        _gemv_tuned[grid](*args, ROWS=m, MODE=mode, HEAD_DIM=head_dim, **launch_options(x.device))
+        _gemv_tuned[grid](
+            *args, ROWS=m, MODE=mode, HEAD_DIM=head_dim, PREFETCH=pf_bytes > 0, **launch_options(x.device)
+        )
     return out
