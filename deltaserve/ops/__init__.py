@@ -77,8 +77,10 @@ def parse_prefetch_mib(text: str) -> int:
 
 # DELTASERVE_L2_PREFETCH_MIB=N: at GEMV rows (see linear), each projection's GEMV prefetches the first N
 # MiB of the next projection's weight into L2 as it ends (ops/triton/prefetch.py), to stream under the
-# short kernels between the two. 0 turns it off.
-L2_PREFETCH_MIB = parse_prefetch_mib(os.environ.get("DELTASERVE_L2_PREFETCH_MIB", "0"))
+# short kernels between the two. 0 turns it off. Default 4: on an H100 at the 4B shape, c1 over HTTP,
+# TPOT 3.54 ms against 3.57 (two runs against three); 16 MiB measured 3.69 ms, slower than none
+# (docs/benchmarks/2026-12-06-h100-l2-prefetch.md).
+L2_PREFETCH_MIB = parse_prefetch_mib(os.environ.get("DELTASERVE_L2_PREFETCH_MIB", "4"))
 
 
 def _rows_per_expert_setting(name: str) -> int:
