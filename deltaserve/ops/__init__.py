@@ -129,8 +129,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, then: torch.Tensor | None = No
     """x @ weight^T. One 16-bit row on the GPU (batch-1 decode; up to GEMV_ROWS rows when raised) takes
     the GEMV kernel, which streams the weight once for all its rows; up to 16 rows take the skinny GEMM
     when it is switched on (SKINNY_GEMM); everything else is F.linear (cuBLAS). `then`: the projection
-    the step streams next, whose first bytes the GEMV prefetches into L2 as it ends (DELTASERVE_L2_
-    PREFETCH_MIB; `_prefetch_target`). The same for the fused linears below."""
+    the step streams next, whose first bytes the GEMV prefetches into L2 as it ends
+    (DELTASERVE_L2_PREFETCH_MIB, `_prefetch_target`). The same for the fused linears below."""
     rows = x.shape[0]
     if _streams_weights(x, weight):
         if 1 <= rows <= GEMV_ROWS:

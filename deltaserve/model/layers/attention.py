@@ -8,12 +8,7 @@ from torch import nn
 from deltaserve.config import ModelConfig
 from deltaserve.model.layers.parallel import SINGLE, TensorParallel
 from deltaserve.model.layers.params import WeightRequirement, new_param, single, stacked
-from deltaserve.ops import (
-    linear,
-    paged_attention,
-    qk_norm_rope_write_kv,
-    sigmoid_gated_linear,
-)
+from deltaserve.ops import linear, paged_attention, qk_norm_rope_write_kv, sigmoid_gated_linear
 from deltaserve.ops.batch import ForwardBatch
 
 

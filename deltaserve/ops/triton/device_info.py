@@ -1,6 +1,6 @@
 """What the launch rules of the Triton kernels ask of the device: its SM count, its opt-in shared memory
-per block and its compute capability, read once per device. Off CUDA (Triton's CPU interpreter) nominal values keep the rules
-exercised."""
+per block and its compute capability, read once per device. Off CUDA (Triton's CPU interpreter) nominal
+values keep the rules exercised."""
 
 from __future__ import annotations
 
