@@ -116,7 +116,7 @@ class Qwen35ForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Runs every new token of the batch; returns the final-normed hidden states of the
         `batch.logits_indices` rows, [R, hidden], or with `every_token` of every token, [T, hidden]."""
-        rows = batch.input_ids.shape[0]
+        rows = batch.num_tokens
         prefetch_weight(rows, self.layers[0].mixer.first_projection)
         h = F.embedding(batch.input_ids, self.embed_tokens)
         residual: torch.Tensor | None = None

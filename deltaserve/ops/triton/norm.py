@@ -64,10 +64,15 @@ _GATED_WARPS = 2
 _GATED_ROWS_PER_GROUP = 1024  # about this many programs before a program takes a second row
 
 
+def _gated_most_rows(head_dim: int) -> int:
+    """The most heads a gated-norm program takes at this head size."""
+    return max(1, _GATED_TILE // triton.next_power_of_2(head_dim))
+
+
 def _gated_launch_shape(head_dim: int, num_rows: int, launch: tuple[int, int] | None) -> tuple[int, int, int]:
     """(rows per program, columns per program, warps) of the gated norm; `launch` as _launch_shape's."""
     block_d = triton.next_power_of_2(head_dim)
-    most = max(1, _GATED_TILE // block_d)
+    most = _gated_most_rows(head_dim)
     grouped = max(1, num_rows // _GATED_ROWS_PER_GROUP)
     block_r = min(most, 1 << (grouped.bit_length() - 1))  # a power of two, 1 up to `most`
     block_r, num_warps = program_shape(launch, (block_r, _GATED_WARPS), "rows")
@@ -77,9 +82,8 @@ def _gated_launch_shape(head_dim: int, num_rows: int, launch: tuple[int, int] | 
 def gated_launch_row_counts(head_dim: int) -> list[int]:
     """A row count (heads x tokens) for each program shape the gated norm launches at this head size,
     smallest first: the warm-up compiles every one, so that none is first met while serving."""
-    most = max(1, _GATED_TILE // triton.next_power_of_2(head_dim))
     counts, block_r = [], 1
-    while block_r <= most:
+    while block_r <= _gated_most_rows(head_dim):
         counts.append(block_r * _GATED_ROWS_PER_GROUP)
         block_r *= 2
     return counts
