@@ -17,7 +17,7 @@ def test_sync_debug_mode_covers_each_launch_and_is_always_restored(monkeypatch):
     modes: list[str] = []
     monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
     backend = Backend.__new__(Backend)  # no model: only launch's wrapping is under test
-    backend._sync_debug, backend._streams = True, None
+    backend._sync_debug, backend._streams, backend._time_steps = True, None, False
 
     def launch(plan, decode_graphs=True):
         modes.append("launch")
@@ -63,7 +63,7 @@ def test_with_overlap_an_async_prefill_runs_on_the_prefill_stream_after_what_was
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext(log.append(f"on {s.name}")))
     monkeypatch.setattr(torch.cuda, "Event", lambda: _Event(log))
     backend = Backend.__new__(Backend)  # no model: only the stream routing is under test
-    backend._sync_debug, backend._streams = False, streams
+    backend._sync_debug, backend._streams, backend._time_steps = False, streams, False
 
     def launch(plan, decode_graphs=True):
         log.append(f"launch, decode graphs {decode_graphs}")

@@ -7,7 +7,17 @@ import argparse
 import pytest
 
 from deltaserve.bench.forward_cost import RowGroup, parse_shape, run_bench_forward, shape_rows
-from deltaserve.bench.step_log import TimeShare, intervals, parse_steps, runs, split_run, summarize
+from deltaserve.bench.step_log import (
+    DeviceTime,
+    TimeShare,
+    device_time,
+    intervals,
+    parse_steps,
+    run_bench_steps,
+    runs,
+    split_run,
+    summarize,
+)
 from deltaserve.engine.core import EngineCore
 from deltaserve.engine_config import EngineConfig
 
@@ -75,6 +85,35 @@ def test_each_runs_time_splits_into_prompt_steps_decode_only_steps_before_the_la
     assert b.decode_only_tail == TimeShare() and b.decode_only_tail.tokens_per_s == 0.0
 
 
+def test_device_and_idle_times_parse_and_sum_per_run(tmp_path, capsys):
+    timed = [
+        line(1000.0, "prefill", 100, 1, 0, 10.0) + " device_us=9000",  # the stream's first: no idle time
+        line(1020.0, "decode_ahead", 0, 0, 4, 5.0),  # logged at its launch: no device time
+        line(1040.0, "decode_ahead", 0, 0, 4, 5.0) + " device_us=4000 idle_us=1500",
+        line(1060.0, "unified", 50, 1, 4, 30.0, "plan:1000,launch:3000") + " device_us=28000 idle_us=500",
+        line(1080.0, "decode_ahead", 0, 0, 4, 5.0) + " device_us=4000 idle_us=0",
+    ]
+    records = parse_steps(timed)
+    assert [(r.device_us, r.idle_us) for r in records] == [
+        (9000, None),
+        (None, None),
+        (4000, 1500),
+        (28000, 500),
+        (4000, 0),
+    ]
+    assert records[3].phases_us == (("plan", 1000), ("launch", 3000))  # the fields before still parse
+    assert device_time(records) == DeviceTime(
+        4, pytest.approx(0.045), pytest.approx(0.002), 0.5, pytest.approx(1.48), 1.5
+    )
+    assert device_time(records[1:2]) is None
+    log = tmp_path / "server.log"
+    log.write_text("\n".join(timed) + "\n")
+    run_bench_steps(argparse.Namespace(logs=[str(log)], slowest=0))
+    out = capsys.readouterr().out
+    assert "device time per run" in out
+    assert "    1     0.09      4     0.04    0.00    0.50    1.48    1.50" in out
+
+
 def test_step_phases_parse_and_repeat():
     from deltaserve.bench.step_log import phase_ms
 
@@ -100,6 +139,32 @@ def test_allocations_that_can_stall_a_step_are_counted_and_logged(caplog, monkey
         telemetry.log_itl_step("decode", 0, 0, 2, 1.002, 1.004)
     first, second = (parse_steps([r.getMessage()])[0] for r in caplog.records)
     assert (first.allocs, second.allocs) == ("", "pinned:1")
+
+
+class FakeSpan:
+    """A device span whose times are given (CUDA events exist on GPUs only)."""
+
+    def __init__(self, device_ms: float, idle_ms: float | None, done: bool = True) -> None:
+        self.done, self._device, self._idle = done, device_ms, idle_ms
+
+    def device_ms(self) -> float:
+        return self._device
+
+    def idle_ms(self) -> float | None:
+        return self._idle
+
+
+def test_a_step_line_carries_its_device_and_idle_time_once_the_step_is_done(caplog):
+    from deltaserve.engine.scheduler import telemetry
+
+    assert telemetry.device_fields(None) == ""
+    assert telemetry.device_fields(FakeSpan(3.0, 0.2, done=False)) == ""  # logged at its launch
+    assert telemetry.device_fields(FakeSpan(3.0, None)) == " device_us=3000"  # the stream's first
+    assert telemetry.device_fields(FakeSpan(3.25, 0.0125)) == " device_us=3250 idle_us=12"
+    with caplog.at_level("INFO", logger="deltaserve.itl"):
+        telemetry.log_itl_step("decode", 0, 0, 2, 1.0, 1.004, FakeSpan(3.5, 0.25))
+    (record,) = parse_steps([r.getMessage() for r in caplog.records])
+    assert (record.step_us, record.device_us, record.idle_us) == (4000, 3500, 250)
 
 
 def test_forward_shapes_parse_and_name_the_field_when_wrong():

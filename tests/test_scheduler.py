@@ -472,6 +472,48 @@ def test_each_step_line_describes_the_step_its_tick_delivered(model, monkeypatch
     assert "wait" not in lines[0] and "wait" in lines[1]  # the first tick read nothing
 
 
+def test_each_step_line_carries_the_device_time_of_the_step_it_describes(model, monkeypatch, caplog):
+    # A backend timing its steps (CUDA) gives each launch a device span; here the k-th launch's span
+    # says k ms. The line of a tick that delivered a step launched ahead carries that step's span, not
+    # the span of the step the same tick launched after it.
+    from types import SimpleNamespace
+
+    from deltaserve.engine.backend import Backend
+
+    launches = []
+    real_launch = Backend.launch
+
+    def timed_launch(self, plan, overlapped=False):
+        pending = real_launch(self, plan, overlapped)
+        launches.append((len(plan.decode), sum(len(r.token_ids) for r in plan.prefill)))
+        k = len(launches)
+        pending.device_span = SimpleNamespace(done=True, device_ms=lambda: float(k), idle_ms=lambda: k / 10)
+        return pending
+
+    monkeypatch.setattr(Backend, "launch", timed_launch)
+    monkeypatch.setattr(telemetry, "ITL_DEBUG", True)
+    run = Run(model, max_num_batched_tokens=16)
+    with caplog.at_level("INFO", logger="deltaserve.itl"):
+        run.add("a", [1, 2, 3], GREEDY8)
+        run.tick()
+        run.add("b", list(range(40)), GREEDY8)
+        run.tick(2)
+    lines = [r.getMessage() for r in caplog.records if "ITL_STEP" in r.getMessage()]
+    described = [
+        {k: v for k, v in (part.split("=", 1) for part in line.split() if "=" in part)} for line in lines
+    ]
+    launch_of = {
+        (int(d["decode_rows"]), int(d["prefill_tokens"])): launches.index(
+            (int(d["decode_rows"]), int(d["prefill_tokens"]))
+        )
+        + 1
+        for d in described
+    }
+    for d in described:
+        k = launch_of[(int(d["decode_rows"]), int(d["prefill_tokens"]))]
+        assert (d["device_us"], d["idle_us"]) == (str(k * 1000), str(k * 100)), (d, launches)
+
+
 def test_invalid_policy_combinations_are_refused_before_the_model_loads(tmp_path):
     from deltaserve.engine.core import EngineCore
     from deltaserve.engine_config import EngineConfig

@@ -7,6 +7,10 @@ latency is the interval between the ends of consecutive steps, so this groups th
 steps that carry decode rows, by step kind and by prefill size: where an ITL percentile comes from.
 Intervals of IDLE_GAP_MS or more are gaps between runs, not steps, and are left out.
 
+Where the server timed its steps on the device (CUDA), a line also carries the step's device time and how
+long the stream sat idle before it: per run, the device's busy and idle seconds say whether the host
+kept the GPU fed.
+
 It also splits each run's time (runs are separated by RUN_GAP_MS without a step) three ways: steps with
 prompt tokens, decode-only steps while prompts were still to come (admission waiting for KV pages or
 slots), and the decode-only tail after the run's last prompt token: a saturated cell's throughput is the
@@ -31,7 +35,7 @@ PREFILL_BINS = ((0, 0), (1, 256), (257, 1024), (1025, 2048), (2049, 4096), (4097
 
 _LINE = re.compile(
     r"ITL_STEP mono_us=(\d+) kind=(\S+) prefill_tokens=(\d+) prefill_reqs=(\d+) decode_rows=(\d+) step_us=(\d+)"
-    r"(?: phases_us=(\S+))?(?: allocs=(\S+))?"
+    r"(?: phases_us=(\S+))?(?: allocs=(\S+))?(?: device_us=(\d+))?(?: idle_us=(-?\d+))?"
 )
 PHASES = ("plan", "launch", "wait", "apply")  # the step's host time, in order (engine/scheduler/telemetry.py)
 
@@ -47,6 +51,8 @@ class StepRecord:
     phases_us: tuple[tuple[str, int], ...] = ()  # (phase, µs) in order; a phase may repeat
     # Allocations since the previous line that can synchronise the device (ops/alloc_counters.py).
     allocs: str = ""
+    device_us: int | None = None  # the step's time on the device, first kernel to results copied
+    idle_us: int | None = None  # the stream's idle time between the launch before it and this step
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +79,7 @@ def parse_steps(lines: Iterable[str]) -> list[StepRecord]:
     for line in lines:
         m = _LINE.search(line)
         if m:
-            end, kind, tokens, reqs, rows, step, phases, allocs = m.groups()
+            end, kind, tokens, reqs, rows, step, phases, allocs, device, idle = m.groups()
             records.append(
                 StepRecord(
                     int(end),
@@ -84,6 +90,8 @@ def parse_steps(lines: Iterable[str]) -> list[StepRecord]:
                     int(step),
                     _parse_phases(phases),
                     allocs or "",
+                    None if device is None else int(device),
+                    None if idle is None else int(idle),
                 )
             )
     return records
@@ -201,6 +209,34 @@ def split_run(run: Sequence[StepRecord]) -> RunSplit:
     return RunSplit(*shares)
 
 
+@dataclass(frozen=True, slots=True)
+class DeviceTime:
+    """A run's steps whose lines carry their device time: the device's busy seconds over them and the
+    stream's idle time before each (per step, ms)."""
+
+    steps: int
+    device_s: float
+    idle_s: float
+    idle_median_ms: float
+    idle_p99_ms: float
+    idle_max_ms: float
+
+
+def device_time(run: Sequence[StepRecord]) -> DeviceTime | None:
+    timed = [r for r in run if r.device_us is not None]
+    if not timed:
+        return None
+    idle = np.array([r.idle_us / 1000 for r in timed if r.idle_us is not None] or [0.0])
+    return DeviceTime(
+        len(timed),
+        sum(r.device_us for r in timed) / 1e6,
+        float(idle.sum()) / 1000,
+        float(np.percentile(idle, 50)),
+        float(np.percentile(idle, 99)),
+        float(idle.max()),
+    )
+
+
 def add_bench_steps_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("logs", nargs="+", help="server logs written with DELTASERVE_ITL_DEBUG=1")
     parser.add_argument("--slowest", type=int, default=10, help="also list this many slowest intervals")
@@ -227,6 +263,7 @@ def run_bench_steps(args: argparse.Namespace) -> list[GroupStats]:
             f"           {phases}"
         )
     _print_time_split(records)
+    _print_device_time(records)
     slowest = sorted(intervals(records), key=lambda i: -i.ms)[: args.slowest]
     if slowest:
         print(
@@ -256,3 +293,20 @@ def _print_time_split(records: Sequence[StepRecord]) -> None:
             for s in (split.with_prompts, split.decode_only_prompts_to_come, split.decode_only_tail)
         )
         print(f"  {n:3d} {split.seconds:8.2f}  {cells}")
+
+
+def _print_device_time(records: Sequence[StepRecord]) -> None:
+    rows = [(n, split_run(run), device_time(run)) for n, run in enumerate(runs(records), 1)]
+    rows = [(n, split, dt) for n, split, dt in rows if dt is not None]
+    if not rows:
+        return
+    print("device time per run: steps timed, busy seconds, idle seconds before them; idle per step, ms")
+    print(
+        f"  {'run':>3s} {'seconds':>8s} {'timed':>6s} {'busy s':>8s} {'idle s':>7s} {'median':>7s} {'p99':>7s}"
+        f" {'max':>7s}"
+    )
+    for n, split, dt in rows:
+        print(
+            f"  {n:3d} {split.seconds:8.2f} {dt.steps:6d} {dt.device_s:8.2f} {dt.idle_s:7.2f} "
+            f"{dt.idle_median_ms:7.2f} {dt.idle_p99_ms:7.2f} {dt.idle_max_ms:7.2f}"
+        )

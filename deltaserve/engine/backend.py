@@ -44,6 +44,7 @@ from deltaserve.engine.sampler import Sampler, SamplingRow, logprobs_of
 from deltaserve.engine.spec_graphs import SpeculativeGraphs
 from deltaserve.engine.speculative import SpeculativeStep
 from deltaserve.engine.step import (
+    DeviceSpan,
     PendingStep,
     PlannedRow,
     StagedResult,
@@ -72,7 +73,10 @@ class Backend:
         worker: ModelWorker | None = None,
         spec_graphs: SpeculativeGraphs | None = None,
         overlap: bool = False,
+        time_steps: bool = False,
     ) -> None:
+        """`time_steps`: each launch on the main stream carries a `DeviceSpan` (CUDA only), for the step
+        log's device and idle times."""
         self.model = model
         self.caches = caches
         self.sampler = sampler or Sampler(
@@ -87,6 +91,8 @@ class Backend:
         )
         self._sync_debug = SYNC_DEBUG and self.device.type == "cuda"
         self._streams = OverlapStreams.create(self.device) if overlap and self.device.type == "cuda" else None
+        self._time_steps = time_steps and self.device.type == "cuda"
+        self._last_end: torch.cuda.Event | None = None  # the last timed launch's end on the main stream
         if self._sync_debug:
             logging.captureWarnings(True)
 
@@ -120,7 +126,13 @@ class Backend:
         streams = self._streams
         if not overlapped or streams is None:
             with self._on_main():
-                return self._launch(plan, decode_graphs=not overlapped)
+                if not self._time_steps:
+                    return self._launch(plan, decode_graphs=not overlapped)
+                start = DeviceSpan.mark()
+                pending = self._launch(plan, decode_graphs=not overlapped)
+                pending.device_span = DeviceSpan(start, DeviceSpan.mark(), self._last_end)
+                self._last_end = pending.device_span.end
+                return pending
         streams.prefill.wait_stream(streams.main)  # its inputs: everything launched before it
         with torch.cuda.stream(streams.prefill):
             try:

@@ -28,6 +28,7 @@ from deltaserve.engine.prefill_graphs import PrefillGraphRunner
 from deltaserve.engine.protocol import ClientMessage, Shutdown, StepOutputs
 from deltaserve.engine.rank import build_rank, verify_scratch_slots
 from deltaserve.engine.scheduler import Scheduler, SchedulerConfig, start_scheduler
+from deltaserve.engine.scheduler.telemetry import ITL_DEBUG
 from deltaserve.engine.spec_graphs import SpeculativeGraphs
 from deltaserve.engine.structured import GrammarBackend, grammar_vocabulary, warm_grammar_masks
 from deltaserve.engine.tp import RankWorkers, TensorParallelError, TensorParallelWorker
@@ -179,12 +180,14 @@ class EngineCore:
                 worker=ModelWorker(self.model, caches, graphs, prefill_graphs),
                 spec_graphs=spec_graphs,
                 overlap=config.prefill_overlap,
+                time_steps=ITL_DEBUG,
             )
             if self.workers is None
             else Backend(
                 self.model,
                 caches,
                 worker=TensorParallelWorker(self.model, caches, self.workers, graphs, prefill_graphs),
+                time_steps=ITL_DEBUG,
             )
         )
         self.scheduler_config = SchedulerConfig(

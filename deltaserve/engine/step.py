@@ -24,6 +24,38 @@ from deltaserve.ops.batch import BatchRow
 from deltaserve.ops.pinned import PINNED
 
 
+@dataclass(frozen=True, slots=True)
+class DeviceSpan:
+    """Timing events around one launch's device work on its stream (the step log's device and idle
+    times, with DELTASERVE_ITL_DEBUG): `start` is reached when the stream starts the launch's first
+    kernel, `end` once its results' copy to the host is done; `previous_end` is the end of the launch
+    before it on the same stream (None for the first)."""
+
+    start: torch.cuda.Event
+    end: torch.cuda.Event
+    previous_end: torch.cuda.Event | None = None
+
+    @staticmethod
+    def mark() -> torch.cuda.Event:
+        """A timing event recorded on the current stream."""
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    @property
+    def done(self) -> bool:
+        return self.end.query()
+
+    def device_ms(self) -> float:
+        """The launch's time on the device, from its first kernel's start to its end (once done)."""
+        return self.start.elapsed_time(self.end)
+
+    def idle_ms(self) -> float | None:
+        """How long the stream waited for this launch after the one before it ended (once done): about 0
+        when it was queued in time; None for the stream's first."""
+        return None if self.previous_end is None else self.previous_end.elapsed_time(self.start)
+
+
 @dataclass(slots=True)
 class PromptScoring:
     """Prompt logprobs for a row: the distribution after its token i scores `targets[i]` (the next
@@ -105,6 +137,7 @@ class PendingStep:
         # An overlapped step's (engine/backend.py): recorded after all of its device work, the pages and
         # state it writes included; it is not ready, nor read, before that.
         self.finished: torch.cuda.Event | None = None
+        self.device_span: DeviceSpan | None = None  # with step timing on (engine/backend.py)
 
     @property
     def rows(self) -> Sequence[SamplingRow]:

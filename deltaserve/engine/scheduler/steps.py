@@ -75,6 +75,7 @@ from deltaserve.engine.scheduler.rows import (
 from deltaserve.engine.scheduler.spec_plan import SpeculativePlan, draft_count, plan_speculation
 from deltaserve.engine.scheduler.state import SchedulerState
 from deltaserve.engine.step import (
+    DeviceSpan,
     StepPlan,
     StepResult,
     TokenFeed,
@@ -181,12 +182,18 @@ def run_step(sched: SchedulerState) -> None:
 def _log_delivered_ahead(ahead: LaunchedStep, started: float) -> None:
     kind = build_next_plan(len(ahead.decode), len(ahead.chunks))
     assert kind is not None, "a launched step has rows"
-    _log_step(f"{kind.value}_ahead", ahead.decode, ahead.chunks, started)
+    _log_step(f"{kind.value}_ahead", ahead.decode, ahead.chunks, started, ahead.pending.device_span)
 
 
-def _log_step(label: str, decode: list[Request], chunks: list[ScheduledChunk], started: float) -> None:
+def _log_step(
+    label: str,
+    decode: list[Request],
+    chunks: list[ScheduledChunk],
+    started: float,
+    span: DeviceSpan | None = None,
+) -> None:
     prefill_tokens = sum(c.length for c in chunks)
-    telemetry.log_itl_step(label, prefill_tokens, len(chunks), len(decode), started, time.monotonic())
+    telemetry.log_itl_step(label, prefill_tokens, len(chunks), len(decode), started, time.monotonic(), span)
 
 
 def _plan_work(
@@ -330,6 +337,7 @@ def _launch(
         launched = sched.backend.launch(plan, overlapped=True) if overlapped else sched.backend.launch(plan)
         if telemetry.ITL_DEBUG:
             telemetry.mark("launch")
+            telemetry.launched(launched)
     except (torch.OutOfMemoryError, MemoryError) as exc:
         cache.pending.extend(before)  # not known to have run: they run again with the next launch
         cache.abandoned(after)

@@ -11,6 +11,7 @@ import os
 import time
 
 from deltaserve.engine.scheduler.state import SchedulerConfig
+from deltaserve.engine.step import DeviceSpan, PendingStep
 from deltaserve.ops.alloc_counters import allocation_counts, counts_since
 
 logger = logging.getLogger("deltaserve.itl")
@@ -21,6 +22,9 @@ ITL_DEBUG = os.environ.get("DELTASERVE_ITL_DEBUG", "") not in ("", "0", "false")
 # scheduler thread marks and logs, so one module-level list serves.
 _marks: list[tuple[str, float]] = []
 _allocations: dict[str, int] = {}  # allocation_counts() at the previous line
+# The device span of the step this tick launched through the scheduler (a backend timing its steps):
+# the line's step when the tick delivered no step launched ahead.
+_launched: list[DeviceSpan] = []
 
 
 def mark(phase: str) -> None:
@@ -29,9 +33,36 @@ def mark(phase: str) -> None:
     _marks.append((phase, time.monotonic()))
 
 
+def launched(step: PendingStep) -> None:
+    """Notes a step launched this tick (callers check ITL_DEBUG first)."""
+    _launched[:] = [] if step.device_span is None else [step.device_span]
+
+
+def device_fields(span: DeviceSpan | None) -> str:
+    """The line's device time and the stream's idle time before the step, in µs, once the step is done
+    on the device (a step logged at its launch has none)."""
+    if span is None or not span.done:
+        return ""
+    idle = span.idle_ms()
+    return f" device_us={int(span.device_ms() * 1000)}" + (
+        "" if idle is None else f" idle_us={int(idle * 1000)}"
+    )
+
+
 def log_itl_step(
-    kind: str, prefill_tokens: int, prefill_reqs: int, decode_rows: int, started: float, ended: float
+    kind: str,
+    prefill_tokens: int,
+    prefill_reqs: int,
+    decode_rows: int,
+    started: float,
+    ended: float,
+    span: DeviceSpan | None = None,
 ) -> None:
+    """One line for the tick's step; `span`: the device span of the step it delivered, else the one the
+    tick launched (if any)."""
+    if span is None and _launched:
+        span = _launched[0]
+    _launched.clear()
     phases, last = [], started
     for phase, at in _marks:
         phases.append(f"{phase}:{int((at - last) * 1e6)}")
@@ -42,7 +73,7 @@ def log_itl_step(
     _allocations.update(counts)
     logger.info(
         "ITL_STEP mono_us=%d kind=%s prefill_tokens=%d prefill_reqs=%d decode_rows=%d step_us=%d phases_us=%s"
-        "%s",
+        "%s%s",
         int(ended * 1e6),
         kind,
         prefill_tokens,
@@ -51,6 +82,7 @@ def log_itl_step(
         int((ended - started) * 1e6),
         ",".join(phases) or "-",
         (" allocs=" + ",".join(f"{k}:{v}" for k, v in moved.items())) if moved else "",
+        device_fields(span),
     )
 
 
