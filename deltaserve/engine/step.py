@@ -28,8 +28,9 @@ from deltaserve.ops.pinned import PINNED
 class DeviceSpan:
     """Timing events around one launch's device work on its stream (the step log's device and idle
     times, with DELTASERVE_ITL_DEBUG): `start` is reached when the stream starts the launch's first
-    kernel, `end` once its results' copy to the host is done; `previous_end` is the end of the launch
-    before it on the same stream (None for the first)."""
+    kernel, `end` once its results' copy to the host is done (a step whose sampling waits for a grammar's
+    mask: once its forward is); `previous_end` is the end of the launch before it on the same stream
+    (None for the first)."""
 
     start: torch.cuda.Event
     end: torch.cuda.Event

@@ -337,7 +337,7 @@ def _launch(
         launched = sched.backend.launch(plan, overlapped=True) if overlapped else sched.backend.launch(plan)
         if telemetry.ITL_DEBUG:
             telemetry.mark("launch")
-            telemetry.launched(launched)
+            telemetry.note_launch(launched)
     except (torch.OutOfMemoryError, MemoryError) as exc:
         cache.pending.extend(before)  # not known to have run: they run again with the next launch
         cache.abandoned(after)

@@ -33,7 +33,7 @@ def mark(phase: str) -> None:
     _marks.append((phase, time.monotonic()))
 
 
-def launched(step: PendingStep) -> None:
+def note_launch(step: PendingStep) -> None:
     """Notes a step launched this tick (callers check ITL_DEBUG first)."""
     _launched[:] = [] if step.device_span is None else [step.device_span]
 
