@@ -17,6 +17,7 @@ from deltaserve.bench.step_log import (
     runs,
     split_run,
     summarize,
+    write_report,
 )
 from deltaserve.engine.core import EngineCore
 from deltaserve.engine_config import EngineConfig
@@ -112,6 +113,12 @@ def test_device_and_idle_times_parse_and_sum_per_run(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "device time per run" in out
     assert "    1     0.09      4     0.04    0.00    0.50    1.48    1.50" in out
+    report = tmp_path / "bench-steps.txt"  # what `bench matrix` writes beside a step-logged server log
+    assert write_report(log, report, slowest=0) and report.read_text() == out
+    quiet = tmp_path / "quiet.log"
+    quiet.write_text("2026-12-01 12:00:00,001 deltaserve.server INFO no step lines\n")
+    assert not write_report(quiet, tmp_path / "none.txt") and not (tmp_path / "none.txt").exists()
+    assert not write_report(tmp_path / "missing.log", tmp_path / "none.txt")
 
 
 def test_step_phases_parse_and_repeat():

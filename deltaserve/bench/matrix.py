@@ -46,6 +46,7 @@ from deltaserve.bench.matrix_server import (
 )
 from deltaserve.bench.proc_stats import tree_cpu_seconds
 from deltaserve.bench.records import PREVIOUS_RECORD_DATE, reference
+from deltaserve.bench.step_log import write_report
 
 # Every timed run reports p100 (the max) beside vLLM's percentiles.
 _CLIENT_FLAGS = ("--metric-percentiles", "50,90,99,100", "--ready-check-timeout-sec", "60")
@@ -247,6 +248,8 @@ class GroupRun:
                 self.server = None
             self.record["wall_s"] = time.perf_counter() - started
             self._write()
+            # A server run with DELTASERVE_ITL_DEBUG=1 logged its steps: their summary beside the log.
+            write_report(self.plan.raw_dir / "server.log", self.plan.raw_dir / "bench-steps.txt")
         print(format_table(self.record))
         md = self.plan.out_dir / f"{self.plan.stem}.md"
         print(f"wrote {md} and {md.with_suffix('.json')}; raw results and logs in {self.plan.raw_dir}/")

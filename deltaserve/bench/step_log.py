@@ -20,6 +20,8 @@ first kind's rate, diluted by the other two.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -250,6 +252,23 @@ def run_bench_steps(args: argparse.Namespace) -> list[GroupStats]:
         raise SystemExit(
             f"no ITL_STEP lines in {', '.join(args.logs)} (start the server with DELTASERVE_ITL_DEBUG=1)"
         )
+    return _report(records, args.slowest)
+
+
+def write_report(server_log: Path, out: Path, slowest: int = 10) -> bool:
+    """Writes what `bench steps server_log` prints to `out` when the log has step lines (a server run
+    with DELTASERVE_ITL_DEBUG=1); False, writing nothing, when it has none."""
+    records = parse_steps(server_log.read_text(errors="replace").splitlines()) if server_log.exists() else []
+    if not records:
+        return False
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        _report(records, slowest)
+    out.write_text(text.getvalue())
+    return True
+
+
+def _report(records: Sequence[StepRecord], slowest_count: int) -> list[GroupStats]:
     stats = summarize(records)
     phase_heads = " ".join(f"{p:>7s}" for p in PHASES)
     print(
@@ -264,7 +283,7 @@ def run_bench_steps(args: argparse.Namespace) -> list[GroupStats]:
         )
     _print_time_split(records)
     _print_device_time(records)
-    slowest = sorted(intervals(records), key=lambda i: -i.ms)[: args.slowest]
+    slowest = sorted(intervals(records), key=lambda i: -i.ms)[:slowest_count]
     if slowest:
         print(
             "slowest intervals: ms, kind, prefill tokens / requests, decode rows, step ms, launch ms, allocations"
