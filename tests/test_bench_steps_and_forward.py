@@ -107,6 +107,11 @@ def test_device_and_idle_times_parse_and_sum_per_run(tmp_path, capsys):
         4, pytest.approx(0.045), pytest.approx(0.002), 0.5, pytest.approx(1.48), 1.5
     )
     assert device_time(records[1:2]) is None
+    # A run's first launch waited for the run's requests, not for the host: its idle time is left out,
+    # also where its launch line (no device time) opens the run.
+    assert device_time(records[1:]) == DeviceTime(
+        3, pytest.approx(0.036), pytest.approx(0.0005), 0.25, 0.495, 0.5
+    )
     log = tmp_path / "server.log"
     log.write_text("\n".join(timed) + "\n")
     run_bench_steps(argparse.Namespace(logs=[str(log)], slowest=0))

@@ -9,7 +9,8 @@ Intervals of IDLE_GAP_MS or more are gaps between runs, not steps, and are left 
 
 Where the server timed its steps on the device (CUDA), a line also carries the step's device time and how
 long the stream sat idle before it: per run, the device's busy and idle seconds say whether the host
-kept the GPU fed.
+kept the GPU fed. The idle time before a run's first step is the wait for the run's requests, not the
+host's, and is left out.
 
 It also splits each run's time (runs are separated by RUN_GAP_MS without a step) three ways: steps with
 prompt tokens, decode-only steps while prompts were still to come (admission waiting for KV pages or
@@ -214,7 +215,7 @@ def split_run(run: Sequence[StepRecord]) -> RunSplit:
 @dataclass(frozen=True, slots=True)
 class DeviceTime:
     """A run's steps whose lines carry their device time: the device's busy seconds over them and the
-    stream's idle time before each (per step, ms)."""
+    stream's idle time before each but the run's first (per step, ms)."""
 
     steps: int
     device_s: float
@@ -228,7 +229,9 @@ def device_time(run: Sequence[StepRecord]) -> DeviceTime | None:
     timed = [r for r in run if r.device_us is not None]
     if not timed:
         return None
-    idle = np.array([r.idle_us / 1000 for r in timed if r.idle_us is not None] or [0.0])
+    # The run's first launch follows RUN_GAP_MS without a step: its idle time is the wait for requests. Its
+    # span is the first to come back (one stream), though a line logged at its launch may come before.
+    idle = np.array([r.idle_us / 1000 for r in timed[1:] if r.idle_us is not None] or [0.0])
     return DeviceTime(
         len(timed),
         sum(r.device_us for r in timed) / 1e6,
