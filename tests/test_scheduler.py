@@ -9,6 +9,7 @@ import hf_oracle
 import pytest
 from scheduler_harness import LOGPROB_TOL, VOCAB, Run, load_model
 
+from deltaserve.engine.protocol import AddRequest
 from deltaserve.engine.scheduler import Phase, telemetry
 from deltaserve.sampling_params import SamplingParams
 
@@ -914,3 +915,17 @@ def test_random_penalised_traffic_launched_ahead_gives_the_tokens_of_synchronous
         preempted.append(run.sched.num_preemptions)
     assert ends[True] == ends[False]
     assert max(preempted) > 0
+
+
+def test_queue_time_ends_at_the_first_step_with_the_request_not_its_last_chunk(model, monkeypatch):
+    # vllm:request_queue_time_seconds is arrival to the first scheduling: a prompt cut into three chunks
+    # waits in no queue while its first two chunks run.
+    now = [10.0]
+    monkeypatch.setattr("time.monotonic", lambda: now[0])
+    run = Run(model, max_num_batched_tokens=16)
+    run.sched.submit(AddRequest("a", list(range(40)), GREEDY8, arrival_time=10.0))  # the client's clock
+    for at in (11.0, 12.0, 13.0, 14.0, 15.0):  # chunks of 16, 16 and 8 tokens, then the first token
+        now[0] = at
+        run.tick()
+    first = next(u for u in run.updates["a"] if u.new_token_ids)
+    assert first.queued_time == pytest.approx(1.0)

@@ -138,6 +138,8 @@ def admit(sched: SchedulerState) -> None:
             sched.prefix_queries += req.num_tokens
             sched.prefix_hits += req.num_cached_tokens
         req.phase = Phase.PREFILLING
+        if req.first_scheduled_time is None:  # the end of its queue time: this tick plans its first chunk
+            req.first_scheduled_time = time.monotonic()
         req.admitted_order = sched._admitted
         sched._admitted += 1
         sched.prefilling.append(req)
