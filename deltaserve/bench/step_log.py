@@ -10,7 +10,8 @@ Intervals of IDLE_GAP_MS or more are gaps between runs, not steps, and are left 
 Where the server timed its steps on the device (CUDA), a line also carries the step's device time and how
 long the stream sat idle before it: per run, the device's busy and idle seconds say whether the host
 kept the GPU fed. The idle time before a run's first step is the wait for the run's requests, not the
-host's, and is left out.
+host's, and is left out. The API server's first-token lines (ITL_REQ) are cut at those steps:
+deltaserve/bench/first_token_log.py.
 
 It also splits each run's time (runs are separated by RUN_GAP_MS without a step) three ways: steps with
 prompt tokens, decode-only steps while prompts were still to come (admission waiting for KV pages or
@@ -29,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from deltaserve.bench.first_token_log import print_first_tokens
 
 IDLE_GAP_MS = 2000.0
 # Half a second without a step that feeds tokens ends a run (a warm-up and the measured run after it): under
@@ -248,30 +251,32 @@ def add_bench_steps_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_bench_steps(args: argparse.Namespace) -> list[GroupStats]:
-    records: list[StepRecord] = []
+    lines: list[str] = []
     for path in args.logs:
-        records += parse_steps(Path(path).read_text(errors="replace").splitlines())
+        lines += Path(path).read_text(errors="replace").splitlines()
+    records = parse_steps(lines)
     if not records:
         raise SystemExit(
             f"no ITL_STEP lines in {', '.join(args.logs)} (start the server with DELTASERVE_ITL_DEBUG=1)"
         )
-    return _report(records, args.slowest)
+    return _report(records, args.slowest, lines)
 
 
 def write_report(server_log: Path, out: Path, slowest: int = 10) -> bool:
     """Writes what `bench steps server_log` prints to `out` when the log has step lines (a server run
     with DELTASERVE_ITL_DEBUG=1); False, writing nothing, when it has none."""
-    records = parse_steps(server_log.read_text(errors="replace").splitlines()) if server_log.exists() else []
+    lines = server_log.read_text(errors="replace").splitlines() if server_log.exists() else []
+    records = parse_steps(lines)
     if not records:
         return False
     text = io.StringIO()
     with contextlib.redirect_stdout(text):
-        _report(records, slowest)
+        _report(records, slowest, lines)
     out.write_text(text.getvalue())
     return True
 
 
-def _report(records: Sequence[StepRecord], slowest_count: int) -> list[GroupStats]:
+def _report(records: Sequence[StepRecord], slowest_count: int, lines: Sequence[str] = ()) -> list[GroupStats]:
     stats = summarize(records)
     phase_heads = " ".join(f"{p:>7s}" for p in PHASES)
     print(
@@ -286,6 +291,7 @@ def _report(records: Sequence[StepRecord], slowest_count: int) -> list[GroupStat
         )
     _print_time_split(records)
     _print_device_time(records)
+    print_first_tokens(lines, [r.end_us for r in records])
     slowest = sorted(intervals(records), key=lambda i: -i.ms)[:slowest_count]
     if slowest:
         print(

@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from deltaserve import itl_debug
 from deltaserve.engine.protocol import LoadSnapshot
 from deltaserve.server.metrics_processes import MULTIPROCESS_ENV
 
@@ -146,10 +147,28 @@ class ServerMetrics:
         self._success.labels(model_name=self._model_name, finished_reason=finish_reason).inc()
 
     def track(self, arrival: float) -> RequestTracker:
-        return RequestTracker(self, arrival)
+        """A request's bookkeeping from its submission to the engine (now) on."""
+        return RequestTracker(self, arrival, submitted=time.monotonic())
 
     def render(self) -> bytes:
         return generate_latest(self._rendered)
+
+
+def log_first_token(
+    arrival: float, submitted: float, queued_time: float | None, first_token: float, prompt_tokens: int
+) -> None:
+    """The latency log's line for a request's first token (DELTASERVE_ITL_DEBUG=1), in µs on the
+    monotonic clock the engine's step lines use: `mono_us` the token's arrival here (detokenized, before
+    the response writes it), `arrival_us` the HTTP request's, `submitted_us` when parsed and tokenized it
+    went to the engine, `queued_us` from there to the engine's first step with it (-1: not reported)."""
+    itl_debug.logger.info(
+        "ITL_REQ mono_us=%d arrival_us=%d submitted_us=%d queued_us=%d prompt_tokens=%d",
+        int(first_token * 1e6),
+        int(arrival * 1e6),
+        int(submitted * 1e6),
+        -1 if queued_time is None else int(max(queued_time, 0.0) * 1e6),
+        prompt_tokens,
+    )
 
 
 @dataclass(slots=True)
@@ -160,6 +179,7 @@ class RequestTracker:
     arrival: float  # time.monotonic() when the HTTP request arrived
     last_token: float | None = None
     finished: bool = field(default=False)
+    submitted: float = 0.0  # time.monotonic() when, parsed and tokenized, it went to the engine
 
     def on_tokens(self, num_tokens: int, num_prompt_tokens: int, queued_time: float | None) -> None:
         if num_tokens == 0 or self.finished:
@@ -172,6 +192,8 @@ class RequestTracker:
             m.totals.prompt += num_prompt_tokens
             if queued_time is not None:
                 m.queue.observe(max(queued_time, 0.0))
+            if itl_debug.ITL_DEBUG:
+                log_first_token(self.arrival, self.submitted, queued_time, t, num_prompt_tokens)
         else:
             # A delta of several tokens (a stream interval, a consumer catching up, speculative tokens)
             # counts each at the mean gap, so the histogram does not depend on how tokens were batched.

@@ -6,17 +6,13 @@ formatting, no clock reads beyond the step's own.
 
 from __future__ import annotations
 
-import logging
-import os
 import time
 
 from deltaserve.engine.scheduler.state import SchedulerConfig
 from deltaserve.engine.step import DeviceSpan, PendingStep
+from deltaserve.itl_debug import ITL_DEBUG as ITL_DEBUG  # the flag's one reading; callers check it here
+from deltaserve.itl_debug import logger
 from deltaserve.ops.alloc_counters import allocation_counts, counts_since
-
-logger = logging.getLogger("deltaserve.itl")
-
-ITL_DEBUG = os.environ.get("DELTASERVE_ITL_DEBUG", "") not in ("", "0", "false")
 
 # Where the step's host time went: (phase, its end) in order, since the step started. Only the
 # scheduler thread marks and logs, so one module-level list serves.
