@@ -170,7 +170,9 @@ class UsageInfo(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # Token ids before strings: the union is tried in order (strict), and a list of ids tried as strings
+    # first builds an error per id (~1.3 ms per 8,192 ids, ahead of the handler and its clock).
+    prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = None  # None: the rest of the context window
     logprobs: int | None = None
     echo: bool = False
