@@ -14,7 +14,7 @@ import pytest
 from scheduler_harness import LOGPROB_TOL, VOCAB, Run, load_model
 
 from deltaserve.cache.kv_pages import PageAllocator
-from deltaserve.cache.prefix import ROOT, PageKeys, extend_page_keys, prefix_key, salted_root
+from deltaserve.cache.prefix import ROOT, PageKeys, chain, extend_page_keys, prefix_key, salted_root
 from deltaserve.cache.snapshots import Snapshot, SnapshotTable
 from deltaserve.engine.protocol import ResetPrefixCache
 from deltaserve.engine.scheduler.prefix import PROMPT_END_MIN_GAP, cache_points
@@ -375,3 +375,15 @@ def test_admission_counts_as_returned_only_the_pages_a_finishing_request_holds_a
     for rid, *_ in requests:
         assert tight.terminal(rid).finish_reason == "length"
         assert tight.tokens(rid) == ample.tokens(rid)
+
+
+def test_page_keys_extended_in_pieces_are_the_chain_of_each_page_on_its_parent():
+    tokens = [(i * 7919) % 248_320 for i in range(70)]
+    keys = PageKeys()
+    for known in (0, 3, 9, 9, 41, 70):  # partial pages, a repeat, several pages at once
+        extend_page_keys(keys, tokens[:known], 4)
+    expected, parent = [], ROOT
+    for page in range(70 // 4):
+        parent = chain(parent, tokens[page * 4 : page * 4 + 4])
+        expected.append(parent)
+    assert list(keys) == expected
