@@ -515,6 +515,33 @@ def test_each_step_line_carries_the_device_time_of_the_step_it_describes(model, 
         assert (d["device_us"], d["idle_us"]) == (str(k * 1000), str(k * 100)), (d, launches)
 
 
+def test_a_tick_that_delivers_the_last_step_and_launches_nothing_describes_that_step(
+    model, monkeypatch, caplog
+):
+    # A one-token completion: its prefill is launched ahead, and the tick that reads it has nothing
+    # left to launch. Its line is the prefill's, with the prefill's device time (not an idle tick's).
+    from types import SimpleNamespace
+
+    from deltaserve.engine.backend import Backend
+
+    real_launch = Backend.launch
+
+    def timed_launch(self, plan, overlapped=False):
+        pending = real_launch(self, plan, overlapped)
+        pending.device_span = SimpleNamespace(done=True, device_ms=lambda: 7.0, idle_ms=lambda: 0.0)
+        return pending
+
+    monkeypatch.setattr(Backend, "launch", timed_launch)
+    monkeypatch.setattr(telemetry, "ITL_DEBUG", True)
+    run = Run(model)
+    with caplog.at_level("INFO", logger="deltaserve.itl"):
+        run.add("a", list(range(20)), SamplingParams(temperature=0.0, max_tokens=1))
+        run.tick(2)
+    lines = [r.getMessage() for r in caplog.records if "ITL_STEP" in r.getMessage()]
+    assert len(lines) == 2 and run.terminal("a").finish_reason == "length"
+    assert "kind=prefill_ahead prefill_tokens=20" in lines[1] and "device_us=7000" in lines[1], lines
+
+
 def test_invalid_policy_combinations_are_refused_before_the_model_loads(tmp_path):
     from deltaserve.engine.core import EngineCore
     from deltaserve.engine_config import EngineConfig

@@ -175,7 +175,8 @@ def run_step(sched: SchedulerState) -> None:
     decode, chunks, spec = _plan_work(sched)
     label = _launch_work(sched, decode, chunks, spec)
     if telemetry.ITL_DEBUG:
-        if ahead is not None and label.endswith("_ahead"):  # this tick delivered `ahead`, then launched
+        # A tick that delivered `ahead` and then launched ahead, or nothing, describes `ahead`.
+        if ahead is not None and (label.endswith("_ahead") or label == "idle"):
             _log_delivered_ahead(ahead, started)
         else:
             _log_step(label, decode, chunks, started)
