@@ -2,11 +2,12 @@
 
 With DELTASERVE_ITL_DEBUG=1 the API server logs one ITL_REQ line per request at its first token and the
 engine one ITL_STEP line per step, on the host's one monotonic clock. Together they cut the server's
-part of TTFT (from the HTTP request's arrival to the first token detokenized in the API server) in four:
-parsing and tokenizing, the way to the engine and the wait for its first step with the request, the
+part of TTFT (from the request's arrival in its handler to the first token detokenized in the API
+server) in four: the handler's checks and tokenizing, the way to the engine and the wait for its first step with the request, the
 engine's steps up to the end of the one that sampled the token, and the delivery (the engine's
-emission, the transport and the detokenization). The client's TTFT adds the response's write and the
-network to it.
+emission, the transport and the detokenization). The client's TTFT adds what comes before the
+handler (the body's upload, JSON parsing, the request model's validation), the response's write and
+the network.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ class FirstToken:
     """One ITL_REQ line, in µs on the monotonic clock."""
 
     token_us: int  # the first token detokenized in the API server
-    arrival_us: int  # the HTTP request's arrival
+    arrival_us: int  # the request's arrival in its handler (its body parsed and validated)
     submitted_us: int  # parsed and tokenized, handed to the engine
     queued_us: int | None  # from submission to the engine's first step with it (None: not reported)
     prompt_tokens: int
@@ -42,7 +43,7 @@ class FirstTokenSplit:
 
     prompt_tokens: int
     total_ms: float
-    tokenize_ms: float  # arrival to submission: HTTP parsing, the chat template, tokenization
+    tokenize_ms: float  # arrival to submission: the handler's checks, the chat template, tokenization
     queue_ms: float  # to the engine's first step with it: transport, and the wait for admission
     steps_ms: float  # to the end of the last step before the token: its chunks, and the step sampling it
     delivery_ms: float  # that step's end to the token in the API server: emission, transport, detokenizing
