@@ -47,6 +47,20 @@ class FirstTokenSplit:
     queue_ms: float  # to the engine's first step with it: transport, and the wait for admission
     steps_ms: float  # to the end of the last step before the token: its chunks, and the step sampling it
     delivery_ms: float  # that step's end to the token in the API server: emission, transport, detokenizing
+    last_step_device_ms: float | None = None  # that step's device time, where its line has it (CUDA)
+
+
+@dataclass(frozen=True, slots=True)
+class StepEnds:
+    """The step lines' ends (µs, ascending) and each step's device time (µs; None where not timed)."""
+
+    ends_us: list[int]
+    device_us: list[int | None]
+
+    @classmethod
+    def of(cls, steps: Iterable[tuple[int, int | None]]) -> StepEnds:
+        ordered = sorted(steps, key=lambda s: s[0])
+        return cls([end for end, _ in ordered], [device for _, device in ordered])
 
 
 def parse_first_tokens(lines: Iterable[str]) -> list[FirstToken]:
@@ -59,17 +73,16 @@ def parse_first_tokens(lines: Iterable[str]) -> list[FirstToken]:
     return out
 
 
-def split_first_token(first: FirstToken, step_ends_us: Sequence[int]) -> FirstTokenSplit | None:
-    """`first` cut at the end of the last step (of the sorted `step_ends_us`) before its token; None
-    where the engine did not report the queue time or no step ended between its first step and the
-    token (the log began later)."""
+def split_first_token(first: FirstToken, steps: StepEnds) -> FirstTokenSplit | None:
+    """`first` cut at the end of the last step before its token; None where the engine did not report
+    the queue time or no step ended between its first step and the token (the log began later)."""
     if first.queued_us is None:
         return None
     scheduled = first.submitted_us + first.queued_us
-    i = bisect.bisect_right(step_ends_us, first.token_us) - 1
-    if i < 0 or step_ends_us[i] < scheduled:
+    i = bisect.bisect_right(steps.ends_us, first.token_us) - 1
+    if i < 0 or steps.ends_us[i] < scheduled:
         return None
-    end = step_ends_us[i]
+    end, device = steps.ends_us[i], steps.device_us[i]
     return FirstTokenSplit(
         first.prompt_tokens,
         (first.token_us - first.arrival_us) / 1000,
@@ -77,6 +90,7 @@ def split_first_token(first: FirstToken, step_ends_us: Sequence[int]) -> FirstTo
         first.queued_us / 1000,
         (end - scheduled) / 1000,
         (first.token_us - end) / 1000,
+        None if device is None else device / 1000,
     )
 
 
@@ -92,6 +106,7 @@ class FirstTokenStats:
     queue_median_ms: float
     steps_median_ms: float
     delivery_median_ms: float
+    last_step_device_median_ms: float | None  # over the group's requests whose step was timed
 
 
 def first_token_stats(splits: Sequence[FirstTokenSplit]) -> list[FirstTokenStats]:
@@ -105,6 +120,8 @@ def first_token_stats(splits: Sequence[FirstTokenSplit]) -> list[FirstTokenStats
         def median(part: str, group: list[FirstTokenSplit] = group) -> float:
             return float(np.median([getattr(s, part) for s in group]))
 
+        timed = [s.last_step_device_ms for s in group if s.last_step_device_ms is not None]
+
         out.append(
             FirstTokenStats(
                 f"prompt {lo}-{hi if hi is not None else ''}",
@@ -115,26 +132,30 @@ def first_token_stats(splits: Sequence[FirstTokenSplit]) -> list[FirstTokenStats
                 median("queue_ms"),
                 median("steps_ms"),
                 median("delivery_ms"),
+                float(np.median(timed)) if timed else None,
             )
         )
     return out
 
 
-def print_first_tokens(lines: Sequence[str], step_ends_us: Sequence[int]) -> None:
+def print_first_tokens(lines: Sequence[str], steps: StepEnds) -> None:
     """The report's section for the log's ITL_REQ lines (nothing when it has none)."""
-    ends = sorted(step_ends_us)
-    splits = [s for f in parse_first_tokens(lines) if (s := split_first_token(f, ends)) is not None]
+    splits = [s for f in parse_first_tokens(lines) if (s := split_first_token(f, steps)) is not None]
     stats = first_token_stats(splits)
     if not stats:
         return
-    print("time to first token in the server, ms: total median and p99, then each part's median")
+    print(
+        "time to first token in the server, ms: total median and p99, then each part's median "
+        "(device: the step that sampled it)"
+    )
     print(
         f"  {'':20s} {'n':>6s} {'total':>8s} {'p99':>8s} {'tokenize':>9s} {'queue':>8s} {'steps':>8s}"
-        f" {'delivery':>9s}"
+        f" {'device':>8s} {'delivery':>9s}"
     )
     for s in stats:
+        device = "-" if s.last_step_device_median_ms is None else f"{s.last_step_device_median_ms:.2f}"
         print(
             f"  {s.name:20s} {s.count:6d} {s.total_median_ms:8.2f} {s.total_p99_ms:8.2f} "
-            f"{s.tokenize_median_ms:9.2f} {s.queue_median_ms:8.2f} {s.steps_median_ms:8.2f} "
+            f"{s.tokenize_median_ms:9.2f} {s.queue_median_ms:8.2f} {s.steps_median_ms:8.2f} {device:>8s} "
             f"{s.delivery_median_ms:9.2f}"
         )

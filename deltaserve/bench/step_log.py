@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from deltaserve.bench.first_token_log import print_first_tokens
+from deltaserve.bench.first_token_log import StepEnds, print_first_tokens
 
 IDLE_GAP_MS = 2000.0
 # Half a second without a step that feeds tokens ends a run (a warm-up and the measured run after it): under
@@ -291,7 +291,7 @@ def _report(records: Sequence[StepRecord], slowest_count: int, lines: Sequence[s
         )
     _print_time_split(records)
     _print_device_time(records)
-    print_first_tokens(lines, [r.end_us for r in records])
+    print_first_tokens(lines, StepEnds.of((r.end_us, r.device_us) for r in records))
     slowest = sorted(intervals(records), key=lambda i: -i.ms)[:slowest_count]
     if slowest:
         print(
