@@ -3,7 +3,8 @@
 Latencies are measured in the API server from the request's arrival (before tokenization), as vLLM does:
 TTFT = first output token - arrival; ITL = gap between successive output tokens of one request (a
 delta of k tokens counts k gaps of a k-th of its interval);
-e2e = terminal - arrival; queue time = the engine's first-scheduled - arrival. Load gauges (running,
+e2e = terminal - arrival; queue time = the engine's admission of the request (the tick that plans its first
+chunk) - its submission to the engine, as vLLM's engine measures it. Load gauges (running,
 waiting, KV use, preemptions, prefix-cache queries and hits in tokens) are read from the engine's latest
 LoadSnapshot at scrape time.
 """
