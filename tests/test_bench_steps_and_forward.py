@@ -264,3 +264,20 @@ def test_bench_forward_runs_every_rank_under_tensor_parallelism():
     (result,) = _bench_forward_on_cpu("2x1@8+1x6@0", num_iters=1, kernels=40, tp=2)
     assert result.eager_wall_ms > 0 and result.worker_wall_ms > 0
     assert any("allreduce" in k.name for k in result.kernels), [k.name for k in result.kernels]
+
+
+def test_a_step_launched_ahead_counts_once_in_the_time_split_though_two_ticks_describe_it():
+    # Two 8,192-token prompts, one after the other, each launched ahead by one tick (plan, launch) and
+    # delivered by the next (wait, apply): four lines, two steps.
+    log = [
+        line(1000.0, "prefill_ahead", 8192, 1, 0, 80.0, "plan:200,launch:79800"),
+        line(1046.0, "prefill_ahead", 8192, 1, 0, 46.0, "wait:45500,apply:500")
+        + " device_us=125000 idle_us=0",
+        line(1136.0, "prefill_ahead", 8192, 1, 0, 80.0, "plan:200,launch:79800"),
+        line(1182.0, "prefill_ahead", 8192, 1, 0, 46.0, "wait:45500,apply:500")
+        + " device_us=125000 idle_us=9",
+    ]
+    records = parse_steps(log)
+    assert [r.launched_only for r in records] == [True, False, True, False]
+    (run,) = runs(records)
+    assert split_run(run).with_prompts == TimeShare(2, pytest.approx(0.262), 2 * 8192)

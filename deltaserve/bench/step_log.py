@@ -60,6 +60,13 @@ class StepRecord:
     device_us: int | None = None  # the step's time on the device, first kernel to results copied
     idle_us: int | None = None  # the stream's idle time between the launch before it and this step
 
+    @property
+    def launched_only(self) -> bool:
+        """A tick that launched this step ahead and delivered none: the step has a second line, from
+        the tick that delivers it (the one with the wait for the device)."""
+        phases = {name for name, _ in self.phases_us}
+        return self.kind.endswith("_ahead") and bool(phases) and "wait" not in phases
+
 
 @dataclass(frozen=True, slots=True)
 class Interval:
@@ -166,8 +173,8 @@ class TimeShare:
     seconds: float = 0.0
     tokens: int = 0  # prompt tokens and decode rows fed
 
-    def add(self, seconds: float, tokens: int) -> TimeShare:
-        return TimeShare(self.steps + 1, self.seconds + seconds, self.tokens + tokens)
+    def add(self, seconds: float, tokens: int, steps: int = 1) -> TimeShare:
+        return TimeShare(self.steps + steps, self.seconds + seconds, self.tokens + tokens)
 
     @property
     def tokens_per_s(self) -> float:
@@ -211,7 +218,10 @@ def split_run(run: Sequence[StepRecord]) -> RunSplit:
     for i, r in enumerate(run):
         seconds = (r.end_us - run[i - 1].end_us if i else r.step_us) / 1e6
         which = 0 if r.prefill_tokens > 0 else (1 if i < last_prompt else 2)
-        shares[which] = shares[which].add(seconds, r.prefill_tokens + r.decode_rows)
+        if r.launched_only:  # its time here; its step and tokens with the line that delivers it
+            shares[which] = shares[which].add(seconds, 0, steps=0)
+        else:
+            shares[which] = shares[which].add(seconds, r.prefill_tokens + r.decode_rows)
     return RunSplit(*shares)
 
 
