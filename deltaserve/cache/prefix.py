@@ -19,7 +19,12 @@ ROOT = b"deltaserve-prefix-root"
 
 
 def chain(parent: bytes, tokens: Sequence[int]) -> bytes:
-    return hashlib.blake2b(parent + array("I", tokens).tobytes(), digest_size=16).digest()
+    return _chain_packed(parent, array("I", tokens).tobytes())
+
+
+def _chain_packed(parent: bytes, packed_tokens: bytes) -> bytes:
+    """`chain` of tokens already packed as array("I") bytes."""
+    return hashlib.blake2b(parent + packed_tokens, digest_size=16).digest()
 
 
 def salted_root(salt: str | None) -> bytes:
@@ -50,7 +55,7 @@ def extend_page_keys(keys: PageKeys, tokens: Sequence[int], page_size: int) -> N
     packed, width = ids.tobytes(), ids.itemsize * page_size  # width: bytes per page
     parent = keys[start - 1] if start else keys.root
     for offset in range(0, len(packed), width):
-        parent = hashlib.blake2b(parent + packed[offset : offset + width], digest_size=16).digest()
+        parent = _chain_packed(parent, packed[offset : offset + width])
         keys.append(parent)
 
 

@@ -28,13 +28,13 @@ from deltaserve.engine.prefill_graphs import PrefillGraphRunner
 from deltaserve.engine.protocol import ClientMessage, Shutdown, StepOutputs
 from deltaserve.engine.rank import build_rank, verify_scratch_slots
 from deltaserve.engine.scheduler import Scheduler, SchedulerConfig, start_scheduler
-from deltaserve.engine.scheduler.telemetry import ITL_DEBUG
 from deltaserve.engine.spec_graphs import SpeculativeGraphs
 from deltaserve.engine.structured import GrammarBackend, grammar_vocabulary, warm_grammar_masks
 from deltaserve.engine.tp import RankWorkers, TensorParallelError, TensorParallelWorker
 from deltaserve.engine.worker import ModelWorker
 from deltaserve.engine_config import EngineConfig
 from deltaserve.errors import ConfigError, EngineStoppedError
+from deltaserve.itl_debug import ITL_DEBUG
 from deltaserve.model.layers.parallel import TensorParallel
 from deltaserve.tiny import default_model_dir
 from deltaserve.tokenizer import Tokenizer

@@ -6,8 +6,6 @@ update; a request that stops (EOS, a stop id, its length, its grammar) retires h
 
 from __future__ import annotations
 
-import time
-
 from deltaserve.engine.protocol import RequestUpdate, TokenLogprobs
 from deltaserve.engine.scheduler import lifecycle
 from deltaserve.engine.scheduler.request import Phase, Request, ScheduledChunk
@@ -41,8 +39,6 @@ def promote_or_requeue(
         if result.speculation is not None:
             _keep_proposals(sched, req, result.speculation.drafts[sampled], 1)
         sampled += 1
-        if req.first_scheduled_time is None:
-            req.first_scheduled_time = time.monotonic()
         if not _append_token(sched, req, token, logprobs):
             req.phase = Phase.RUNNING
             sched.running.append(req)

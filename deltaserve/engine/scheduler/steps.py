@@ -462,8 +462,6 @@ def _launch_ahead(
         req = c.request
         if c.completes:
             req.phase = Phase.RUNNING
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = time.monotonic()
             sched.running.append(req)
         else:
             req.phase = Phase.PREFILLING
