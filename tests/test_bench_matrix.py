@@ -38,6 +38,7 @@ STANDARD_GROUPS = [
     "saturated-9b",
     "saturated-35b",
     "decode-27b",
+    "decode-35b",
     "startup-4b",
 ]
 

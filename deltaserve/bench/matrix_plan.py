@@ -221,6 +221,15 @@ def _groups() -> dict[str, Group]:
         (_random_cell("27B", 1024, 256, 1, 5), _random_cell("27B", 1024, 256, 16, 32)),
         expected_wall_s=330,
     )
+    # Batch-1 and light-load decode of the MoE model: ~3B active parameters a token, so at batch 1 its
+    # step is the experts' and the layers' launches as much as their bytes.
+    decode_35b = Group(
+        "decode-35b",
+        "35b-a3b-shape",
+        "Qwen3.5-35B-A3B shape",
+        (_random_cell("35B-A3B", 1, 256, 1, 20), _random_cell("35B-A3B", 1024, 256, 16, 32)),
+        expected_wall_s=300,
+    )
     startup_4b = Group(
         "startup-4b",
         "4b-shape",
@@ -272,6 +281,7 @@ def _groups() -> dict[str, Group]:
         _saturated("saturated-9b", "9b-shape", "9B", 270),
         _saturated("saturated-35b", "35b-a3b-shape", "35B-A3B", 300),
         decode_27b,
+        decode_35b,
         startup_4b,
         smoke_tiny,
         smoke_startup_tiny,

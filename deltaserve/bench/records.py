@@ -110,6 +110,10 @@ REFERENCES: dict[str, CellReference] = {
         floor=(Figure("TPOT", 11.9, "ms", metric="tpot_ms.median", approx=True),),
         previous=(Figure("TPOT", 13.98, "ms"),),
     ),
+    "35b-a3b-shape:1-256-c1": CellReference(
+        floor=(Figure("TPOT", 1.6, "ms", metric="tpot_ms.median", approx=True),),
+        previous=(Figure("TPOT", 6.49, "ms"),),
+    ),
     "27b-shape:1024-256-c16": CellReference(
         previous=(Figure("TPOT", 23.2, "ms"), Figure("ITL p99", 188, "ms"))
     ),
