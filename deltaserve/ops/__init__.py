@@ -110,6 +110,23 @@ MOE_GROUPED_FROM = _rows_per_expert_setting("DELTASERVE_MOE_GROUPED_FROM")
 MOE_DESCRIPTORS_FROM = _rows_per_expert_setting("DELTASERVE_MOE_DESCRIPTORS_FROM")
 
 
+def parse_slot_gemv_slots(text: str) -> int:
+    """DELTASERVE_MOE_SLOT_GEMV_SLOTS's value: routing slots (tokens x k), 0 (off) or more."""
+    try:
+        slots = int(text)
+    except ValueError:
+        slots = -1
+    if slots < 0:
+        raise ValueError(f"DELTASERVE_MOE_SLOT_GEMV_SLOTS must be an integer >= 0 (slots), got {text!r}")
+    return slots
+
+
+# DELTASERVE_MOE_SLOT_GEMV_SLOTS=N: routed-expert calls of up to N slots (tokens x experts per token)
+# stream each slot's expert as a GEMV (ops/triton/moe_gemv.py: two kernels, no grouping) instead of the
+# grouped kernels; 0 turns it off.
+MOE_SLOT_GEMV_SLOTS = parse_slot_gemv_slots(os.environ.get("DELTASERVE_MOE_SLOT_GEMV_SLOTS", "0"))
+
+
 def use_kernels(t: torch.Tensor) -> bool:
     return t.is_cuda and not REFERENCE_ONLY
 
@@ -240,8 +257,13 @@ def fused_experts(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
 ) -> torch.Tensor:
     """Routed experts of an MoE block: sum over each token's experts of weight * down(silu(gate x) * up x).
-    On the GPU: the Triton kernels, or the grouped GEMM from MOE_GROUPED_FROM rows per expert."""
+    On the GPU: a GEMV per routing slot up to MOE_SLOT_GEMV_SLOTS slots, else the Triton kernels, or the
+    grouped GEMM from MOE_GROUPED_FROM rows per expert."""
     if use_kernels(x):
+        if ids.numel() <= MOE_SLOT_GEMV_SLOTS:
+            from deltaserve.ops.triton.moe_gemv import slot_experts
+
+            return slot_experts(x, w13, w2, weights, ids)
         if _from_rows(MOE_GROUPED_FROM, ids, w13.shape[0]):
             from deltaserve.ops.triton.moe_grouped import grouped_experts, grouped_gemm_supported
 

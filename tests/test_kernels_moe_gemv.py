@@ -1,0 +1,132 @@
+"""The per-slot expert GEMVs (ops/triton/moe_gemv.py) against the torch reference and the grouped
+kernels, in Triton's CPU interpreter without CUDA and natively with it. Outputs and workspaces start as
+NaN (test_kernels_moe's fixture), so a value the kernels fail to write cannot pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_kernels_moe import (
+    DEVICE,
+    DTYPES,
+    E,
+    H,
+    assert_matches,
+    make_inputs,
+    nan_workspaces,  # noqa: F401  (an autouse fixture, active where imported)
+    poisoned,
+    reference_summed_in_fp32,
+    replay_with_new_routing,
+    run_without_host_reads,
+)
+
+import deltaserve.ops as ops
+from deltaserve.ops import moe
+
+gemv = pytest.importorskip("deltaserve.ops.triton.moe_gemv")
+
+
+def run_slots(x, w13, w2, weights, ids) -> torch.Tensor:
+    out = poisoned(*x.shape, dtype=x.dtype)
+    got = gemv.slot_experts(x, w13, w2, weights, ids, out=out)
+    assert got is out
+    return got
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("tokens", "top_k"), [(1, 1), (1, 2), (3, 2), (4, 2), (37, 2)])
+def test_matches_reference(dtype: torch.dtype, tokens: int, top_k: int) -> None:
+    inputs = make_inputs(tokens, top_k, dtype, seed=100 * tokens + top_k)
+    assert_matches(run_slots(*inputs), moe.fused_experts(*inputs))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_more_than_two_experts_per_token_sum_in_fp32(dtype: torch.dtype) -> None:
+    inputs = make_inputs(3, 4, dtype, seed=4)
+    got = run_slots(*inputs)
+    assert_matches(got, reference_summed_in_fp32(*inputs))
+    torch.testing.assert_close(got, moe.fused_experts(*inputs), rtol=2e-2, atol=2e-2)
+
+
+def test_gives_the_grouped_kernels_result_in_bf16() -> None:
+    """Both round at the same steps; only the dot products' summation order differs, which bf16 rounding
+    hides almost everywhere."""
+    tri = pytest.importorskip("deltaserve.ops.triton.moe")
+    inputs = make_inputs(4, 8, torch.bfloat16, seed=8)
+    got, grouped = run_slots(*inputs), tri.fused_experts(*inputs)
+    torch.testing.assert_close(got, grouped, rtol=2e-2, atol=2e-2)
+    assert (got == grouped).float().mean().item() >= 0.95
+
+
+def test_every_token_on_one_expert() -> None:
+    """Slots of different tokens on the same expert each stream it: nothing is shared between slots."""
+    logits = torch.randn(4, E, generator=torch.Generator().manual_seed(5))
+    logits[:, 3] += 20.0
+    inputs = make_inputs(4, 2, torch.bfloat16, seed=5, logits=logits)
+    assert (inputs[4][:, 0] == 3).all()
+    assert_matches(run_slots(*inputs), moe.fused_experts(*inputs))
+
+
+def test_a_strided_expert_stack_is_read_through_its_strides() -> None:
+    """w13 and w2 as views of wider stacks (a tensor-parallel shard's slice of I is one)."""
+    x, w13, w2, weights, ids = make_inputs(2, 2, torch.bfloat16, seed=9)
+    wide13 = torch.zeros(E, w13.shape[1], H + 8, dtype=w13.dtype, device=DEVICE)
+    wide13[:, :, 4 : 4 + H] = w13
+    wide2 = torch.zeros(E, H, w2.shape[2] + 8, dtype=w2.dtype, device=DEVICE)
+    wide2[:, :, :-8] = w2
+    got = run_slots(x, wide13[:, :, 4 : 4 + H], wide2[:, :, :-8], weights, ids)
+    assert_matches(got, moe.fused_experts(x, w13, w2, weights, ids))
+
+
+def test_zero_tokens_returns_an_empty_result() -> None:
+    x, w13, w2, weights, ids = make_inputs(1, 2, torch.bfloat16, seed=1)
+    got = gemv.slot_experts(x[:0], w13, w2, weights[:0], ids[:0])
+    assert got.shape == (0, H)
+
+
+def test_bad_inputs_are_rejected_naming_the_argument() -> None:
+    x, w13, w2, weights, ids = make_inputs(3, 2, torch.bfloat16, seed=2)
+    with pytest.raises(ValueError, match=r"w2 has shape \(8, 48, 39\), expected \(8, 48, 40\)"):
+        gemv.slot_experts(x, w13, w2[:, :, :-1], weights, ids)
+    with pytest.raises(ValueError, match="out must be a contiguous torch.bfloat16"):
+        gemv.slot_experts(x, w13, w2, weights, ids, out=torch.zeros(3, H, device=DEVICE))
+
+
+def test_no_tensor_value_is_read_on_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    inputs = make_inputs(3, 2, torch.bfloat16, seed=6)
+    got = run_without_host_reads(monkeypatch, run_slots, inputs)
+    assert_matches(got, moe.fused_experts(*inputs))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_graph_replay_with_new_routing(dtype: torch.dtype) -> None:
+    replay_with_new_routing(gemv.slot_experts, dtype, seed=11)
+
+
+@pytest.mark.parametrize(
+    ("setting", "slots", "kernel"), [(0, 8, "grouped"), (8, 8, "slots"), (8, 9, "grouped")]
+)
+def test_the_op_takes_the_slot_gemvs_up_to_the_setting(monkeypatch, setting: int, slots: int, kernel: str):
+    """ops.fused_experts on a GPU tensor: the slot GEMVs for calls of up to MOE_SLOT_GEMV_SLOTS slots."""
+    import deltaserve.ops.triton.moe as grouped
+
+    calls: list[str] = []
+    monkeypatch.setattr(ops, "use_kernels", lambda t: True)
+    monkeypatch.setattr(ops, "MOE_SLOT_GEMV_SLOTS", setting)
+    monkeypatch.setattr(gemv, "slot_experts", lambda *a, **k: calls.append("slots"))
+    monkeypatch.setattr(grouped, "fused_experts", lambda *a, **k: calls.append("grouped"))
+    ids = torch.zeros(1, slots, dtype=torch.int64)
+    ops.fused_experts(torch.zeros(1, H), torch.zeros(E, 2, H), torch.zeros(E, H, 1), ids.float(), ids)
+    assert calls == [kernel]
+
+
+@pytest.mark.parametrize(("text", "want"), [("0", 0), ("32", 32)])
+def test_the_setting_parses(text: str, want: int) -> None:
+    assert ops.parse_slot_gemv_slots(text) == want
+
+
+@pytest.mark.parametrize("text", ["-1", "many", ""])
+def test_a_bad_setting_names_the_variable(text: str) -> None:
+    with pytest.raises(ValueError, match=f"DELTASERVE_MOE_SLOT_GEMV_SLOTS must be an integer >= 0.*{text!r}"):
+        ops.parse_slot_gemv_slots(text)
