@@ -148,7 +148,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--prefix-cache-state-memory-gb",
         type=float,
         default=None,
-        help="GiB for the prefix cache's GDN state snapshots (default: 8%% of the GPU, 0.25 on CPU)",
+        help="GiB for the prefix cache's GDN state snapshots (default: 8%% of the GPU, at most a quarter of what the weights leave; 0.25 on CPU)",
     )
     g.add_argument(
         "--speculative-config",

@@ -196,7 +196,8 @@ class EngineConfig:
     # Ranks 1..N-1 run in their own processes (engine/tp.py); eager, without prefill overlap.
     tensor_parallel_size: int = 1
     # Prefix cache (on by default, as in vLLM): shared KV pages + GDN state snapshots in a pool of this
-    # many GiB (None: 8% of the GPU's memory, 0.25 GiB on CPU).
+    # many GiB (None: 8% of the GPU's memory, at most a quarter of what the weights leave; 0.25 GiB
+    # on CPU).
     enable_prefix_caching: bool = True
     prefix_cache_state_memory_gb: float | None = None
     # Speculative decoding with the checkpoint's MTP head (None: off).

@@ -49,7 +49,12 @@ logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_GB = 0.25
 CPU_DEFAULT_SNAPSHOT_GB = 0.25
-GPU_SNAPSHOT_SHARE = 0.08  # of the GPU's memory, for the prefix cache's GDN state snapshots
+# The prefix cache's GDN state snapshots by default: 8% of the GPU's memory, but never more than a quarter
+# of what the weights leave under --gpu-memory-utilization (the rest is for the KV pages, the state slots
+# and the activations). A 35B-A3B on an 80 GB GPU leaves ~5 GiB, of which 8% of the GPU (6.3 GiB) would
+# have taken all and more.
+GPU_SNAPSHOT_SHARE = 0.08
+SNAPSHOT_SHARE_OF_LEFT = 0.25
 GRAPH_RESERVE_BYTES = 256 << 20
 
 
@@ -313,15 +318,17 @@ def plan_state_snapshots(
     cfg: EngineConfig, local: ModelConfig, device: torch.device, dtype: torch.dtype
 ) -> int:
     """GDN state snapshots for the prefix cache, planned before the KV pages: the memory budget
-    (--prefix-cache-state-memory-gb; by default a share of the GPU, or a fixed amount on CPU) over one
-    sequence's state (conv + SSM of every GDN layer, at the live state's dtypes)."""
+    (--prefix-cache-state-memory-gb; by default `default_snapshot_bytes`, or a fixed amount on CPU) over
+    one sequence's state (conv + SSM of every GDN layer, at the live state's dtypes)."""
     if not cfg.enable_prefix_caching:
         return 0
     per_snapshot = local.state_bytes_per_sequence(dtype)
     gib = cfg.prefix_cache_state_memory_gb
-    if gib is None:
-        total = torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else 0
-        gib = GPU_SNAPSHOT_SHARE * total / 2**30 if device.type == "cuda" else CPU_DEFAULT_SNAPSHOT_GB
+    if gib is None and device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        gib = default_snapshot_bytes(total, share_left(cfg.gpu_memory_utilization, free, total)) / 2**30
+    elif gib is None:
+        gib = CPU_DEFAULT_SNAPSHOT_GB
     count = int(gib * 2**30 // per_snapshot)
     logger.info(
         "prefix cache: %d GDN state snapshots of %.1f MiB (%.2f GiB; --prefix-cache-state-memory-gb)",
@@ -330,6 +337,13 @@ def plan_state_snapshots(
         count * per_snapshot / 2**30,
     )
     return count
+
+
+def default_snapshot_bytes(total: int, left: float) -> float:
+    """The snapshot pool's default size on a GPU of `total` bytes where the loaded weights leave `left`
+    bytes under --gpu-memory-utilization: GPU_SNAPSHOT_SHARE of the GPU, at most SNAPSHOT_SHARE_OF_LEFT of
+    `left` (none where nothing is left)."""
+    return max(0.0, min(GPU_SNAPSHOT_SHARE * total, SNAPSHOT_SHARE_OF_LEFT * left))
 
 
 def _plan_kv_pages(
