@@ -130,3 +130,65 @@ def test_the_setting_parses(text: str, want: int) -> None:
 def test_a_bad_setting_names_the_variable(text: str) -> None:
     with pytest.raises(ValueError, match=f"DELTASERVE_MOE_SLOT_GEMV_SLOTS must be an integer >= 0.*{text!r}"):
         ops.parse_slot_gemv_slots(text)
+
+
+def shared_inputs(tokens: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A shared expert's output [T, H] (a strided view) and its gate's weight [1, H]."""
+    gen = torch.Generator().manual_seed(seed)
+    shared = torch.randn(tokens, H + 4, generator=gen).to(dtype).to(DEVICE)[:, 2 : 2 + H]
+    gate = (torch.randn(1, H, generator=gen) / H**0.5).to(dtype).to(DEVICE)
+    return shared, gate
+
+
+def unfused_block(x, w13, w2, weights, ids, shared, gate) -> torch.Tensor:
+    return moe.fused_experts(x, w13, w2, weights, ids) + shared * torch.sigmoid(
+        torch.nn.functional.linear(x, gate)
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("tokens", "top_k"), [(1, 2), (3, 2), (2, 4)])
+def test_the_shared_expert_is_added_as_the_unfused_ops_add_it(dtype: torch.dtype, tokens: int, top_k: int):
+    inputs = make_inputs(tokens, top_k, dtype, seed=7 * tokens + top_k)
+    shared, gate = shared_inputs(tokens, dtype, seed=tokens)
+    out = poisoned(tokens, H, dtype=dtype)
+    got = gemv.slot_experts(*inputs, out=out, shared=gemv.SharedExpertOutput(shared, gate[0]))
+    want = unfused_block(*inputs, shared, gate)
+    if top_k > 2:  # the routed sum rounds once, the reference after each add
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    else:
+        assert_matches(got, want)
+    routed_only = run_slots(*inputs)
+    assert not torch.equal(got, routed_only), "the shared expert's share was not added"
+
+
+def test_a_shared_output_that_does_not_fit_is_named() -> None:
+    inputs = make_inputs(3, 2, torch.bfloat16, seed=2)
+    shared, gate = shared_inputs(3, torch.bfloat16, seed=2)
+    with pytest.raises(ValueError, match=r"shared.out must be \(3, 48\) torch.bfloat16"):
+        gemv.slot_experts(*inputs, shared=gemv.SharedExpertOutput(shared[:2], gate[0]))
+    with pytest.raises(ValueError, match=r"shared.gate must be a contiguous \(48,\) torch.bfloat16 row"):
+        gemv.slot_experts(*inputs, shared=gemv.SharedExpertOutput(shared, gate[0, :-1]))
+
+
+@pytest.mark.parametrize(("setting", "kernel"), [(0, "unfused"), (2, "slots")])
+def test_the_block_output_takes_one_kernel_at_decode_rows(monkeypatch, setting: int, kernel: str):
+    """ops.moe_block_output: the slot kernels with the shared expert folded in up to the setting, the
+    routed experts then the gate's ops otherwise; both give the unfused block's result."""
+    inputs = make_inputs(1, 2, torch.bfloat16, seed=3)
+    shared, gate = shared_inputs(1, torch.bfloat16, seed=3)
+    calls: list[str] = []
+    real = gemv.slot_experts
+
+    def recording(*args, **kwargs):
+        calls.append("slots" if kwargs.get("shared") is not None else "routed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "use_kernels", lambda t: True)
+    monkeypatch.setattr(ops, "MOE_SLOT_GEMV_SLOTS", setting)
+    monkeypatch.setattr(gemv, "slot_experts", recording)
+    monkeypatch.setattr(ops, "fused_experts", lambda *a: calls.append("unfused") or moe.fused_experts(*a))
+    monkeypatch.setattr(ops, "linear", lambda x, w, then=None: torch.nn.functional.linear(x, w))
+    got = ops.moe_block_output(*inputs, shared, gate)
+    assert calls == [kernel]
+    assert_matches(got, unfused_block(*inputs, shared, gate))

@@ -122,8 +122,8 @@ def parse_slot_gemv_slots(text: str) -> int:
 
 
 # DELTASERVE_MOE_SLOT_GEMV_SLOTS=N: routed-expert calls of up to N slots (tokens x experts per token)
-# stream each slot's expert as a GEMV (ops/triton/moe_gemv.py: two kernels, no grouping) instead of the
-# grouped kernels; 0 turns it off.
+# stream each slot's expert as a GEMV (ops/triton/moe_gemv.py: two kernels, no grouping, the shared
+# expert's gated share added by the second) instead of the grouped kernels; 0 turns it off.
 MOE_SLOT_GEMV_SLOTS = parse_slot_gemv_slots(os.environ.get("DELTASERVE_MOE_SLOT_GEMV_SLOTS", "0"))
 
 
@@ -275,6 +275,28 @@ def fused_experts(
         descriptors = _from_rows(MOE_DESCRIPTORS_FROM, ids, w13.shape[0]) and descriptors_fit(x, w13, w2, ids)
         return kernel(x, w13, w2, weights, ids, descriptors=descriptors)
     return _moe_ref.fused_experts(x, w13, w2, weights, ids)
+
+
+def moe_block_output(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    shared: torch.Tensor,
+    shared_gate: torch.Tensor,
+    then: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A Qwen3.5 MoE block's output from its routing and its shared expert's output `shared`: the routed
+    experts' sum + shared * sigmoid(x @ shared_gate^T) (shared_gate [1, H]), rounded where those ops round.
+    Up to MOE_SLOT_GEMV_SLOTS slots on the GPU, one kernel adds the gated shared output to the routed sum
+    as it writes it. `then`: the weight the step streams next (prefetched at GEMV rows: linear)."""
+    if use_kernels(x) and ids.numel() <= MOE_SLOT_GEMV_SLOTS:
+        from deltaserve.ops.triton.moe_gemv import SharedExpertOutput, slot_experts
+
+        return slot_experts(x, w13, w2, weights, ids, shared=SharedExpertOutput(shared, shared_gate[0]))
+    routed = fused_experts(x, w13, w2, weights, ids)
+    return routed + shared * torch.sigmoid(linear(x, shared_gate, then))
 
 
 def rms_norm(

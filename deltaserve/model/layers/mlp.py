@@ -8,7 +8,7 @@ from torch import nn
 from deltaserve.config import ModelConfig
 from deltaserve.model.layers.parallel import SINGLE, TensorParallel
 from deltaserve.model.layers.params import CheckpointTensor, WeightRequirement, new_param, single, stacked
-from deltaserve.ops import fused_experts, linear, route, silu_and_mul_linear
+from deltaserve.ops import linear, moe_block_output, route, silu_and_mul_linear
 
 
 class MLP(nn.Module):
@@ -103,7 +103,5 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor, then: torch.Tensor | None = None) -> torch.Tensor:
         """`then`: the weight the step streams after this block's (prefetched at GEMV rows: ops.linear)."""
         weights, ids = route(linear(x, self.gate), self.top_k, self.renormalize)
-        routed = fused_experts(x, self.w13, self.w2, weights, ids)
         shared = self.shared_expert(x, self.shared_expert_gate)
-        shared = shared * torch.sigmoid(linear(x, self.shared_expert_gate, then))
-        return routed + shared
+        return moe_block_output(x, self.w13, self.w2, weights, ids, shared, self.shared_expert_gate, then)

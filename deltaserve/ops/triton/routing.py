@@ -30,6 +30,9 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Tokens per program: the [ROWS, E] tile stays at 4,096 values or fewer (16 per thread over 8 warps).
 _TILE_VALUES = 4096
 _NUM_WARPS = 8
+# Below a full tile of tokens, one program per token: 256 experts on one warp (8 values a thread), where
+# each of the k argmax rounds reduces with shuffles alone instead of across 8 warps through shared memory.
+_ROW_VALUES_PER_WARP = 256
 
 
 @triton.jit(do_not_specialize=["tokens"])  # no compile per batch size
@@ -97,6 +100,9 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
         return weights, ids
     bins = triton.next_power_of_2(num_experts)
     rows = max(1, min(16, _TILE_VALUES // bins))
+    warps = _NUM_WARPS
+    if tokens < rows:  # decode rows: a program per token, its row over few warps (no partial tiles)
+        rows, warps = 1, max(1, min(_NUM_WARPS, bins // _ROW_VALUES_PER_WARP))
     _route_kernel[(triton.cdiv(tokens, rows),)](
         logits,
         weights,
@@ -109,6 +115,6 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
         RENORMALIZE=renormalize,
         ROWS=rows,
         BINS=bins,
-        num_warps=_NUM_WARPS,
+        num_warps=warps,
     )
     return weights, ids
