@@ -64,15 +64,21 @@ def parse_gemv_fusions(text: str) -> frozenset[str]:
 FUSED_GEMV = parse_gemv_fusions(os.environ.get("DELTASERVE_FUSED_GEMV", ""))
 
 
+def parse_count(variable: str, unit: str, text: str) -> int:
+    """An environment setting that counts `unit`s: an integer, 0 (off) or more; ValueError naming the
+    variable and the value otherwise."""
+    try:
+        count = int(text)
+    except ValueError:
+        count = -1
+    if count < 0:
+        raise ValueError(f"{variable} must be an integer >= 0 ({unit}), got {text!r}")
+    return count
+
+
 def parse_prefetch_mib(text: str) -> int:
     """DELTASERVE_L2_PREFETCH_MIB's value: MiB of each next weight to prefetch, 0 (off) or more."""
-    try:
-        mib = int(text)
-    except ValueError:
-        mib = -1
-    if mib < 0:
-        raise ValueError(f"DELTASERVE_L2_PREFETCH_MIB must be an integer >= 0 (MiB), got {text!r}")
-    return mib
+    return parse_count("DELTASERVE_L2_PREFETCH_MIB", "MiB", text)
 
 
 # DELTASERVE_L2_PREFETCH_MIB=N: at GEMV rows (see linear), each projection's GEMV prefetches the first N
@@ -112,13 +118,7 @@ MOE_DESCRIPTORS_FROM = _rows_per_expert_setting("DELTASERVE_MOE_DESCRIPTORS_FROM
 
 def parse_slot_gemv_slots(text: str) -> int:
     """DELTASERVE_MOE_SLOT_GEMV_SLOTS's value: routing slots (tokens x k), 0 (off) or more."""
-    try:
-        slots = int(text)
-    except ValueError:
-        slots = -1
-    if slots < 0:
-        raise ValueError(f"DELTASERVE_MOE_SLOT_GEMV_SLOTS must be an integer >= 0 (slots), got {text!r}")
-    return slots
+    return parse_count("DELTASERVE_MOE_SLOT_GEMV_SLOTS", "slots", text)
 
 
 # DELTASERVE_MOE_SLOT_GEMV_SLOTS=N: routed-expert calls of up to N slots (tokens x experts per token)
