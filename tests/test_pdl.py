@@ -15,9 +15,20 @@ import textwrap
 import pytest
 import torch
 
-from deltaserve.ops.triton import activation, attention, conv1d, gdn, gdn_gating, linear, norm, pdl, prefetch
+from deltaserve.ops.triton import (
+    activation,
+    attention,
+    conv1d,
+    gdn,
+    gdn_gating,
+    linear,
+    moe_gemv,
+    norm,
+    pdl,
+    prefetch,
+)
 
-MODULES = (activation, attention, conv1d, gdn, gdn_gating, linear, norm, prefetch)
+MODULES = (activation, attention, conv1d, gdn, gdn_gating, linear, moe_gemv, norm, prefetch)
 # The kernels of a decode step, and the prefill gating between its layers' kernels: each takes USE_GDC.
 DECODE_KERNELS = {
     "_silu_and_mul_kernel",
@@ -33,6 +44,8 @@ DECODE_KERNELS = {
     "_rms_norm_kernel",
     "_gated_rms_norm_kernel",
     "_l2_prefetch_kernel",
+    "_slots_gate_up_kernel",
+    "_slots_down_kernel",
 }
 
 
