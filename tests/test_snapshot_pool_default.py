@@ -45,3 +45,24 @@ def test_the_plan_reads_the_gpu_and_counts_whole_snapshots(monkeypatch):
     assert plan_state_snapshots(cfg, local, torch.device("cuda", 0), torch.bfloat16) == int(
         6 * GIB // per_snapshot
     )
+
+
+def test_no_room_for_kv_names_the_snapshot_pool_and_its_flag(monkeypatch):
+    """The start-up error of a model that leaves no room for KV pages splits the state slots from the
+    snapshots and names the snapshot pool's flag among the remedies."""
+    from deltaserve.engine.warmup import WarmupReport
+    from deltaserve.errors import ConfigError
+
+    local = ModelConfig.from_dict(official_config("35b-a3b-shape"))
+    total, used = int(79.2 * GIB), int(66.2 * GIB)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total - used, total))
+    cfg = EngineConfig(model=str(default_model_dir()), max_num_seqs=16, gpu_memory_utilization=0.9)
+    warmup = WarmupReport(peak_activation_bytes=int(0.63 * GIB), seconds=0.0)
+    with pytest.raises(ConfigError) as err:  # the old default's 6.3 GiB of snapshots
+        rank._plan_kv_pages(cfg, local, torch.device("cuda", 0), torch.bfloat16, warmup, num_snapshots=105)
+    message = str(err.value)
+    assert "prefix-cache snapshots 6.30 GiB" in message and "state slots 1.02 GiB" in message
+    assert message.endswith("or --prefix-cache-state-memory-gb")
+    # the default pool leaves room
+    pages = rank._plan_kv_pages(cfg, local, torch.device("cuda", 0), torch.bfloat16, warmup, num_snapshots=21)
+    assert pages > 2

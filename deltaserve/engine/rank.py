@@ -363,24 +363,26 @@ def _plan_kv_pages(
     if cfg.num_kv_pages is not None:
         return cfg.num_kv_pages
     page_bytes = local.kv_bytes_per_token(dtype, num_kv_layers) * cfg.page_size
-    slots = state_pool_slots(cfg) + num_snapshots
-    state_bytes = slots * local.state_bytes_per_sequence(dtype)
+    per_sequence = local.state_bytes_per_sequence(dtype)
+    slot_bytes, snapshot_bytes = state_pool_slots(cfg) * per_sequence, num_snapshots * per_sequence
     if device.type == "cuda":
         assert warmup is not None
         free, total = torch.cuda.mem_get_info(device)
         # The state pools and the `fixed` buffers are allocated after this; graph capture needs a little
         # room of its own besides.
         fixed = fixed or {}
-        reserve = state_bytes + warmup.peak_activation_bytes + sum(fixed.values()) + GRAPH_RESERVE_BYTES
-        budget = share_left(cfg.gpu_memory_utilization, free, total) - reserve
+        reserve = slot_bytes + snapshot_bytes + warmup.peak_activation_bytes + sum(fixed.values())
+        budget = share_left(cfg.gpu_memory_utilization, free, total) - reserve - GRAPH_RESERVE_BYTES
         where = (
             f"GPU {total / 2**30:.1f} GiB x {cfg.gpu_memory_utilization} utilization, "
-            f"{(total - free) / 2**30:.1f} GiB in use (weights, context), state slots and snapshots "
-            f"{state_bytes / 2**30:.2f} GiB, "
+            f"{(total - free) / 2**30:.1f} GiB in use (weights, context), state slots "
+            f"{slot_bytes / 2**30:.2f} GiB, prefix-cache snapshots {snapshot_bytes / 2**30:.2f} GiB, "
             f"activations {warmup.peak_activation_bytes / 2**30:.2f} GiB"
             + "".join(f", {what} {size / 2**30:.2f} GiB" for what, size in fixed.items())
         )
         flag = "raise --gpu-memory-utilization, or lower --max-num-seqs or --max-num-batched-tokens"
+        if snapshot_bytes:
+            flag += " or --prefix-cache-state-memory-gb"
     else:
         budget = (cfg.kv_cache_memory_gb or CPU_DEFAULT_KV_GB) * 2**30
         where = f"--kv-cache-memory-gb {cfg.kv_cache_memory_gb or CPU_DEFAULT_KV_GB}"
