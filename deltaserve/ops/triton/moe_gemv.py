@@ -39,7 +39,6 @@ from deltaserve.ops.triton.moe import check_inputs, output_for
 from deltaserve.ops.triton.pdl import gdc_enter, launch_options
 
 
-# (BLOCK_N, BLOCK_K, warps), autotuned per shape like the dense GEMV (ops/triton/linear.py).
 @dataclass(frozen=True, slots=True)
 class SharedExpertOutput:
     """A Qwen3.5 MoE block's shared expert, already run: its output [T, H] and its sigmoid gate's weight
@@ -66,6 +65,7 @@ class SharedExpertOutput:
                 raise ValueError(f"{name} is on {t.device}, expected x's device {x.device}")
 
 
+# (BLOCK_N, BLOCK_K, warps), autotuned per shape like the dense GEMV (ops/triton/linear.py).
 _CONFIGS = [(4, 512, 4), (4, 1024, 8), (8, 256, 4), (8, 512, 4), (16, 256, 4), (16, 512, 8)]
 _INTERPRETER_BLOCKS = (8, 32)
 
