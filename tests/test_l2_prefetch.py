@@ -6,12 +6,9 @@ and off; on the GPU that is checked bit for bit (tests/gpu/test_l2_prefetch_gpu.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from hopper_ptx import hopper_ptx
 
 import deltaserve.ops as ops
 from deltaserve.cache.device import build_device_caches
@@ -185,22 +182,6 @@ print(compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}
 """
 
 
-def _hopper_ptx(kernel: str) -> list[str]:
-    """The instructions of a kernel compiled for sm_90 without a GPU (Triton's own ptxas; outside the
-    interpreter, in a process of its own)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run(
-        [sys.executable, "-c", _COMPILE_FOR_HOPPER, kernel],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    lines = (line.strip() for line in done.stdout.splitlines())
-    return [line for line in lines if line and not line.startswith((".", "//", ")")) and line not in "{}"]
-
-
 def _index(code: list[str], pattern: str, last: bool = False) -> int:
     found = [i for i, line in enumerate(code) if pattern in line]
     assert found, f"no {pattern!r} in the kernel"
@@ -210,12 +191,12 @@ def _index(code: list[str], pattern: str, last: bool = False) -> int:
 def test_the_kernel_of_its_own_prefetches_after_its_wait():
     """The bulk prefetch survives compilation as the kernel's one memory instruction (it fails if the asm
     is marked pure), after the PDL wait, issued by one thread."""
-    code = _hopper_ptx("prefetch")
+    code = hopper_ptx(_COMPILE_FOR_HOPPER, "prefetch")
     assert _index(code, "griddepcontrol.wait") < _index(code, "cp.async.bulk.prefetch.L2.global")
     assert "%tid.x" in code[_index(code, "cp.async.bulk.prefetch.L2.global")]
     assert not [line for line in code if line.startswith(("ld.global", "st.global"))]
 
 
 def test_a_gemv_prefetches_after_its_stores():
-    code = _hopper_ptx("gemv")
+    code = hopper_ptx(_COMPILE_FOR_HOPPER, "gemv")
     assert _index(code, "st.global", last=True) < _index(code, "cp.async.bulk.prefetch.L2.global")
