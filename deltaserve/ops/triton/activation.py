@@ -56,6 +56,17 @@ def exp_f32(x):
 
 
 @triton.jit
+def mul_f32(a, b):
+    """a * b in fp32, rounded on its own: never contracted with a following add into an FMA (an FMA
+    skips the product's rounding, which torch's separate multiply and add keep; the compiler contracts
+    even through a narrowing cast to bf16 and back, into fma.rn.bf16)."""
+    if _INTERPRETER:
+        return a * b
+    else:
+        return libdevice.mul_rn(a, b)
+
+
+@triton.jit
 def silu_f32(x):
     """x: fp32. Returns x / (1 + exp(-x)) in fp32, as torch's SiLU computes it."""
     return tl.div_rn(x, 1.0 + exp_f32(-x))

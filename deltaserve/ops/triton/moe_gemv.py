@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deltaserve.ops.triton.activation import _INTERPRETER, round_to, sigmoid_f32, silu_f32
+from deltaserve.ops.triton.activation import _INTERPRETER, mul_f32, round_to, sigmoid_f32, silu_f32
 from deltaserve.ops.triton.moe import check_inputs, output_for
 from deltaserve.ops.triton.pdl import gdc_enter, launch_options
 
@@ -179,7 +179,7 @@ def _slots_down_kernel(
         logit = round_to(tl.sum(acc_gate, axis=0), dtype).to(tl.float32)
         scale = round_to(sigmoid_f32(logit), dtype).to(tl.float32)
         shared = tl.load(shared_ptr + token.to(tl.int64) * stride_st + rows, mask=row_ok, other=0.0)
-        gated = round_to(shared.to(tl.float32) * scale, dtype).to(tl.float32)
+        gated = round_to(mul_f32(shared.to(tl.float32), scale), dtype).to(tl.float32)
         result = round_to(result.to(tl.float32) + gated, dtype)
     tl.store(out_ptr + token.to(tl.int64) * stride_ot + rows, result, mask=row_ok)
 
