@@ -123,13 +123,12 @@ def parse_slot_gemv_slots(text: str) -> int:
 
 # DELTASERVE_MOE_SLOT_GEMV_SLOTS=N: routed-expert calls of up to N slots (tokens x experts per token)
 # stream each slot's expert as a GEMV (ops/triton/moe_gemv.py: two kernels, no grouping, the shared
-# expert's gated share added by the second) instead of the grouped kernels; 0 (the default) turns it off.
-# On an H100 at the 35B-A3B shape, c1 over HTTP, its first version (without the shared expert's share)
-# measured TPOT 3.99 ms against 4.51 ms for the grouped kernels; with N = 16 the GPU gate's tiny-MoE
-# bf16 surface resumed from the prefix cache failed (p99 1.78 nat against 1.58 allowed; 1.34 with the
-# grouped kernels), so it stays off until that is understood
-# (docs/benchmarks/2026-12-06-h100-moe-slot-gemv.md).
-MOE_SLOT_GEMV_SLOTS = parse_slot_gemv_slots(os.environ.get("DELTASERVE_MOE_SLOT_GEMV_SLOTS", "0"))
+# expert's gated share added by the second) instead of the grouped kernels; 0 turns it off. The default,
+# 16 (a 35B-A3B's batch 1 and 2 at 8 experts a token), is the value served and gated. On an H100 at the
+# 35B-A3B shape, c1 over HTTP: TPOT 3.50 ms against 4.59 ms with the grouped kernels; the GPU gate's
+# tiny-MoE surfaces all pass with it, the resumed bf16 surface over five prompt seeds with the grouped
+# kernels' numbers (docs/benchmarks/2026-12-06-h100-slot-gemv-default.md).
+MOE_SLOT_GEMV_SLOTS = parse_slot_gemv_slots(os.environ.get("DELTASERVE_MOE_SLOT_GEMV_SLOTS", "16"))
 
 
 def use_kernels(t: torch.Tensor) -> bool:
