@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from deltaserve.ops.batch import ForwardBatch
+from deltaserve.ops.triton.activation import mul_f32, round_to
 from deltaserve.ops.triton.device_info import sm_count, smem_per_block
 from deltaserve.ops.triton.pdl import gdc_enter, launch_options
 
@@ -142,7 +143,11 @@ def _norm_rope_row(src_ptr, w_ptr, cos, sin, eps, offs, partner, sign, is_rot, H
     dtype = src_ptr.dtype.element_ty
     y = (x * rstd * (1.0 + w)).to(dtype).to(tl.float32)
     y_p = (x_p * rstd * (1.0 + w_p)).to(dtype).to(tl.float32)
-    rot = (y * cos).to(dtype).to(tl.float32) + (sign * y_p * sin).to(dtype).to(tl.float32)
+    # Each product rounded on its own (mul_f32), as torch's rotation rounds it: with a plain multiply the
+    # compiler contracts one product and the add into an fma.rn.bf16 and skips that product's rounding.
+    y_cos = round_to(mul_f32(y, cos), dtype).to(tl.float32)
+    partner_sin = round_to(mul_f32(sign * y_p, sin), dtype).to(tl.float32)
+    rot = y_cos + partner_sin
     return tl.where(is_rot, rot, y).to(dtype)
 
 
