@@ -141,14 +141,14 @@ def _norm_rope_row(src_ptr, w_ptr, cos, sin, eps, offs, partner, sign, is_rot, H
     w_p = tl.load(w_ptr + partner).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / HEAD_DIM + eps)
     dtype = src_ptr.dtype.element_ty
-    y = (x * rstd * (1.0 + w)).to(dtype).to(tl.float32)
-    y_p = (x_p * rstd * (1.0 + w_p)).to(dtype).to(tl.float32)
+    y = round_to(x * rstd * (1.0 + w), dtype).to(tl.float32)
+    y_p = round_to(x_p * rstd * (1.0 + w_p), dtype).to(tl.float32)
     # Each product rounded on its own (mul_f32), as torch's rotation rounds it: with a plain multiply the
     # compiler contracts one product and the add into an fma.rn.bf16 and skips that product's rounding.
     y_cos = round_to(mul_f32(y, cos), dtype).to(tl.float32)
     partner_sin = round_to(mul_f32(sign * y_p, sin), dtype).to(tl.float32)
     rot = y_cos + partner_sin
-    return tl.where(is_rot, rot, y).to(dtype)
+    return round_to(tl.where(is_rot, rot, y), dtype)
 
 
 @triton.jit(do_not_specialize=["eps"])
@@ -201,8 +201,8 @@ def _qk_norm_rope_write_kv_kernel(
     dtype = q_ptr.dtype.element_ty
     # The token's cos/sin (accurate libdevice calls) serve every head this program takes.
     cos, sin = _cos_sin(freqs)
-    cos = cos.to(dtype).to(tl.float32)
-    sin = sin.to(dtype).to(tl.float32)
+    cos = round_to(cos, dtype).to(tl.float32)
+    sin = round_to(sin, dtype).to(tl.float32)
     for h in range(first_head, tl.minimum(first_head + HEADS_PER_PROGRAM, NUM_HEADS + NUM_KV_HEADS)):
         if h < NUM_HEADS:
             src = q_ptr + t * stride_qt + h * stride_qh
