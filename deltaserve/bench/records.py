@@ -113,6 +113,8 @@ REFERENCES: dict[str, CellReference] = {
     "35b-a3b-shape:1-256-c1": CellReference(
         floor=(Figure("TPOT", 1.6, "ms", metric="tpot_ms.median", approx=True),),
         previous=(Figure("TPOT", 6.49, "ms"),),
+        note="the 2026-12-01 H200 record; on an H100 on 2026-12-06: 3.50 ms with the per-slot expert GEMVs "
+        "(the default since), 4.59 ms with the grouped kernels (h100-slot-gemv-default)",
     ),
     "27b-shape:1024-256-c16": CellReference(
         previous=(Figure("TPOT", 23.2, "ms"), Figure("ITL p99", 188, "ms"))
