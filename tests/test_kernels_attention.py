@@ -13,7 +13,6 @@ from collections.abc import Sequence
 
 import pytest
 import torch
-from hopper_ptx import bf16_fmas, kernel_ptx
 
 from deltaserve.ops import attention as ref
 from deltaserve.ops.batch import BatchRow, ForwardBatch, build_forward_batch
@@ -391,9 +390,9 @@ def check_projection(case: ProjectionCase, dtype: torch.dtype) -> None:
         # The rounding steps are the reference's, so most values are bit-identical. Not all: on an H200,
         # at positions 0..200k, the pass-through dims were 100% identical but the rotated dims 88-89%
         # (97% of all values), falling with the position (94% at 200k). Two causes: one of the two
-        # products went unrounded, contracted into an fma.rn.bf16 (since fixed, and checked in the PTX by
-        # test_the_rotation_rounds_each_product_on_hopper), and the kernel's libdevice cos/sin and
-        # torch's disagree in the last bits for some angles. At the 27B shape a few pass-through
+        # products went unrounded, contracted into an fma.rn.bf16 (since fixed; the PTX is checked by
+        # test_kernels_product_rounding.py), and the kernel's libdevice cos/sin and torch's disagree in
+        # the last bits for some angles. At the 27B shape a few pass-through
         # values differ too: the sum of squares is reduced in another order, which can move a row's
         # 1/rms by an fp32 ulp and so, rarely, the bf16 rounding of a normed value.
         k_got, k_want = (cache.flatten(0, 1)[case.slot_mapping] for cache in (caches[0], caches[2]))
@@ -423,22 +422,6 @@ def test_qk_norm_rope_write_kv_matches_reference_composition(
     )
     assert case.q.stride(1) == 2 * head_dim  # the strided view of the fused projection
     check_projection(case, dtype)
-
-
-def test_the_rotation_rounds_each_product_on_hopper() -> None:
-    """Compiled for sm_90, RoPE rounds q * cos and rotate_half(q) * sin each before their sum, as torch's
-    rotation does; contracted into an fma.rn.bf16, one product went unrounded."""
-    names = ("q", "k", "v", "q_out", "q_w", "k_w", "k_cache", "v_cache")
-    signature = {f"{name}_ptr": "*bf16" for name in names}
-    signature |= {"pos_ptr": "*i64", "inv_freq_ptr": "*fp32", "slot_ptr": "*i64"}
-    strides = ("qt", "qh", "kt", "kh", "vt", "vh", "ot", "oh", "kcp", "kcs", "kch", "vcp", "vcs", "vch")
-    signature |= {f"stride_{name}": "i32" for name in strides} | {"eps": "fp32"}
-    constexprs = dict(NUM_HEADS=2, NUM_KV_HEADS=1, HEAD_DIM=64, ROTARY_DIM=32, PAGE_SIZE=16)
-    constexprs |= dict(HEADS_PER_PROGRAM=1, USE_GDC=False)
-    code = kernel_ptx(
-        "deltaserve.ops.triton.attention", "_qk_norm_rope_write_kv_kernel", signature, constexprs
-    )
-    assert not bf16_fmas(code)
 
 
 def test_negative_slot_writes_nothing_but_still_returns_q() -> None:
