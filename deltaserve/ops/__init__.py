@@ -135,6 +135,11 @@ def use_kernels(t: torch.Tensor) -> bool:
     return t.is_cuda and not REFERENCE_ONLY
 
 
+def _takes_slot_gemvs(x: torch.Tensor, ids: torch.Tensor) -> bool:
+    """Whether a routed-experts call streams each slot's expert as a GEMV (MOE_SLOT_GEMV_SLOTS)."""
+    return use_kernels(x) and ids.numel() <= MOE_SLOT_GEMV_SLOTS
+
+
 def _streams_weights(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether x's rows may take the weight-streaming kernels (ops/triton/linear.py)."""
     return (
@@ -263,11 +268,11 @@ def fused_experts(
     """Routed experts of an MoE block: sum over each token's experts of weight * down(silu(gate x) * up x).
     On the GPU: a GEMV per routing slot up to MOE_SLOT_GEMV_SLOTS slots, else the Triton kernels, or the
     grouped GEMM from MOE_GROUPED_FROM rows per expert."""
-    if use_kernels(x):
-        if ids.numel() <= MOE_SLOT_GEMV_SLOTS:
-            from deltaserve.ops.triton.moe_gemv import slot_experts
+    if _takes_slot_gemvs(x, ids):
+        from deltaserve.ops.triton.moe_gemv import slot_experts
 
-            return slot_experts(x, w13, w2, weights, ids)
+        return slot_experts(x, w13, w2, weights, ids)
+    if use_kernels(x):
         if _from_rows(MOE_GROUPED_FROM, ids, w13.shape[0]):
             from deltaserve.ops.triton.moe_grouped import grouped_experts, grouped_gemm_supported
 
@@ -295,7 +300,7 @@ def moe_block_output(
     experts' sum + shared * sigmoid(x @ shared_gate^T) (shared_gate [1, H]), rounded where those ops round.
     Up to MOE_SLOT_GEMV_SLOTS slots on the GPU, one kernel adds the gated shared output to the routed sum
     as it writes it. `then`: the weight the step streams next (prefetched at GEMV rows: linear)."""
-    if use_kernels(x) and ids.numel() <= MOE_SLOT_GEMV_SLOTS:
+    if _takes_slot_gemvs(x, ids):
         from deltaserve.ops.triton.moe_gemv import SharedExpertOutput, slot_experts
 
         return slot_experts(x, w13, w2, weights, ids, shared=SharedExpertOutput(shared, shared_gate[0]))
