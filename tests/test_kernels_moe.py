@@ -216,21 +216,14 @@ def test_grouping_kernels_equal_the_torch_grouping(tokens, top_k, num_experts, b
 
 def test_tiles_follow_shapes_only() -> None:
     # 16-bit, by the rows an expert averages (T*k / E) at 256 experts, 8 per token: up to 16, to 127, 128+
-    assert tri.default_tiles(1, 8, 256, torch.bfloat16) == (16, 64, 64, 4, 3, 0)  # decode
-    assert tri.default_tiles(512, 8, 256, torch.bfloat16) == (16, 64, 64, 4, 3, 0)  # 4096 slots: 16 each
-    assert tri.default_tiles(513, 8, 256, torch.bfloat16) == (64, 64, 64, 4, 3, 0)  # 16.03 each
-    assert tri.default_tiles(4095, 8, 256, torch.bfloat16) == (64, 64, 64, 4, 3, 0)
-    assert tri.default_tiles(4096, 8, 256, torch.bfloat16) == (
-        128,
-        128,
-        64,
-        8,
-        3,
-        32,
-    )  # 128 each, 32-row tails
+    assert tri.default_tiles(1, 8, 256, torch.bfloat16) == (16, 64, 64, 4, 3)  # decode
+    assert tri.default_tiles(512, 8, 256, torch.bfloat16) == (16, 64, 64, 4, 3)  # 4096 slots: 16 each
+    assert tri.default_tiles(513, 8, 256, torch.bfloat16) == (64, 64, 64, 4, 3)  # 16.03 each
+    assert tri.default_tiles(4095, 8, 256, torch.bfloat16) == (64, 64, 64, 4, 3)
+    assert tri.default_tiles(4096, 8, 256, torch.bfloat16) == (128, 128, 64, 8, 3)  # 128 each
     # fp32 (tests): 16-row blocks up to 16 rows per expert, then 64; half the 16-bit reduction step
-    assert tri.default_tiles(512, 8, 256, torch.float32) == (16, 64, 32, 4, 3, 0)
-    assert tri.default_tiles(513, 8, 256, torch.float32) == (64, 64, 32, 4, 3, 0)
+    assert tri.default_tiles(512, 8, 256, torch.float32) == (16, 64, 32, 4, 3)
+    assert tri.default_tiles(513, 8, 256, torch.float32) == (64, 64, 32, 4, 3)
     # decode: at most min(E, T*k) experts are used, so the grid stays small even with many experts
     assert tri._max_blocks(8, 256, 16) == 8
 
@@ -353,33 +346,6 @@ def test_other_launch_parameters_give_the_same_experts(tiles) -> None:
     inputs = make_inputs(80, 2, torch.bfloat16, seed=11)
     out = poisoned(*inputs[0].shape, dtype=inputs[0].dtype)
     assert_matches(tri.fused_experts(*inputs, out=out, tiles=tiles), moe.fused_experts(*inputs))
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tail_m", [16, 32])
-def test_tail_tiles_give_the_reference_at_every_tail_size(dtype: torch.dtype, tail_m: int) -> None:
-    # One expert per token; the experts' rows straddle the 64-row blocks and the tail bounds: last blocks
-    # of 1, 15, 16, 17, 63, 64, 1 and 36 rows, so both the tail_m-row and the 64-row tiles run.
-    counts = [1, 15, 16, 17, 63, 64, 65, 100]
-    ids = torch.cat([torch.full((n,), e) for e, n in enumerate(counts)])
-    ids = ids[torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(3))].view(-1, 1)
-    x, w13, w2, _, _ = make_inputs(ids.shape[0], 1, dtype, seed=21)
-    weights = torch.rand(ids.shape, generator=torch.Generator().manual_seed(4)).to(dtype).to(DEVICE)
-    inputs = (x, w13, w2, weights, ids.to(DEVICE))
-    tiles = tri.MoeTiles(block_m=64, block_n=32, block_k=32, num_warps=4, num_stages=3, tail_m=tail_m)
-    out = poisoned(*x.shape, dtype=dtype)
-    assert_matches(tri.fused_experts(*inputs, out=out, tiles=tiles), moe.fused_experts(*inputs))
-
-
-def test_the_tail_rows_setting_is_checked() -> None:
-    assert tri.parse_tail_rows("0") == 0 and tri.parse_tail_rows("32") == 32
-    for bad in ("48", "128", "-16", "x"):
-        with pytest.raises(ValueError, match=f"DELTASERVE_MOE_TAIL_ROWS must be 0, 16, 32 or 64.*{bad}"):
-            tri.parse_tail_rows(bad)
-    with pytest.raises(
-        ValueError, match=r"tiles.tail_m must be 0 or a power of two >= 16 below block_m \(64\), got 64"
-    ):
-        tri.check_tiles(tri.MoeTiles(64, 64, 64, 4, 3, tail_m=64))
 
 
 def test_the_down_kernel_takes_its_own_launch_parameters() -> None:

@@ -37,16 +37,12 @@ from deltaserve.ops.triton.moe_grouped import grouped_experts
 DTYPE = torch.bfloat16
 SHAPE_35B_A3B = (256, 8, 2048, 512)
 
-# (block_m, block_n, block_k, num_warps, num_stages[, tail_m]); the first three are the defaults under 16
-# rows per expert, under 128 and beyond (ops/triton/moe.py).
+# (block_m, block_n, block_k, num_warps, num_stages); the first three are the defaults under 16 rows per
+# expert, under 128 and beyond (ops/triton/moe.py).
 SWEEP = [
     MoeTiles(16, 64, 64, 4, 3),
     MoeTiles(64, 64, 64, 4, 3),
-    MoeTiles(128, 128, 64, 8, 3, tail_m=32),
     MoeTiles(128, 128, 64, 8, 3),
-    MoeTiles(128, 128, 64, 8, 3, tail_m=64),
-    MoeTiles(64, 64, 64, 4, 3, tail_m=16),
-    MoeTiles(64, 64, 64, 4, 3, tail_m=32),
     MoeTiles(32, 64, 64, 4, 3),
     MoeTiles(64, 128, 64, 4, 4),
     MoeTiles(32, 128, 64, 4, 3),
@@ -132,7 +128,7 @@ def sweep_split(tokens: int, inputs: tuple[torch.Tensor, ...], want: torch.Tenso
     for kernel in ("down", "gate_up"):
         results = []
         for n, k, warps, stages in SPLIT:
-            tiles = MoeTiles(default.block_m, n, k, warps, stages, default.tail_m)
+            tiles = MoeTiles(default.block_m, n, k, warps, stages)
             pair = (default, tiles) if kernel == "down" else (tiles, default)
             try:
                 got = fused_experts(*inputs, tiles=pair[0], down_tiles=pair[1])

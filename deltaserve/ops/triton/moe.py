@@ -42,7 +42,6 @@ Narrowing casts go through `round_to` (the interpreter truncates fp32 -> bf16), 
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -66,9 +65,6 @@ class MoeTiles(NamedTuple):
     block_k: int  # reduction step (H for gate_up, I for down)
     num_warps: int
     num_stages: int
-    # An expert's last block holding at most tail_m rows (its padding the rest) runs as a tail_m-row tile
-    # over the same columns, with TAIL_STAGES stages: 0 keeps every block at block_m rows.
-    tail_m: int = 0
 
 
 # 16-bit inputs, by the rows an expert averages (T*k / E):
@@ -82,28 +78,11 @@ class MoeTiles(NamedTuple):
 # gate_up's stage is (BLOCK_M + 2 * BLOCK_N) * BLOCK_K * 2 bytes: 18 to 48 KiB, 3 stages within any
 # recent GPU's shared memory. fp32 inputs (tests) halve BLOCK_K to keep the same bytes per stage, and stop
 # at 64-row tiles.
-# Tails: an expert's rows rarely fill its last block. At the 35B-A3B's saturated step (4,608 tokens,
-# ~144 rows per expert) 128-row blocks issue 1.7x the real rows, and most last blocks hold fewer than 32;
-# those run as 32-row tiles (TAIL_STAGES stages: both loops' buffers within the shared memory).
-# DELTASERVE_MOE_TAIL_ROWS=N sets the large tiles' tail_m (0: off).
-_TAIL_STAGES = 2
-
-
-def parse_tail_rows(text: str) -> int:
-    """DELTASERVE_MOE_TAIL_ROWS's value: 0 or a power of two from 16 to 64."""
-    value = int(text) if text.strip().isdigit() else -1
-    if value and value not in (16, 32, 64):
-        raise ValueError(f"DELTASERVE_MOE_TAIL_ROWS must be 0, 16, 32 or 64 (rows), got {text!r}")
-    return value
-
-
 _SMALL_BATCH_BLOCK_M = 16
 _LARGE_TILES_FROM = 128  # rows per expert
 _TILES_SMALL = MoeTiles(16, 64, 64, 4, 3)
 _TILES_MEDIUM = MoeTiles(64, 64, 64, 4, 3)
-_TILES_LARGE = MoeTiles(
-    128, 128, 64, 8, 3, tail_m=parse_tail_rows(os.environ.get("DELTASERVE_MOE_TAIL_ROWS", "32"))
-)
+_TILES_LARGE = MoeTiles(128, 128, 64, 8, 3)
 _TILES_FP32_SMALL = MoeTiles(16, 64, 32, 4, 3)
 _TILES_FP32_LARGE = MoeTiles(64, 64, 32, 4, 3)
 # The combine kernel: one token row's BLOCK_H columns per program (8 values per thread over 4 warps).
@@ -133,11 +112,6 @@ def check_tiles(tiles: MoeTiles) -> None:
         raise ValueError(f"tiles.num_warps must be 1, 2, 4, 8 or 16, got {tiles.num_warps}")
     if tiles.num_stages < 1:
         raise ValueError(f"tiles.num_stages must be >= 1, got {tiles.num_stages}")
-    tail = tiles.tail_m
-    if tail and (tail < 16 or tail & (tail - 1) or tail >= tiles.block_m):
-        raise ValueError(
-            f"tiles.tail_m must be 0 or a power of two >= 16 below block_m ({tiles.block_m}), got {tail}"
-        )
 
 
 # The grouping's kernels (step 1): their grids depend on T*k only.
@@ -283,70 +257,6 @@ def group_slots(ids: torch.Tensor, num_experts: int, block_m: int) -> Grouping:
     return Grouping(sorted_slots, block_expert, layout[2, :num_experts])
 
 
-@triton.jit
-def _gate_up_rows(
-    x_ptr,
-    w13_ptr,
-    inter_ptr,
-    sorted_slots_ptr,
-    row0,
-    expert,
-    col_tile,
-    num_slots,
-    top_k,
-    hidden,
-    inter_size,
-    stride_xt,
-    stride_xh,
-    stride_we,
-    stride_wn,
-    stride_wh,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    STAGES: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    DESCRIPTORS: tl.constexpr,
-):
-    """inter[p, n] = silu(gate) * up for the ROWS padded positions p from row0 and BLOCK_N columns n < I
-    of column tile col_tile."""
-    rows = row0 + tl.arange(0, ROWS)  # padded positions
-    slots = tl.load(sorted_slots_ptr + rows)
-    valid = slots < num_slots  # False on padding rows (their token index is out of range)
-    tokens = (slots // top_k).to(tl.int64)
-    cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < inter_size
-    offs_k = tl.arange(0, BLOCK_K)
-    x_rows = x_ptr + tokens[:, None] * stride_xt
-    if DESCRIPTORS:
-        gate_row = expert * 2 * inter_size + col_tile * BLOCK_N
-    else:
-        w = w13_ptr + expert.to(tl.int64) * stride_we
-        gate_cols = w + cols[None, :] * stride_wn  # w13[e, n, :] is gate row n, w13[e, I + n, :] up row n
-        up_cols = w + (cols[None, :] + inter_size) * stride_wn
-    acc_gate = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-    for k0 in tl.range(0, hidden, BLOCK_K, num_stages=STAGES):
-        ks = k0 + offs_k
-        k_ok = ks < hidden
-        a = tl.load(x_rows + ks[None, :] * stride_xh, mask=valid[:, None] & k_ok[None, :], other=0.0)
-        if DESCRIPTORS:  # the K tail past H reads as zeros
-            w_gate = w13_ptr.load([gate_row, k0]).T  # [BLOCK_K, BLOCK_N]
-            w_up = w13_ptr.load([gate_row + inter_size, k0]).T
-        else:
-            w_mask = k_ok[:, None] & col_ok[None, :]  # [BLOCK_K, BLOCK_N] tiles
-            w_gate = tl.load(gate_cols + ks[:, None] * stride_wh, mask=w_mask, other=0.0)
-            w_up = tl.load(up_cols + ks[:, None] * stride_wh, mask=w_mask, other=0.0)
-        acc_gate += _dot(a, w_gate, DOT_PRECISION)
-        acc_up += _dot(a, w_up, DOT_PRECISION)
-    dtype = inter_ptr.dtype.element_ty
-    gate = round_to(acc_gate, dtype).to(tl.float32)  # F.linear's rounded output
-    up = round_to(acc_up, dtype).to(tl.float32)
-    act = round_to(silu_f32(gate), dtype).to(tl.float32)  # rounded, as F.silu(gate) is
-    out = inter_ptr + rows.to(tl.int64)[:, None] * inter_size + cols[None, :]
-    tl.store(out, round_to(act * up, dtype), mask=valid[:, None] & col_ok[None, :])
-
-
 @triton.jit(do_not_specialize=["num_slots"])  # T*k: no compile per batch size
 def _gate_up_kernel(
     x_ptr,
@@ -367,9 +277,6 @@ def _gate_up_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
-    TAIL_M: tl.constexpr,
-    TAIL_STAGES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DESCRIPTORS: tl.constexpr,
 ):
@@ -381,76 +288,41 @@ def _gate_up_kernel(
     expert = tl.load(block_expert_ptr + block)
     if expert >= num_experts:  # past the last used block
         return
-    row0 = block * BLOCK_M
-    col_tile = tl.program_id(0) % num_col_tiles
-    # A block's slots come first and its padding (the sentinel num_slots) after them: one load tells a
-    # last block of at most TAIL_M slots. Static on TAIL_M, so TAIL_M = 0 compiles one tile.
-    if TAIL_M > 0 and tl.load(sorted_slots_ptr + row0 + TAIL_M) >= num_slots:
-        _gate_up_rows(
-            x_ptr, w13_ptr, inter_ptr, sorted_slots_ptr, row0, expert, col_tile, num_slots, top_k, hidden,
-            inter_size, stride_xt, stride_xh, stride_we, stride_wn, stride_wh,
-            TAIL_M, BLOCK_N, BLOCK_K, TAIL_STAGES, DOT_PRECISION, DESCRIPTORS,
-        )  # fmt: skip
-    else:
-        _gate_up_rows(
-            x_ptr, w13_ptr, inter_ptr, sorted_slots_ptr, row0, expert, col_tile, num_slots, top_k, hidden,
-            inter_size, stride_xt, stride_xh, stride_we, stride_wn, stride_wh,
-            BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, DOT_PRECISION, DESCRIPTORS,
-        )  # fmt: skip
-
-
-@triton.jit
-def _down_rows(
-    inter_ptr,
-    w2_ptr,
-    weights_ptr,
-    per_slot_ptr,
-    sorted_slots_ptr,
-    row0,
-    expert,
-    col_tile,
-    num_slots,
-    hidden,
-    inter_size,
-    stride_we,
-    stride_wn,
-    stride_wi,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    STAGES: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    DESCRIPTORS: tl.constexpr,
-):
-    """per_slot[s, n] = weight[s] * (inter[p] @ w2[e, n, :]) for the slots s at the ROWS padded positions
-    p from row0 and BLOCK_N columns n < H of column tile col_tile."""
-    rows = row0 + tl.arange(0, ROWS)  # padded positions
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)  # padded positions
     slots = tl.load(sorted_slots_ptr + rows)
-    valid = slots < num_slots
-    cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < hidden
+    valid = slots < num_slots  # False on padding rows (their token index is out of range)
+    tokens = (slots // top_k).to(tl.int64)
+    cols = (tl.program_id(0) % num_col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < inter_size
     offs_k = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + tokens[:, None] * stride_xt
     if DESCRIPTORS:
-        w_row = expert * hidden + col_tile * BLOCK_N
+        gate_row = expert * 2 * inter_size + (tl.program_id(0) % num_col_tiles) * BLOCK_N
     else:
-        a_rows = inter_ptr + rows.to(tl.int64)[:, None] * inter_size
-        w_cols = w2_ptr + expert.to(tl.int64) * stride_we + cols[None, :] * stride_wn
-    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-    for k0 in tl.range(0, inter_size, BLOCK_K, num_stages=STAGES):
-        if DESCRIPTORS:  # the K tail past I reads as zeros
-            a = inter_ptr.load([row0, k0])
-            w = w2_ptr.load([w_row, k0]).T
+        w = w13_ptr + expert.to(tl.int64) * stride_we
+        gate_cols = w + cols[None, :] * stride_wn  # w13[e, n, :] is gate row n, w13[e, I + n, :] up row n
+        up_cols = w + (cols[None, :] + inter_size) * stride_wn
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        ks = k0 + offs_k
+        k_ok = ks < hidden
+        a = tl.load(x_rows + ks[None, :] * stride_xh, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        if DESCRIPTORS:  # the K tail past H reads as zeros
+            w_gate = w13_ptr.load([gate_row, k0]).T  # [BLOCK_K, BLOCK_N]
+            w_up = w13_ptr.load([gate_row + inter_size, k0]).T
         else:
-            ks = k0 + offs_k
-            k_ok = ks < inter_size
-            a = tl.load(a_rows + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_cols + ks[:, None] * stride_wi, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc += _dot(a, w, DOT_PRECISION)
-    dtype = per_slot_ptr.dtype.element_ty
-    down = round_to(acc, dtype).to(tl.float32)  # F.linear's rounded output
-    weight = tl.load(weights_ptr + slots, mask=valid, other=0.0).to(tl.float32)
-    out = per_slot_ptr + slots.to(tl.int64)[:, None] * hidden + cols[None, :]
-    tl.store(out, round_to(down * weight[:, None], dtype), mask=valid[:, None] & col_ok[None, :])
+            w_mask = k_ok[:, None] & col_ok[None, :]  # [BLOCK_K, BLOCK_N] tiles
+            w_gate = tl.load(gate_cols + ks[:, None] * stride_wh, mask=w_mask, other=0.0)
+            w_up = tl.load(up_cols + ks[:, None] * stride_wh, mask=w_mask, other=0.0)
+        acc_gate += _dot(a, w_gate, DOT_PRECISION)
+        acc_up += _dot(a, w_up, DOT_PRECISION)
+    dtype = inter_ptr.dtype.element_ty
+    gate = round_to(acc_gate, dtype).to(tl.float32)  # F.linear's rounded output
+    up = round_to(acc_up, dtype).to(tl.float32)
+    act = round_to(silu_f32(gate), dtype).to(tl.float32)  # rounded, as F.silu(gate) is
+    out = inter_ptr + rows.to(tl.int64)[:, None] * inter_size + cols[None, :]
+    tl.store(out, round_to(act * up, dtype), mask=valid[:, None] & col_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["num_slots"])
@@ -471,36 +343,45 @@ def _down_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
-    TAIL_M: tl.constexpr,
-    TAIL_STAGES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DESCRIPTORS: tl.constexpr,
 ):
     """per_slot[s, n] = weight[s] * (inter[p] @ w2[e, n, :]) for the slots s of one block (at padded
     positions p) and BLOCK_N columns n < H. With DESCRIPTORS, inter_ptr and w2_ptr are tensor descriptors
     over inter ([BLOCK_M, BLOCK_K] blocks) and w2 as [E * H, I] ([BLOCK_N, BLOCK_K] blocks; H a multiple
-    of BLOCK_N): padding rows then read unwritten `inter` rows, whose results the store masks. The
-    descriptor's block is BLOCK_M rows, so TAIL_M must be 0 with DESCRIPTORS."""
+    of BLOCK_N): padding rows then read unwritten `inter` rows, whose results the store masks."""
     num_col_tiles = tl.cdiv(hidden, BLOCK_N)
     block = tl.program_id(0) // num_col_tiles
     expert = tl.load(block_expert_ptr + block)
     if expert >= num_experts:  # past the last used block
         return
-    row0 = block * BLOCK_M
-    col_tile = tl.program_id(0) % num_col_tiles
-    if TAIL_M > 0 and tl.load(sorted_slots_ptr + row0 + TAIL_M) >= num_slots:  # as in _gate_up_kernel
-        _down_rows(
-            inter_ptr, w2_ptr, weights_ptr, per_slot_ptr, sorted_slots_ptr, row0, expert, col_tile, num_slots,
-            hidden, inter_size, stride_we, stride_wn, stride_wi,
-            TAIL_M, BLOCK_N, BLOCK_K, TAIL_STAGES, DOT_PRECISION, DESCRIPTORS,
-        )  # fmt: skip
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)  # padded positions
+    slots = tl.load(sorted_slots_ptr + rows)
+    valid = slots < num_slots
+    cols = (tl.program_id(0) % num_col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden
+    offs_k = tl.arange(0, BLOCK_K)
+    if DESCRIPTORS:
+        w_row = expert * hidden + (tl.program_id(0) % num_col_tiles) * BLOCK_N
     else:
-        _down_rows(
-            inter_ptr, w2_ptr, weights_ptr, per_slot_ptr, sorted_slots_ptr, row0, expert, col_tile, num_slots,
-            hidden, inter_size, stride_we, stride_wn, stride_wi,
-            BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, DOT_PRECISION, DESCRIPTORS,
-        )  # fmt: skip
+        a_rows = inter_ptr + rows.to(tl.int64)[:, None] * inter_size
+        w_cols = w2_ptr + expert.to(tl.int64) * stride_we + cols[None, :] * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, inter_size, BLOCK_K):
+        if DESCRIPTORS:  # the K tail past I reads as zeros
+            a = inter_ptr.load([block * BLOCK_M, k0])
+            w = w2_ptr.load([w_row, k0]).T
+        else:
+            ks = k0 + offs_k
+            k_ok = ks < inter_size
+            a = tl.load(a_rows + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_cols + ks[:, None] * stride_wi, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc += _dot(a, w, DOT_PRECISION)
+    dtype = per_slot_ptr.dtype.element_ty
+    down = round_to(acc, dtype).to(tl.float32)  # F.linear's rounded output
+    weight = tl.load(weights_ptr + slots, mask=valid, other=0.0).to(tl.float32)
+    out = per_slot_ptr + slots.to(tl.int64)[:, None] * hidden + cols[None, :]
+    tl.store(out, round_to(down * weight[:, None], dtype), mask=valid[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -562,9 +443,6 @@ def _launch(tiles: MoeTiles, precision: str, descriptors: bool) -> dict[str, int
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k,
-        NUM_STAGES=tiles.num_stages,
-        TAIL_M=0 if descriptors else tiles.tail_m,
-        TAIL_STAGES=_TAIL_STAGES,
         DOT_PRECISION=precision,
         DESCRIPTORS=descriptors,
         num_warps=tiles.num_warps,
