@@ -41,8 +41,9 @@ def test_matches_reference(dtype: torch.dtype, tokens: int, top_k: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_more_than_two_experts_per_token_sum_in_fp32(dtype: torch.dtype) -> None:
-    inputs = make_inputs(3, 4, dtype, seed=4)
+@pytest.mark.parametrize(("tokens", "top_k", "seed"), [(3, 4, 4), (4, 8, 8)])  # 4 x 8: the default bound
+def test_more_than_two_experts_per_token_sum_in_fp32(dtype: torch.dtype, tokens: int, top_k: int, seed: int):
+    inputs = make_inputs(tokens, top_k, dtype, seed=seed)
     got = run_slots(*inputs)
     assert_matches(got, reference_summed_in_fp32(*inputs))
     torch.testing.assert_close(got, moe.fused_experts(*inputs), rtol=2e-2, atol=2e-2)

@@ -229,8 +229,8 @@ def _groups() -> dict[str, Group]:
         "Qwen3.5-35B-A3B shape",
         (
             _random_cell("35B-A3B", 1, 256, 1, 20),
-            # 4 streams: 32 routing slots a decode step, past the slot GEMVs' default bound (16), for the
-            # A/B against the grouped kernels (DELTASERVE_MOE_SLOT_GEMV_SLOTS=32 against the default)
+            # 4 streams: 32 routing slots a decode step, the slot GEMVs' default bound, for the A/B against
+            # the grouped kernels (DELTASERVE_MOE_SLOT_GEMV_SLOTS=16 against the default)
             _random_cell("35B-A3B", 1, 256, 4, 32),
             _random_cell("35B-A3B", 1024, 256, 16, 32),
         ),
