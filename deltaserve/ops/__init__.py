@@ -123,12 +123,13 @@ def parse_slot_gemv_slots(text: str) -> int:
 
 # DELTASERVE_MOE_SLOT_GEMV_SLOTS=N: routed-expert calls of up to N slots (tokens x experts per token)
 # stream each slot's expert as a GEMV (ops/triton/moe_gemv.py: two kernels, no grouping, the shared
-# expert's gated share added by the second) instead of the grouped kernels; 0 turns it off. The default,
-# 32 (a 35B-A3B's batches of up to 4 at 8 experts a token), is the value served and gated. On an H100 at
-# the 35B-A3B shape over HTTP: c1 TPOT 3.50 ms against 4.59 ms with the grouped kernels
+# expert's gated share added by the second) instead of the grouped kernels; 0 turns it off. The default
+# is 32 slots (a 35B-A3B's batches of up to 4 at 8 experts a token). On an H100 at the 35B-A3B shape over
+# HTTP: c1 TPOT 3.50 ms against 4.59 ms with the grouped kernels
 # (docs/benchmarks/2026-12-06-h100-slot-gemv-default.md); c4 6.19 ms against 7.11 ms, twice each
-# (docs/benchmarks/2026-12-06-h100-gate-rope-moe-tails-slots32.md). The GPU gate's tiny-MoE surfaces pass
-# with it, the resumed bf16 surface over five prompt seeds with the grouped kernels' numbers.
+# (docs/benchmarks/2026-12-06-h100-gate-rope-moe-tails-slots32.md). Each slot's programs compute the
+# same whatever the number of slots; the GPU gate's tiny-MoE surfaces passed with the bound at 16 (the
+# resumed bf16 surface over five prompt seeds with the grouped kernels' numbers), not yet at 32.
 MOE_SLOT_GEMV_SLOTS = parse_slot_gemv_slots(os.environ.get("DELTASERVE_MOE_SLOT_GEMV_SLOTS", "32"))
 
 
