@@ -116,6 +116,10 @@ REFERENCES: dict[str, CellReference] = {
         note="the 2026-12-01 H200 record; on an H100 on 2026-12-06: 3.50 ms with the per-slot expert GEMVs "
         "(the default since), 4.59 ms with the grouped kernels (h100-slot-gemv-default)",
     ),
+    "35b-a3b-shape:1-256-c4": CellReference(
+        note="no H200 record; on an H100 on 2026-12-06: TPOT 6.19 ms with the per-slot expert GEMVs (32 slots, "
+        "the default since), 7.11 ms with the grouped kernels, twice each (h100-gate-rope-moe-tails-slots32)",
+    ),
     "27b-shape:1024-256-c16": CellReference(
         previous=(Figure("TPOT", 23.2, "ms"), Figure("ITL p99", 188, "ms"))
     ),
