@@ -339,6 +339,7 @@ def test_bad_inputs_are_rejected_naming_the_argument(change, match: str) -> None
     [
         tri.MoeTiles(block_m=32, block_n=128, block_k=64, num_warps=8, num_stages=2),
         tri.MoeTiles(block_m=128, block_n=32, block_k=16, num_warps=4, num_stages=4),
+        tri.MoeTiles(block_m=256, block_n=32, block_k=32, num_warps=8, num_stages=3),
     ],
 )
 def test_other_launch_parameters_give_the_same_experts(tiles) -> None:

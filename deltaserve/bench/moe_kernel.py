@@ -54,6 +54,13 @@ SWEEP = [
     MoeTiles(128, 128, 64, 4, 4),
     MoeTiles(64, 64, 128, 4, 3),
     MoeTiles(128, 128, 128, 8, 2),
+    # 256-row blocks: at ~144 rows per expert (the 35B-A3B's 4,608-token step) one block per expert, so
+    # each weight tile is loaded once for all of the expert's rows instead of once per 128-row block (the
+    # kernels' time follows their blocks, not their padded rows: 2026-12-06-h100-gate-rope-moe-tails-slots32).
+    # Compiled for sm_90 without register spills (gate_up at 254 registers); 128 columns spill there.
+    MoeTiles(256, 64, 64, 8, 3),
+    MoeTiles(256, 64, 64, 8, 4),
+    MoeTiles(256, 64, 32, 8, 4),
 ]
 QUICK = SWEEP[:5]
 # --split: (block_n, block_k, num_warps, num_stages) of one kernel, block_m the default's.
