@@ -349,6 +349,22 @@ def test_other_launch_parameters_give_the_same_experts(tiles) -> None:
     assert_matches(tri.fused_experts(*inputs, out=out, tiles=tiles), moe.fused_experts(*inputs))
 
 
+def test_the_large_tiles_setting_parses_and_names_a_bad_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    name = "DELTASERVE_MOE_LARGE_TILES"
+    assert tri.parse_tiles(name, "256,64,64,8,3") == (256, 64, 64, 8, 3)
+    for bad in ("256,64,64,8", "256,64,64,8,3,1", "256,x,64,8,3", ""):
+        with pytest.raises(
+            ValueError, match=f"{name} must be five integers block_m,block_n,block_k,.*got {bad!r}"
+        ):
+            tri.parse_tiles(name, bad)
+    with pytest.raises(ValueError, match=rf"{name}='256,48,64,8,3': tiles.block_n must be a power of two"):
+        tri.parse_tiles(name, "256,48,64,8,3")
+    # the setting replaces the large tiles only (from 128 rows per expert)
+    monkeypatch.setattr(tri, "_TILES_LARGE", tri.parse_tiles(name, "256,64,64,8,3"))
+    assert tri.default_tiles(4096, 8, 256, torch.bfloat16) == (256, 64, 64, 8, 3)
+    assert tri.default_tiles(4095, 8, 256, torch.bfloat16) == (64, 64, 64, 4, 3)
+
+
 def test_the_down_kernel_takes_its_own_launch_parameters() -> None:
     # The split sweep (--split) gives gate_up and down different tiles over one grouping.
     inputs = make_inputs(80, 2, torch.bfloat16, seed=13)

@@ -42,6 +42,7 @@ Narrowing casts go through `round_to` (the interpreter truncates fp32 -> bf16), 
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -112,6 +113,29 @@ def check_tiles(tiles: MoeTiles) -> None:
         raise ValueError(f"tiles.num_warps must be 1, 2, 4, 8 or 16, got {tiles.num_warps}")
     if tiles.num_stages < 1:
         raise ValueError(f"tiles.num_stages must be >= 1, got {tiles.num_stages}")
+
+
+def parse_tiles(variable: str, text: str) -> MoeTiles:
+    """A setting of launch parameters, "block_m,block_n,block_k,num_warps,num_stages"; ValueError naming
+    the variable, the expected form and the value otherwise."""
+    try:
+        tiles = MoeTiles(*(int(part) for part in text.split(",")))
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"{variable} must be five integers block_m,block_n,block_k,num_warps,num_stages, got {text!r}"
+        ) from None
+    try:
+        check_tiles(tiles)
+    except ValueError as error:
+        raise ValueError(f"{variable}={text!r}: {error}") from None
+    return tiles
+
+
+# DELTASERVE_MOE_LARGE_TILES="m,n,k,warps,stages": the 16-bit launch parameters from _LARGE_TILES_FROM rows
+# per expert, for an A/B over HTTP of a `bench.moe_kernel` candidate (e.g. 256,64,64,8,3: one block per
+# expert at the 35B-A3B's 4,608-token step); unset, the 128 x 128 tiles above.
+if os.environ.get("DELTASERVE_MOE_LARGE_TILES"):
+    _TILES_LARGE = parse_tiles("DELTASERVE_MOE_LARGE_TILES", os.environ["DELTASERVE_MOE_LARGE_TILES"])
 
 
 # The grouping's kernels (step 1): their grids depend on T*k only.
