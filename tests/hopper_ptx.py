@@ -22,3 +22,30 @@ def hopper_ptx(script: str, *args: str) -> list[str]:
     assert done.returncode == 0, done.stderr[-2000:]
     lines = (line.strip() for line in done.stdout.splitlines())
     return [line for line in lines if line and not line.startswith((".", "//", ")")) and line not in "{}"]
+
+
+# A script for hopper_ptx: argv[1] "prefetch" (the L2 prefetch kernel of its own) or "gemv" (the GEMV at
+# ROWS 1, BLOCK_N 8, BLOCK_K 256, 4 warps, with the L2 prefetch; argv[2]: PRELOAD, 1 by default).
+COMPILE_FOR_HOPPER = """
+import sys
+
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+
+from deltaserve.ops.triton import linear, prefetch
+
+if sys.argv[1] == "prefetch":
+    fn, signature, constexprs = prefetch._l2_prefetch_kernel, {"base": "i64", "nbytes": "i32"}, {"USE_GDC": True}
+else:
+    fn = linear._gemv_kernel
+    signature = {name: "*bf16" for name in ("x_ptr", "w_ptr", "out_ptr", "g_ptr", "nw_ptr")}
+    signature |= {"eps": "fp32", "N": "i32", "K": "i32"}
+    signature |= {name: "i32" for name in ("stride_xm", "stride_wn", "stride_om", "stride_gm", "stride_gh")}
+    signature |= {"pf_base": "i64", "pf_bytes": "i32"}
+    constexprs = {"ROWS": 1, "MODE": 0, "HEAD_DIM": 1, "BLOCK_N": 8, "BLOCK_K": 256, "PREFETCH": True}
+    constexprs["PRELOAD"] = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+    constexprs["USE_GDC"] = True
+signature |= {name: "constexpr" for name in constexprs}
+source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+print(compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"])
+"""

@@ -327,3 +327,57 @@ def test_fused_gemv_variable_names_the_fusions_or_all_of_them():
     assert ops.parse_gemv_fusions(" gate, norm ") == {"gate", "norm"}
     with pytest.raises(ValueError, match=r"unknown fusion\(s\) 'silu'.*swiglu, gate, norm, got 'gate,silu'"):
         ops.parse_gemv_fusions("gate,silu")
+
+
+@pytest.mark.parametrize("k", [40, 64, 200])  # under one K block, exactly one (the interpreter's 64), ragged
+@pytest.mark.parametrize("mode", ["plain", "swiglu", "sigmoid gate", "gated norm"])
+def test_gemv_preloading_its_first_block_gives_the_same_bits(mode, k, monkeypatch):
+    """The first K block loaded before the PDL wait is accumulated first, as the loop would: every GEMV
+    mode gives the same bits with the preload on and off, in one and in several rows."""
+    gen = torch.Generator().manual_seed(k)
+    n, m, head_dim = 37, 3, 8
+    w = torch.randn(n, k, generator=gen).to(torch.bfloat16).to(DEVICE)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(DEVICE)
+    g = torch.randn(m, k // head_dim, head_dim, generator=gen).to(torch.bfloat16).to(DEVICE)
+    norm_w = (1 + 0.2 * torch.randn(head_dim, generator=gen)).to(torch.bfloat16).to(DEVICE)
+    call = {
+        "plain": lambda: triton_linear.gemv(x, w),
+        "swiglu": lambda: triton_linear.gemv_swiglu(torch.cat([x, x.flip(1)], dim=1), w),
+        "sigmoid gate": lambda: triton_linear.gemv_sigmoid_gated(x, g, w),
+        "gated norm": lambda: triton_linear.gemv_gated_norm(x.view(m, -1, head_dim), g, norm_w, 1e-6, w),
+    }[mode]
+    monkeypatch.setattr(triton_linear, "PRELOAD", True)
+    preloaded = call()
+    monkeypatch.setattr(triton_linear, "PRELOAD", False)
+    looped = call()
+    assert torch.equal(preloaded, looped)
+    if mode == "plain":
+        torch.testing.assert_close(
+            preloaded.double(), F.linear(x.double(), w.double()), rtol=2**-8, atol=1e-2
+        )
+
+
+@pytest.mark.parametrize(("text", "on"), [("1", True), ("0", False), (" 1 ", True)])
+def test_the_preload_setting_reads_0_or_1(text, on):
+    assert triton_linear.parse_preload(text) is on
+
+
+@pytest.mark.parametrize("text", ["2", "yes", ""])
+def test_a_bad_preload_setting_names_the_variable_and_the_value(text):
+    with pytest.raises(ValueError, match=rf"DELTASERVE_GEMV_PRELOAD must be 0 or 1, got '{text}'"):
+        triton_linear.parse_preload(text)
+
+
+@pytest.mark.parametrize("preload", [1, 0])
+def test_only_the_weights_first_block_loads_before_the_pdl_wait(preload):
+    """Compiled for sm_90: with the preload, the loads before griddepcontrol.wait are the first weight
+    block's alone (8 x 256 values over 128 threads: 16 a thread; an x load would make it 18) and nothing
+    is stored before it; without it nothing loads before it."""
+    from hopper_ptx import COMPILE_FOR_HOPPER, hopper_ptx
+
+    code = hopper_ptx(COMPILE_FOR_HOPPER, "gemv", str(preload))
+    wait = next(i for i, line in enumerate(code) if line.startswith("griddepcontrol.wait"))
+    before = [line for line in code[:wait] if "ld.global" in line or "st.global" in line]
+    assert len(before) == (16 if preload else 0), before
+    assert all("ld.global" in line for line in before)
+    assert any("ld.global" in line for line in code[wait:])

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hopper_ptx import hopper_ptx
+from hopper_ptx import COMPILE_FOR_HOPPER, hopper_ptx
 
 import deltaserve.ops as ops
 from deltaserve.cache.device import build_device_caches
@@ -158,30 +158,6 @@ def test_each_prefetch_names_the_next_projection_streamed(preset, monkeypatch):
         assert len(prefetched) == sum(kind == "linear" for kind, _ in events)
 
 
-_COMPILE_FOR_HOPPER = """
-import sys
-
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource, compile
-
-from deltaserve.ops.triton import linear, prefetch
-
-if sys.argv[1] == "prefetch":
-    fn, signature, constexprs = prefetch._l2_prefetch_kernel, {"base": "i64", "nbytes": "i32"}, {"USE_GDC": True}
-else:
-    fn = linear._gemv_kernel
-    signature = {name: "*bf16" for name in ("x_ptr", "w_ptr", "out_ptr", "g_ptr", "nw_ptr")}
-    signature |= {"eps": "fp32", "N": "i32", "K": "i32"}
-    signature |= {name: "i32" for name in ("stride_xm", "stride_wn", "stride_om", "stride_gm", "stride_gh")}
-    signature |= {"pf_base": "i64", "pf_bytes": "i32"}
-    constexprs = {"ROWS": 1, "MODE": 0, "HEAD_DIM": 1, "BLOCK_N": 8, "BLOCK_K": 256, "PREFETCH": True}
-    constexprs["USE_GDC"] = True
-signature |= {name: "constexpr" for name in constexprs}
-source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-print(compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"])
-"""
-
-
 def _index(code: list[str], pattern: str, last: bool = False) -> int:
     found = [i for i, line in enumerate(code) if pattern in line]
     assert found, f"no {pattern!r} in the kernel"
@@ -191,12 +167,12 @@ def _index(code: list[str], pattern: str, last: bool = False) -> int:
 def test_the_kernel_of_its_own_prefetches_after_its_wait():
     """The bulk prefetch survives compilation as the kernel's one memory instruction (it fails if the asm
     is marked pure), after the PDL wait, issued by one thread."""
-    code = hopper_ptx(_COMPILE_FOR_HOPPER, "prefetch")
+    code = hopper_ptx(COMPILE_FOR_HOPPER, "prefetch")
     assert _index(code, "griddepcontrol.wait") < _index(code, "cp.async.bulk.prefetch.L2.global")
     assert "%tid.x" in code[_index(code, "cp.async.bulk.prefetch.L2.global")]
     assert not [line for line in code if line.startswith(("ld.global", "st.global"))]
 
 
 def test_a_gemv_prefetches_after_its_stores():
-    code = hopper_ptx(_COMPILE_FOR_HOPPER, "gemv")
+    code = hopper_ptx(COMPILE_FOR_HOPPER, "gemv")
     assert _index(code, "st.global", last=True) < _index(code, "cp.async.bulk.prefetch.L2.global")

@@ -14,6 +14,9 @@ With --prefetch: each decode linear behind a GEMV and short kernels (1 or 4 RMSN
 standing in for a step's norms, convolution and recurrent update), the GEMV before it prefetching the
 first N MiB of its weight into L2 as it ends (DELTASERVE_L2_PREFETCH_MIB) against no prefetch, inside CUDA
 graphs.
+
+With --preload: the same pairs, each linear loading its first weight block before the PDL wait
+(DELTASERVE_GEMV_PRELOAD) or not, with and without the 4 MiB prefetch.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
+from deltaserve.ops.triton import linear
 from deltaserve.ops.triton.activation import silu_and_mul
 from deltaserve.ops.triton.linear import (
     GEMV_MAX_ROWS,
@@ -125,36 +129,75 @@ def fused_main() -> None:
 PREFETCH_MIB = (4, 8, 16, 32)
 
 
-def prefetch_main() -> None:
-    """Each decode linear behind a GEMV (the 4B down projection) and `gap` RMSNorms, the GEMV before it
-    prefetching its weight's first MiB or not: ms per pair, and the µs each prefetch size saves."""
+def _behind_short_kernels(variants: dict[str, dict]) -> None:
+    """Each decode linear behind a GEMV (the 4B down projection) and `gap` RMSNorms, in CUDA graphs, as a
+    decode step runs it: ms per pair with the baseline (the first variant), and the µs each other variant
+    saves. A variant is keyword settings: `prefetch_mib` for the GEMV before, `preload` for
+    linear.PRELOAD."""
     hidden = 2560
     h = torch.randn(1, hidden, device=DEV, dtype=DTYPE)
     norm_w = torch.randn(hidden, device=DEV, dtype=DTYPE) * 0.2
     x_before = torch.randn(1, 9216, device=DEV, dtype=DTYPE)
     before = [torch.randn(hidden, 9216, device=DEV, dtype=DTYPE) * 0.02 for _ in range(COPIES)]
-    sizes = "".join(f"{f'{m} MiB':>9}" for m in PREFETCH_MIB)
-    print(f"{'linear':<14}{'gap':>4}{'gap ms':>9}{'pair ms':>9}{sizes}   (saved us)")
+    names = list(variants)
+    print(
+        f"{'linear':<14}{'gap':>4}{'gap ms':>9}{'pair ms':>9}"
+        + "".join(f"{n:>12}" for n in names[1:])
+        + "  (saved us)"
+    )
     for name, n, k in SHAPES[:-1]:
         weights = [torch.randn(n, k, device=DEV, dtype=DTYPE) * 0.02 for _ in range(COPIES)]
         pairs = list(zip(before, weights, strict=True))
         x = torch.randn(1, k, device=DEV, dtype=DTYPE)
         for gap in (1, 4):
 
-            def step(pair, mib: int, gap: int = gap, x: torch.Tensor = x) -> None:
+            def step(pair, prefetch_mib: int = 0, gap: int = gap, x=x) -> None:
                 first, following = pair
-                gemv(x_before, first, prefetch=NextWeight(following, mib << 20) if mib else None)
+                gemv(
+                    x_before,
+                    first,
+                    prefetch=NextWeight(following, prefetch_mib << 20) if prefetch_mib else None,
+                )
                 for _ in range(gap):
                     rms_norm(h, norm_w, 1e-6)
                 gemv(x, following)
 
+            def timed(settings: dict, pairs: list = pairs) -> float:
+                kept = linear.PRELOAD
+                linear.PRELOAD = settings.get("preload", kept)
+                try:
+                    return graph_ms(lambda pair: step(pair, settings.get("prefetch_mib", 0)), pairs)
+                finally:
+                    linear.PRELOAD = kept
+
             t_gap = graph_ms(lambda pair, gap=gap: [rms_norm(h, norm_w, 1e-6) for _ in range(gap)], pairs)
-            t_none = graph_ms(lambda pair: step(pair, 0), pairs)
-            saved = "".join(
-                f"{(t_none - graph_ms(lambda pair, m=m: step(pair, m), pairs)) * 1e3:>9.2f}"
-                for m in PREFETCH_MIB
-            )
-            print(f"{name:<14}{gap:>4}{t_gap:>9.4f}{t_none:>9.4f}{saved}")
+            t_base = timed(variants[names[0]])
+            saved = "".join(f"{(t_base - timed(variants[v])) * 1e3:>12.2f}" for v in names[1:])
+            print(f"{name:<14}{gap:>4}{t_gap:>9.4f}{t_base:>9.4f}{saved}")
+
+
+PREFETCH_MIB = (4, 8, 16, 32)
+
+
+def prefetch_main() -> None:
+    """The GEMV before each linear prefetching its weight's first MiB or not (the preload off)."""
+    variants = {"none": {"preload": False}} | {
+        f"{m} MiB": {"prefetch_mib": m, "preload": False} for m in PREFETCH_MIB
+    }
+    _behind_short_kernels(variants)
+
+
+def preload_main() -> None:
+    """Each linear loading its first weight block before the PDL wait or not, with and without the 4 MiB
+    L2 prefetch of the GEMV before."""
+    _behind_short_kernels(
+        {
+            "neither": {"preload": False},
+            "preload": {"preload": True},
+            "4 MiB": {"prefetch_mib": 4, "preload": False},
+            "both": {"prefetch_mib": 4, "preload": True},
+        }
+    )
 
 
 def main() -> None:
@@ -168,7 +211,15 @@ def main() -> None:
         action="store_true",
         help="each linear behind short kernels, its weight prefetched or not",
     )
+    parser.add_argument(
+        "--preload",
+        action="store_true",
+        help="each linear behind short kernels, its first weight block loaded before the PDL wait or not",
+    )
     args = parser.parse_args()
+    if args.preload:
+        preload_main()
+        return
     if args.fused:
         fused_main()
         return

@@ -25,6 +25,7 @@ tunes (engine warm-up makes those calls before serving, and before CUDA-graph ca
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,19 @@ GATED_NORM_MAX_HEAD_DIM = min(k for _, k, _ in _CONFIGS)  # every tuned K block 
 
 
 GEMV_MAX_ROWS = 4  # rows streamed together (a K = 3 verify row has 4 tokens)
+
+
+def parse_preload(text: str) -> bool:
+    """DELTASERVE_GEMV_PRELOAD's value: "1" on, "0" off."""
+    if text.strip() not in ("0", "1"):
+        raise ValueError(f"DELTASERVE_GEMV_PRELOAD must be 0 or 1, got {text!r}")
+    return text.strip() == "1"
+
+
+# Each GEMV program loads its first K block of the weight before the PDL wait (see _gemv_kernel), so the
+# first wave's weight stream starts under the short kernels before the GEMV. The same bits either way.
+# DELTASERVE_GEMV_PRELOAD=0 turns it off.
+PRELOAD = parse_preload(os.environ.get("DELTASERVE_GEMV_PRELOAD", "1"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +127,45 @@ def _store_row(out_row_ptr, acc, rows, row_ok):
 
 
 @triton.jit
+def _accumulate(
+    accs,
+    w,
+    x_ptr,
+    g_ptr,
+    nw_ptr,
+    eps,
+    cols,
+    col_ok,
+    K,
+    stride_xm,
+    stride_gm,
+    stride_gh,
+    ROWS: tl.constexpr,
+    MODE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """accs[r] + w * x_r[cols] for each row r: one K block of the GEMV (w in fp32)."""
+    summed = ()
+    for r in tl.static_range(ROWS):
+        x = _load_x(
+            x_ptr + r * stride_xm,
+            g_ptr + r * stride_gm,
+            nw_ptr,
+            eps,
+            cols,
+            col_ok,
+            K,
+            stride_gh,
+            MODE,
+            HEAD_DIM,
+            BLOCK_K,
+        )
+        summed = summed + (accs[r] + w * x[None, :],)
+    return summed
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,
     w_ptr,
@@ -135,38 +188,65 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PREFETCH: tl.constexpr,
+    PRELOAD: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
     # Each weight tile is loaded once for all ROWS rows (1..4), each row with its own accumulator in the
     # same order, so a row's bits depend only on that row and W (and the block shape).
-    gdc_enter(USE_GDC)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
+    cols = tl.arange(0, BLOCK_K)
+    col_ok = cols < K
+    if PRELOAD:
+        # The weight is read-only while steps run (no kernel writes it), so the first K block may load
+        # before the PDL wait: a program scheduled early streams it under the kernels before this one.
+        w_first = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+    gdc_enter(USE_GDC)
     accs = ()
     for _ in tl.static_range(ROWS):
         accs = accs + (tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32),)
-    for k0 in range(0, K, BLOCK_K):
+    if PRELOAD:  # the loop's first block, in the same order: the same bits
+        accs = _accumulate(
+            accs,
+            w_first.to(tl.float32),
+            x_ptr,
+            g_ptr,
+            nw_ptr,
+            eps,
+            cols,
+            col_ok,
+            K,
+            stride_xm,
+            stride_gm,
+            stride_gh,
+            ROWS,
+            MODE,
+            HEAD_DIM,
+            BLOCK_K,
+        )
+    for k0 in range(BLOCK_K * PRELOAD, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         col_ok = cols < K
         w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-        summed = ()
-        for r in tl.static_range(ROWS):
-            x = _load_x(
-                x_ptr + r * stride_xm,
-                g_ptr + r * stride_gm,
-                nw_ptr,
-                eps,
-                cols,
-                col_ok,
-                K,
-                stride_gh,
-                MODE,
-                HEAD_DIM,
-                BLOCK_K,
-            )
-            summed = summed + (accs[r] + w * x[None, :],)
-        accs = summed
+        accs = _accumulate(
+            accs,
+            w,
+            x_ptr,
+            g_ptr,
+            nw_ptr,
+            eps,
+            cols,
+            col_ok,
+            K,
+            stride_xm,
+            stride_gm,
+            stride_gh,
+            ROWS,
+            MODE,
+            HEAD_DIM,
+            BLOCK_K,
+        )
     for r in tl.static_range(ROWS):
         _store_row(out_ptr + r * stride_om, accs[r], rows, row_ok)
     if PREFETCH:  # the next projection's first pf_bytes at pf_base, a share per program
@@ -175,7 +255,7 @@ def _gemv_kernel(
 
 _gemv_tuned = triton.autotune(
     configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n, k, w in _CONFIGS],
-    key=["N", "K", "ROWS", "MODE"],
+    key=["N", "K", "ROWS", "MODE", "PRELOAD"],
     cache_results=True,  # the winners persist in Triton's cache directory: a restart does not re-tune
 )(_gemv_kernel)
 
@@ -445,11 +525,18 @@ def _launch_gemv(
             BLOCK_N=block_n,
             BLOCK_K=block_k,
             PREFETCH=False,  # the interpreter runs no inline assembly; a prefetch changes no value
+            PRELOAD=int(PRELOAD),
             **launch_options(x.device),
         )
     else:
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
         _gemv_tuned[grid](
-            *args, ROWS=m, MODE=mode, HEAD_DIM=head_dim, PREFETCH=pf_bytes > 0, **launch_options(x.device)
+            *args,
+            ROWS=m,
+            MODE=mode,
+            HEAD_DIM=head_dim,
+            PREFETCH=pf_bytes > 0,
+            PRELOAD=int(PRELOAD),
+            **launch_options(x.device),
         )
     return out

@@ -5,8 +5,10 @@ first statement, `gdc_enter`, waits (griddepcontrol.wait) until that kernel has 
 visible, then lets the next PDL kernel be scheduled (griddepcontrol.launch_dependents). So the launch
 latency between two graph nodes overlaps the earlier kernel's tail instead of following it.
 
-Invariant: nothing in a kernel before `gdc_enter` reads or writes memory; the wait at the top makes the
-kernel's memory order the same as a plain launch's, so its results are bit for bit those of a plain launch.
+Invariant: nothing in a kernel before `gdc_enter` writes memory or reads memory that a kernel of a step
+may write; the wait makes the kernel's memory order the same as a plain launch's, so its results are bit
+for bit those of a plain launch. The one read before it: a GEMV's first block of its weight (read-only
+while steps run; ops/triton/linear.py).
 The wait is transitive: the earlier kernel itself ran past its own wait only after the one before it
 finished.
 
