@@ -38,11 +38,12 @@ if sys.argv[1] == "prefetch":
     fn, signature, constexprs = prefetch._l2_prefetch_kernel, {"base": "i64", "nbytes": "i32"}, {"USE_GDC": True}
 else:
     fn = linear._gemv_kernel
-    signature = {name: "*bf16" for name in ("x_ptr", "w_ptr", "out_ptr", "g_ptr", "nw_ptr")}
+    signature = {name: "*bf16" for name in ("x_ptr", "w_ptr", "out_ptr", "g_ptr", "nw_ptr", "res_out_ptr")}
     signature |= {"eps": "fp32", "N": "i32", "K": "i32"}
     signature |= {name: "i32" for name in ("stride_xm", "stride_wn", "stride_om", "stride_gm", "stride_gh")}
     signature |= {"pf_base": "i64", "pf_bytes": "i32"}
-    constexprs = {"ROWS": 1, "MODE": 0, "HEAD_DIM": 1, "BLOCK_N": 8, "BLOCK_K": 256, "PREFETCH": True}
+    constexprs = {"ROWS": 1, "MODE": 0, "HEAD_DIM": 1, "K_POW2": 1, "BLOCK_N": 8, "BLOCK_K": 256}
+    constexprs["PREFETCH"] = True
     constexprs["PRELOAD"] = int(sys.argv[2]) if len(sys.argv) > 2 else 1
     constexprs["USE_GDC"] = True
 signature |= {name: "constexpr" for name in constexprs}

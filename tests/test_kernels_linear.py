@@ -381,3 +381,55 @@ def test_only_the_weights_first_block_loads_before_the_pdl_wait(preload):
     assert len(before) == (16 if preload else 0), before
     assert all("ld.global" in line for line in before)
     assert any("ld.global" in line for line in code[wait:])
+
+
+@pytest.mark.parametrize(("n", "k", "m"), [(37, 200, 1), (130, 40, 1), (45, 64, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_gemv_rms_norm_matches_the_norm_then_gemv(n, k, m, dtype, with_residual):
+    """A layer's first projection over its input norm in one kernel (h a strided view): the new residual
+    has the rms_norm kernel's bits; the product is the two kernels' to a bf16 step (the sum of squares
+    may add in another order), and the torch reference's."""
+    from deltaserve.ops import norm as norm_ref
+    from deltaserve.ops.triton.norm import rms_norm
+
+    gen = torch.Generator().manual_seed(n + k + m)
+    h = torch.randn(m + 1, k + 8, generator=gen).mul(3).to(dtype).to(DEVICE)[1:, 8:]
+    residual = torch.randn(m, k, generator=gen).mul(3).to(dtype).to(DEVICE) if with_residual else None
+    norm_w = (0.2 * torch.randn(k, generator=gen)).to(dtype).to(DEVICE)
+    w = torch.randn(n, k, generator=gen).to(dtype).to(DEVICE)
+    got, got_residual = triton_linear.gemv_rms_norm(h, norm_w, 1e-6, w, residual=residual)
+    assert got.shape == (m, n) and got.dtype == dtype
+    if with_residual:
+        normed, want_residual = rms_norm(h, norm_w, 1e-6, residual)
+        assert torch.equal(got_residual, want_residual)
+        ref_normed, _ = norm_ref.rms_norm(h.cpu(), norm_w.cpu(), 1e-6, residual.cpu())
+    else:
+        normed = rms_norm(h, norm_w, 1e-6)
+        assert got_residual is None
+        ref_normed = norm_ref.rms_norm(h.cpu(), norm_w.cpu(), 1e-6)
+    unfused = triton_linear.gemv(normed, w)
+    want = F.linear(ref_normed.to(DEVICE).double(), w.double())
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, unfused, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+    else:
+        torch.testing.assert_close(got.float(), unfused.float(), rtol=2**-7, atol=5e-2)
+        torch.testing.assert_close(got.double(), want, rtol=2**-7, atol=5e-2)
+
+
+def test_gemv_rms_norm_refuses_what_it_cannot_take_naming_it():
+    h, w = torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(8, 64, dtype=torch.bfloat16)
+    norm_w = torch.zeros(64, dtype=torch.bfloat16)
+    with pytest.raises(
+        ValueError, match=r"norm_weight must be \(64,\) of h's dtype torch.bfloat16, got \(32,\)"
+    ):
+        triton_linear.gemv_rms_norm(h, norm_w[:32], 1e-6, w)
+    with pytest.raises(ValueError, match=r"residual must be \(1, 64\) torch.bfloat16 .* got \(2, 64\)"):
+        triton_linear.gemv_rms_norm(h, norm_w, 1e-6, w, residual=torch.zeros(2, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="residual_out must not share memory with h or the residual"):
+        residual = torch.zeros(1, 64, dtype=torch.bfloat16)
+        triton_linear.gemv_rms_norm(h, norm_w, 1e-6, w, residual=residual, residual_out=residual)
+    wide = torch.zeros(1, triton_linear.RMS_NORM_MAX_K + 1, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"rows of at most 8192 values, got K = 8193"):
+        triton_linear.gemv_rms_norm(wide, wide[0], 1e-6, torch.zeros(8, 8193, dtype=torch.bfloat16))

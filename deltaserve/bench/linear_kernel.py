@@ -7,8 +7,9 @@ against F.linear first (one bf16 rounding apart).
 
 python3 -m deltaserve.bench.linear_kernel   (needs CUDA; docs/benchmarks/2026-12-02-h200-gemv-rows.md)
 
-With --fused: the three GEMV fusions of one decode row (DELTASERVE_FUSED_GEMV) against the kernels they
-replace, inside CUDA graphs as a decode step runs them (the per-kernel gaps included), per layer call.
+With --fused: the GEMV fusions of one decode row (DELTASERVE_FUSED_GEMV's three, and a layer's first
+projection over its input RMSNorm and residual add, gemv_rms_norm) against the kernels they replace, inside
+CUDA graphs as a decode step runs them (the per-kernel gaps included), per layer call.
 
 With --prefetch: each decode linear behind a GEMV and short kernels (1 or 4 RMSNorms of a hidden row,
 standing in for a step's norms, convolution and recurrent update), the GEMV before it prefetching the
@@ -34,6 +35,7 @@ from deltaserve.ops.triton.linear import (
     NextWeight,
     gemv,
     gemv_gated_norm,
+    gemv_rms_norm,
     gemv_sigmoid_gated,
     gemv_swiglu,
     skinny_gemm,
@@ -85,12 +87,15 @@ def graph_ms(fn, weights: list[torch.Tensor], reps: int = 200) -> float:
 
 
 def fused_main() -> None:
-    """gemv_swiglu, gemv_sigmoid_gated and gemv_gated_norm at the 4B shape against their unfused pairs."""
+    """gemv_swiglu, gemv_sigmoid_gated, gemv_gated_norm and gemv_rms_norm at the 4B shape against their
+    unfused pairs."""
     hidden, inter, eps = 2560, 9216, 1e-6
     weights = {
-        k: [torch.randn(hidden, k, device=DEV, dtype=DTYPE) * 0.02 for _ in range(COPIES)]
-        for k in (inter, 4096)
+        (n, k): [torch.randn(n, k, device=DEV, dtype=DTYPE) * 0.02 for _ in range(COPIES)]
+        for n, k in ((hidden, inter), (hidden, 4096), (12352, hidden), (18432, hidden))
     }
+    h, residual = (torch.randn(1, hidden, device=DEV, dtype=DTYPE) for _ in range(2))
+    layer_norm_w = torch.randn(hidden, device=DEV, dtype=DTYPE) * 0.2
     gate_up = torch.randn(1, 2 * inter, device=DEV, dtype=DTYPE)
     q_gate = torch.randn(1, 16, 512, device=DEV, dtype=DTYPE)  # attention: 16 heads x [query | gate] of 256
     attn, gate = torch.randn(1, 4096, device=DEV, dtype=DTYPE), q_gate[..., 256:]
@@ -100,26 +105,38 @@ def fused_main() -> None:
     pairs = [
         (
             "mlp down + SwiGLU",
-            inter,
+            (hidden, inter),
             lambda w: gemv(silu_and_mul(gate_up), w),
             lambda w: gemv_swiglu(gate_up, w),
         ),
         (
             "attn o_proj + gate",
-            4096,
+            (hidden, 4096),
             lambda w: gemv(attn * torch.sigmoid(gate.reshape(1, -1)), w),
             lambda w: gemv_sigmoid_gated(attn, gate, w),
         ),
         (
             "gdn out_proj + norm",
-            4096,
+            (hidden, 4096),
             lambda w: gemv(gated_rms_norm(o, z, norm_w, eps).reshape(1, -1), w),
             lambda w: gemv_gated_norm(o, z, norm_w, eps, w),
         ),
+        (
+            "gdn in_proj + rmsnorm",
+            (12352, hidden),
+            lambda w: gemv(rms_norm(h, layer_norm_w, eps, residual)[0], w),
+            lambda w: gemv_rms_norm(h, layer_norm_w, eps, w, residual=residual)[0],
+        ),
+        (
+            "mlp gate_up + rmsnorm",
+            (18432, hidden),
+            lambda w: gemv(rms_norm(h, layer_norm_w, eps, residual)[0], w),
+            lambda w: gemv_rms_norm(h, layer_norm_w, eps, w, residual=residual)[0],
+        ),
     ]
     print(f"{'layer op':<22}{'unfused ms':>12}{'fused ms':>10}{'saved us':>10}  same bits")
-    for name, k, unfused, fused in pairs:
-        ws = weights[k]
+    for name, shape, unfused, fused in pairs:
+        ws = weights[shape]
         same = torch.equal(unfused(ws[0]), fused(ws[0]))
         torch.testing.assert_close(fused(ws[0]).float(), unfused(ws[0]).float(), rtol=2**-7, atol=2e-2)
         t_unfused, t_fused = graph_ms(unfused, ws), graph_ms(fused, ws)

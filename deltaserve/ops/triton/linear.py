@@ -70,9 +70,12 @@ class NextWeight:
 
 
 # What the GEMV reads as x (its MODE): a plain row, a SwiGLU MLP's [gate | up] row, an attention output
-# row with its per-head sigmoid gate (Qwen3.5's gated attention: o_proj(attn * sigmoid(gate))), or a
-# Gated DeltaNet output row with its per-head gated RMSNorm (out_proj(norm(o) * w * silu(z))).
-PLAIN, SWIGLU, SIGMOID_GATE, GATED_NORM = 0, 1, 2, 3
+# row with its per-head sigmoid gate (Qwen3.5's gated attention: o_proj(attn * sigmoid(gate))), a
+# Gated DeltaNet output row with its per-head gated RMSNorm (out_proj(norm(o) * w * silu(z))), or a hidden
+# row under the zero-centred RMSNorm of a layer's input (RMS_NORM; ADD_RMS_NORM adds the residual first
+# and writes the sum, the next residual).
+PLAIN, SWIGLU, SIGMOID_GATE, GATED_NORM, RMS_NORM, ADD_RMS_NORM = 0, 1, 2, 3, 4, 5
+RMS_NORM_MAX_K = 8192  # a program holds the whole row in registers for its sum of squares
 
 
 @triton.jit
@@ -81,6 +84,7 @@ def _load_x(
     g_row_ptr,
     nw_ptr,
     eps,
+    rstd,
     cols,
     col_ok,
     K,
@@ -96,8 +100,17 @@ def _load_x(
     product, as torch rounds them (the same bits). GATED_NORM: per head (HEAD_DIM columns, whole heads
     in a block), RMSNorm of the row times the norm weight nw, times silu(z), rounded at the steps where
     the gated_rms_norm kernel rounds; its sum of squares may add in another order (the last fp32 bit of
-    the variance)."""
-    if MODE == 1:
+    the variance). RMS_NORM / ADD_RMS_NORM: s = the row (plus the residual row at g_row_ptr, rounded: the
+    new residual), s * rstd * (1 + nw) rounded once, as the rms_norm kernel computes it (rstd from
+    _row_rstd)."""
+    if MODE == 4 or MODE == 5:
+        s = tl.load(x_row_ptr + cols, mask=col_ok, other=0.0)
+        if MODE == 5:
+            r = tl.load(g_row_ptr + cols, mask=col_ok, other=0.0)
+            s = round_to(s.to(tl.float32) + r.to(tl.float32), s.dtype)
+        w = 1.0 + tl.load(nw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        return round_to(s.to(tl.float32) * rstd * w, s.dtype).to(tl.float32)
+    elif MODE == 1:
         gate = tl.load(x_row_ptr + cols, mask=col_ok, other=0.0)
         up = tl.load(x_row_ptr + K + cols, mask=col_ok, other=0.0)
         act = round_to(silu_f32(gate.to(tl.float32)), gate.dtype)
@@ -128,6 +141,24 @@ def _store_row(out_row_ptr, acc, rows, row_ok):
 
 
 @triton.jit
+def _row_rstd(x_row_ptr, g_row_ptr, res_out_row_ptr, eps, K, MODE: tl.constexpr, K_POW2: tl.constexpr):
+    """1 / sqrt(mean(s^2) + eps) of the whole row s (RMS_NORM: the row; ADD_RMS_NORM: the row plus the
+    residual row, rounded, which program 0 stores at res_out_row_ptr), as the rms_norm kernel computes
+    it; the sum of squares may add in another order (the last fp32 bit of the variance)."""
+    kk = tl.arange(0, K_POW2)
+    ok = kk < K
+    s = tl.load(x_row_ptr + kk, mask=ok, other=0.0)
+    if MODE == 5:
+        r = tl.load(g_row_ptr + kk, mask=ok, other=0.0)
+        s = round_to(s.to(tl.float32) + r.to(tl.float32), s.dtype)
+        if tl.program_id(0) == 0:
+            tl.store(res_out_row_ptr + kk, s, mask=ok)
+    s32 = s.to(tl.float32)
+    var = tl.div_rn(tl.sum(s32 * s32), K * 1.0)
+    return tl.div_rn(1.0, tl.sqrt_rn(var + eps))
+
+
+@triton.jit
 def _accumulate(
     accs,
     w,
@@ -135,6 +166,7 @@ def _accumulate(
     g_ptr,
     nw_ptr,
     eps,
+    rstds,
     cols,
     col_ok,
     K,
@@ -154,6 +186,7 @@ def _accumulate(
             g_ptr + r * stride_gm,
             nw_ptr,
             eps,
+            rstds[r],
             cols,
             col_ok,
             K,
@@ -173,6 +206,7 @@ def _gemv_kernel(
     out_ptr,
     g_ptr,
     nw_ptr,
+    res_out_ptr,
     eps,
     N,
     K,
@@ -186,6 +220,7 @@ def _gemv_kernel(
     ROWS: tl.constexpr,
     MODE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    K_POW2: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PREFETCH: tl.constexpr,
@@ -205,8 +240,16 @@ def _gemv_kernel(
         w_first = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
     gdc_enter(USE_GDC)
     accs = ()
-    for _ in tl.static_range(ROWS):
+    rstds = ()  # RMS_NORM / ADD_RMS_NORM: each row's, from the whole row before its first block
+    for r in tl.static_range(ROWS):
         accs = accs + (tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32),)
+        if MODE == 4 or MODE == 5:
+            rstd = _row_rstd(
+                x_ptr + r * stride_xm, g_ptr + r * stride_gm, res_out_ptr + r * K, eps, K, MODE, K_POW2
+            )
+        else:
+            rstd = 0.0
+        rstds = rstds + (rstd,)
     if PRELOAD:  # the loop's first block, in the same order: the same bits
         accs = _accumulate(
             accs,
@@ -215,6 +258,7 @@ def _gemv_kernel(
             g_ptr,
             nw_ptr,
             eps,
+            rstds,
             cols,
             col_ok,
             K,
@@ -237,6 +281,7 @@ def _gemv_kernel(
             g_ptr,
             nw_ptr,
             eps,
+            rstds,
             cols,
             col_ok,
             K,
@@ -472,6 +517,65 @@ def gemv_gated_norm(
     return _launch_gemv(rows, weight, out, GATED_NORM, z, norm_weight.contiguous(), eps, prefetch=prefetch)
 
 
+def gemv_rms_norm(
+    h: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    *,
+    residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+    prefetch: NextWeight | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """gemv(rms_norm(h, norm_weight, eps[, residual]), weight) in one kernel: h [M, K] (any row stride,
+    unit column stride), norm_weight [K] (zero-centred: the norm multiplies by 1 + norm_weight), weight
+    [N, K]. Returns (y [M, N], the new residual h + residual [M, K], or None without a residual). The
+    normed row is never written: each program takes the row's sum of squares, then normalises each K
+    block as the weight streams by (a layer's first projection at batch-1 decode). `residual_out`
+    (contiguous, apart from h and the residual) receives the sum when given."""
+    _check_operands(h, weight, max_rows=GEMV_MAX_ROWS)
+    m, k = h.shape
+    if k > RMS_NORM_MAX_K:
+        raise ValueError(f"gemv_rms_norm takes rows of at most {RMS_NORM_MAX_K} values, got K = {k}")
+    if norm_weight.shape != (k,) or norm_weight.dtype != h.dtype:
+        raise ValueError(
+            f"norm_weight must be ({k},) of h's dtype {h.dtype}, got {tuple(norm_weight.shape)} {norm_weight.dtype}"
+        )
+    if residual is None:
+        return _launch_gemv(h, weight, out, RMS_NORM, None, norm_weight, eps, prefetch=prefetch), None
+    if residual.shape != h.shape or residual.dtype != h.dtype or residual.stride(1) != 1:
+        raise ValueError(
+            f"residual must be {tuple(h.shape)} {h.dtype} with a unit column stride, got "
+            f"{tuple(residual.shape)} {residual.dtype} strides {residual.stride()}"
+        )
+    if residual_out is None:
+        residual_out = torch.empty(m, k, dtype=h.dtype, device=h.device)
+    elif residual_out.shape != (m, k) or residual_out.dtype != h.dtype or not residual_out.is_contiguous():
+        raise ValueError(
+            f"residual_out must be a contiguous {h.dtype} tensor of shape ({m}, {k}), got "
+            f"{tuple(residual_out.shape)}"
+        )
+    storage = residual_out.untyped_storage().data_ptr()
+    if storage in (h.untyped_storage().data_ptr(), residual.untyped_storage().data_ptr()):
+        raise ValueError(
+            "residual_out must not share memory with h or the residual: other programs read them"
+        )
+    y = _launch_gemv(
+        h,
+        weight,
+        out,
+        ADD_RMS_NORM,
+        None,
+        norm_weight,
+        eps,
+        residual=residual,
+        residual_out=residual_out,
+        prefetch=prefetch,
+    )
+    return y, residual_out
+
+
 def _launch_gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -481,6 +585,8 @@ def _launch_gemv(
     norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
     *,
+    residual: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
     prefetch: NextWeight | None = None,
 ) -> torch.Tensor:
     m, (n, k) = x.shape[0], weight.shape
@@ -497,13 +603,17 @@ def _launch_gemv(
     g, stride_gm, stride_gh, head_dim = (
         (x, 0, 0, 1) if gate is None else (gate, *gate.stride()[:2], gate.shape[2])
     )
+    if residual is not None:  # ADD_RMS_NORM: the residual row in the gate's place
+        g, stride_gm = residual, residual.stride(0)
     nw = x if norm_weight is None else norm_weight
+    k_pow2 = triton.next_power_of_2(k) if mode in (RMS_NORM, ADD_RMS_NORM) else 1
     args = (
         x,
         weight,
         out,
         g,
         nw,
+        out if residual_out is None else residual_out,  # written by ADD_RMS_NORM only
         eps,
         n,
         k,
@@ -523,6 +633,7 @@ def _launch_gemv(
             ROWS=m,
             MODE=mode,
             HEAD_DIM=head_dim,
+            K_POW2=k_pow2,
             BLOCK_N=block_n,
             BLOCK_K=block_k,
             PREFETCH=False,  # the interpreter runs no inline assembly; a prefetch changes no value
@@ -536,6 +647,7 @@ def _launch_gemv(
             ROWS=m,
             MODE=mode,
             HEAD_DIM=head_dim,
+            K_POW2=k_pow2,
             PREFETCH=pf_bytes > 0,
             PRELOAD=int(PRELOAD),
             **launch_options(x.device),
