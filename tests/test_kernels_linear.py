@@ -323,9 +323,12 @@ def test_op_boundary_normalises_inside_the_gemvs_rows_only(monkeypatch):
 
 def test_fused_gemv_variable_names_the_fusions_or_all_of_them():
     assert ops.parse_gemv_fusions("") == ops.parse_gemv_fusions("0") == frozenset()
-    assert ops.parse_gemv_fusions("1") == ops.parse_gemv_fusions("all") == {"swiglu", "gate", "norm"}
+    every = {"swiglu", "gate", "norm", "rmsnorm"}
+    assert ops.parse_gemv_fusions("1") == ops.parse_gemv_fusions("all") == every
     assert ops.parse_gemv_fusions(" gate, norm ") == {"gate", "norm"}
-    with pytest.raises(ValueError, match=r"unknown fusion\(s\) 'silu'.*swiglu, gate, norm, got 'gate,silu'"):
+    with pytest.raises(
+        ValueError, match=r"unknown fusion\(s\) 'silu'.*swiglu, gate, norm, rmsnorm, got 'gate,silu'"
+    ):
         ops.parse_gemv_fusions("gate,silu")
 
 

@@ -20,7 +20,7 @@ from deltaserve.model.layers.decoder import DecoderLayer
 from deltaserve.model.layers.parallel import SINGLE, TensorParallel
 from deltaserve.model.layers.params import WeightRequirement, new_param, single
 from deltaserve.model.mtp import MtpHead
-from deltaserve.ops import linear, prefetch_weight, rms_norm
+from deltaserve.ops import NormedInput, linear, prefetch_weight, rms_norm
 from deltaserve.ops.batch import CacheLayers, ForwardBatch
 from deltaserve.ops.rotary import inv_frequencies
 
@@ -121,23 +121,22 @@ class Qwen35ForCausalLM(nn.Module):
         h = F.embedding(batch.input_ids, self.embed_tokens)
         residual: torch.Tensor | None = None
         for i, (layer, cache_index) in enumerate(zip(self.layers, self.cache_index, strict=True)):
-            if residual is None:
-                residual = h
-                x = rms_norm(h, layer.input_layernorm, layer.eps)
-            else:
-                x, residual = rms_norm(h, layer.input_layernorm, layer.eps, residual)
+            # Each norm reaches its layer uncomputed: the layer's first projection may take it into its
+            # GEMV (ops.normed_linear); the next residual exists once it has been computed.
+            x = NormedInput(h, layer.input_layernorm, layer.eps, residual)
             after_mixer = layer.mlp.first_projection
             if layer.is_full_attention:
                 h = layer.mixer(x, batch, self.inv_freq, kv.layer(cache_index), then=after_mixer)
             else:
                 h = layer.mixer(x, batch, states.layer(cache_index), then=after_mixer)
-            x, residual = rms_norm(
-                self.tp.all_reduce_(h), layer.post_attention_layernorm, layer.eps, residual
+            x = NormedInput(
+                self.tp.all_reduce_(h), layer.post_attention_layernorm, layer.eps, x.next_residual
             )
             after_mlp = (
                 self.layers[i + 1].mixer.first_projection if i + 1 < len(self.layers) else self.lm_head
             )
             h = self.tp.all_reduce_(layer.mlp(x, then=after_mlp))
+            residual = x.next_residual
         if every_token:
             return rms_norm(h, self.norm, self.config.rms_norm_eps, residual)[0]
         logit_rows = batch.logits_indices

@@ -5,6 +5,7 @@ reference everywhere (to bisect a GPU discrepancy)."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,12 +37,13 @@ GEMV_ROWS = int(os.environ.get("DELTASERVE_GEMV_ROWS", "1"))
 if not 1 <= GEMV_ROWS <= 4:
     raise ValueError(f"DELTASERVE_GEMV_ROWS must be 1..4, got {GEMV_ROWS}")
 # DELTASERVE_FUSED_GEMV moves the op before a GEMV row's projection into the GEMV: "swiglu"
-# (silu_and_mul_linear), "gate" (sigmoid_gated_linear), "norm" (gated_norm_linear), as a comma list, or
-# "1" for all three (80 fewer kernels per batch-1 decode step at the 4B shape). Off by default: on an
-# H200 all three measured no faster (4B c1 TPOT 3.064 ms against 3.056 unfused): the SwiGLU GEMV loses
-# 1.9 us per layer, "gate" and "norm" save 2.1 and 0.3 us (docs/benchmarks/
-# 2026-12-04-h200-c1-fusions-graph-attention.md).
-GEMV_FUSIONS = ("swiglu", "gate", "norm")
+# (silu_and_mul_linear), "gate" (sigmoid_gated_linear), "norm" (gated_norm_linear), "rmsnorm" (a layer's
+# input RMSNorm and residual add into its first projection: normed_linear), as a comma list, or "1" for
+# all of them. Off by default: on an H200 the first three measured no faster (4B c1 TPOT 3.064 ms against
+# 3.056 unfused): the SwiGLU GEMV loses 1.9 us per layer, "gate" and "norm" save 2.1 and 0.3 us
+# (docs/benchmarks/2026-12-04-h200-c1-fusions-graph-attention.md). "rmsnorm" (64 fewer kernels per
+# 4B step) is not yet measured on a GPU.
+GEMV_FUSIONS = ("swiglu", "gate", "norm", "rmsnorm")
 
 
 def parse_gemv_fusions(text: str) -> frozenset[str]:
@@ -253,6 +255,73 @@ def gated_norm_linear(
         if gated_norm_problem(x, z, norm_weight) is None and _streams_weights(x.flatten(1), weight):
             return gemv_gated_norm(x, z, norm_weight, eps, weight, prefetch=_prefetch_target(tokens, then))
     return linear(gated_rms_norm(x, z, norm_weight, eps).reshape(tokens, heads * head_dim), weight, then)
+
+
+@dataclass(slots=True)
+class NormedInput:
+    """A layer's input, rms_norm(hidden, weight, eps, residual), not computed yet: the layer's first
+    projection (normed_linear) may normalise it inside its GEMV; anything else calls `normed()`. Either
+    way it is normalised once, and with a residual that computation also yields the next residual
+    (hidden + residual), which `next_residual` then holds."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+    residual: torch.Tensor | None = None
+    _sum: torch.Tensor | None = field(default=None, init=False)  # hidden + residual, once computed
+    _used: bool = field(default=False, init=False)
+
+    def _use(self) -> None:
+        if self._used:
+            raise RuntimeError("a layer input is normalised once: normed() or normed_linear, not both")
+        self._used = True
+
+    def normed(self) -> torch.Tensor:
+        self._use()
+        if self.residual is None:
+            return rms_norm(self.hidden, self.weight, self.eps)
+        normed, self._sum = rms_norm(self.hidden, self.weight, self.eps, self.residual)
+        return normed
+
+    @property
+    def next_residual(self) -> torch.Tensor:
+        """The residual after this norm: hidden itself without a residual, else hidden + residual."""
+        if self.residual is None:
+            return self.hidden
+        if self._sum is None:
+            raise RuntimeError("the layer input was never normalised, so the next residual is not computed")
+        return self._sum
+
+
+def as_tensor(x: torch.Tensor | NormedInput) -> torch.Tensor:
+    """x itself, or a pending layer input normalised."""
+    return x if isinstance(x, torch.Tensor) else x.normed()
+
+
+def normed_linear(
+    x: torch.Tensor | NormedInput, weight: torch.Tensor, then: torch.Tensor | None = None
+) -> torch.Tensor:
+    """linear(as_tensor(x), weight): a layer's first projection. With the "rmsnorm" fusion the GEMV's rows
+    (see linear) normalise a pending input inside the GEMV (ops/triton/linear.py gemv_rms_norm)."""
+    if isinstance(x, torch.Tensor):
+        return linear(x, weight, then)
+    h, residual = x.hidden, x.residual
+    if (
+        "rmsnorm" in FUSED_GEMV
+        and _streams_weights(h, weight)
+        and 1 <= h.shape[0] <= GEMV_ROWS
+        and (residual is None or (residual.dtype == h.dtype and residual.stride(-1) == 1))
+        and x.weight.dtype == h.dtype
+    ):
+        from deltaserve.ops.triton.linear import RMS_NORM_MAX_K, gemv_rms_norm
+
+        if h.shape[1] <= RMS_NORM_MAX_K:
+            x._use()
+            y, x._sum = gemv_rms_norm(
+                h, x.weight, x.eps, weight, residual=residual, prefetch=_prefetch_target(h.shape[0], then)
+            )
+            return y
+    return linear(x.normed(), weight, then)
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,13 @@ from torch import nn
 from deltaserve.config import ModelConfig
 from deltaserve.model.layers.parallel import SINGLE, TensorParallel
 from deltaserve.model.layers.params import WeightRequirement, new_param, single, stacked
-from deltaserve.ops import linear, paged_attention, qk_norm_rope_write_kv, sigmoid_gated_linear
+from deltaserve.ops import (
+    NormedInput,
+    normed_linear,
+    paged_attention,
+    qk_norm_rope_write_kv,
+    sigmoid_gated_linear,
+)
 from deltaserve.ops.batch import ForwardBatch
 
 
@@ -58,15 +64,15 @@ class GatedAttention(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | NormedInput,
         batch: ForwardBatch,
         inv_freq: torch.Tensor,
         kv: tuple[torch.Tensor, torch.Tensor],
         then: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`then`: the weight the step streams after this layer's (prefetched at GEMV rows: ops.linear)."""
-        tokens = x.shape[0]
-        qkv = linear(x, self.qkv_proj, self.o_proj)
+        qkv = normed_linear(x, self.qkv_proj, self.o_proj)
+        tokens = qkv.shape[0]
         q_gate, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q_gate = q_gate.view(tokens, self.num_heads, 2 * self.head_dim)
         q, gate = q_gate[..., : self.head_dim], q_gate[..., self.head_dim :]

@@ -12,7 +12,13 @@ from torch import nn
 from deltaserve.config import ModelConfig
 from deltaserve.model.layers.parallel import SINGLE, TensorParallel
 from deltaserve.model.layers.params import WeightRequirement, new_param, single, stacked
-from deltaserve.ops import causal_conv1d_split, gated_delta_rule, gated_norm_linear, linear
+from deltaserve.ops import (
+    NormedInput,
+    causal_conv1d_split,
+    gated_delta_rule,
+    gated_norm_linear,
+    normed_linear,
+)
 from deltaserve.ops.batch import ForwardBatch
 
 
@@ -73,15 +79,15 @@ class GatedDeltaNet(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | NormedInput,
         batch: ForwardBatch,
         state: tuple[torch.Tensor, torch.Tensor],
         then: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`then`: the weight the step streams after this layer's (prefetched at GEMV rows: ops.linear)."""
-        tokens = x.shape[0]
         conv_state, ssm_state = state
-        proj = linear(x, self.in_proj, self.out_proj)
+        proj = normed_linear(x, self.in_proj, self.out_proj)
+        tokens = proj.shape[0]
         mixed, z, b, a = proj.split(
             [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1
         )

@@ -8,7 +8,15 @@ from torch import nn
 from deltaserve.config import ModelConfig
 from deltaserve.model.layers.parallel import SINGLE, TensorParallel
 from deltaserve.model.layers.params import CheckpointTensor, WeightRequirement, new_param, single, stacked
-from deltaserve.ops import linear, moe_block_output, route, silu_and_mul_linear
+from deltaserve.ops import (
+    NormedInput,
+    as_tensor,
+    linear,
+    moe_block_output,
+    normed_linear,
+    route,
+    silu_and_mul_linear,
+)
 
 
 class MLP(nn.Module):
@@ -47,9 +55,9 @@ class MLP(nn.Module):
         """The weight a forward streams first (prefetched ahead of it at GEMV rows)."""
         return self.gate_up_proj
 
-    def forward(self, x: torch.Tensor, then: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | NormedInput, then: torch.Tensor | None = None) -> torch.Tensor:
         """`then`: the weight the step streams after this MLP's (prefetched at GEMV rows: ops.linear)."""
-        return silu_and_mul_linear(linear(x, self.gate_up_proj, self.down_proj), self.down_proj, then)
+        return silu_and_mul_linear(normed_linear(x, self.gate_up_proj, self.down_proj), self.down_proj, then)
 
 
 class SparseMoeBlock(nn.Module):
@@ -100,8 +108,10 @@ class SparseMoeBlock(nn.Module):
         """The router's weight: the experts a forward streams are known only once it has routed."""
         return self.gate
 
-    def forward(self, x: torch.Tensor, then: torch.Tensor | None = None) -> torch.Tensor:
-        """`then`: the weight the step streams after this block's (prefetched at GEMV rows: ops.linear)."""
+    def forward(self, x: torch.Tensor | NormedInput, then: torch.Tensor | None = None) -> torch.Tensor:
+        """`then`: the weight the step streams after this block's (prefetched at GEMV rows: ops.linear).
+        A pending input norm is computed first: the router, the experts and the shared expert all read it."""
+        x = as_tensor(x)
         weights, ids = route(linear(x, self.gate), self.top_k, self.renormalize)
         shared = self.shared_expert(x, self.shared_expert_gate)
         return moe_block_output(x, self.w13, self.w2, weights, ids, shared, self.shared_expert_gate, then)

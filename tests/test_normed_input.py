@@ -1,0 +1,126 @@
+"""A layer's input norm handed to the layer uncomputed (ops.NormedInput): its first projection may take
+the norm and the residual add into its GEMV (the "rmsnorm" fusion, ops.normed_linear); anything else
+computes it once; the next residual exists once it has been computed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import deltaserve.ops as ops
+from deltaserve.cache.device import build_device_caches
+from deltaserve.cache.manager import CacheManager
+from deltaserve.config import ModelConfig
+from deltaserve.engine.backend import Backend
+from deltaserve.model import qwen35
+from deltaserve.ops.batch import BatchRow
+from deltaserve.tiny import text_config
+
+triton_linear = pytest.importorskip("deltaserve.ops.triton.linear")
+
+
+def _inputs(rows: int = 1, residual: bool = True) -> ops.NormedInput:
+    gen = torch.Generator().manual_seed(rows)
+    h = torch.randn(rows, 64, generator=gen).bfloat16()
+    res = torch.randn(rows, 64, generator=gen).bfloat16() if residual else None
+    return ops.NormedInput(h, (0.2 * torch.randn(64, generator=gen)).bfloat16(), 1e-6, res)
+
+
+def test_normed_computes_the_norm_and_the_next_residual_once():
+    x = _inputs()
+    want, want_sum = ops._norm_ref.rms_norm(x.hidden, x.weight, x.eps, x.residual)
+    with pytest.raises(RuntimeError, match="never normalised, so the next residual is not computed"):
+        x.next_residual  # noqa: B018
+    assert torch.equal(x.normed(), want)
+    assert torch.equal(x.next_residual, want_sum)
+    with pytest.raises(RuntimeError, match="normalised once"):
+        x.normed()
+
+
+def test_without_a_residual_the_next_residual_is_the_hidden_state():
+    x = _inputs(residual=False)
+    assert x.next_residual is x.hidden
+    assert torch.equal(x.normed(), ops._norm_ref.rms_norm(x.hidden, x.weight, x.eps))
+
+
+@pytest.fixture
+def fused(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, bool]]:
+    """The "rmsnorm" fusion on, with the op boundary taking CPU tensors for a GPU's and the kernels
+    standing in by their references: each fused call's (rows, with a residual)."""
+    calls: list[tuple[int, bool]] = []
+
+    def fused_reference(h, norm_weight, eps, weight, residual=None, prefetch=None):
+        calls.append((h.shape[0], residual is not None))
+        if residual is None:
+            return F.linear(ops._norm_ref.rms_norm(h, norm_weight, eps), weight), None
+        normed, summed = ops._norm_ref.rms_norm(h, norm_weight, eps, residual)
+        return F.linear(normed, weight), summed
+
+    monkeypatch.setattr(ops, "_streams_weights", lambda x, w: x.dim() == 2 and x.dtype == torch.bfloat16)
+    monkeypatch.setattr(triton_linear, "gemv", lambda x, w, prefetch=None: F.linear(x, w))
+    monkeypatch.setattr(triton_linear, "gemv_rms_norm", fused_reference)
+    monkeypatch.setattr(ops, "FUSED_GEMV", frozenset({"rmsnorm"}))
+    return calls
+
+
+def test_the_first_projection_of_a_gemv_row_takes_the_norm(fused):
+    w = torch.randn(8, 64).bfloat16()
+    one, two = _inputs(1), _inputs(2)
+    want_one = F.linear(ops._norm_ref.rms_norm(one.hidden, one.weight, one.eps, one.residual)[0], w)
+    assert torch.equal(ops.normed_linear(one, w), want_one)
+    assert torch.equal(one.next_residual, one.hidden + one.residual)
+    ops.normed_linear(two, w)  # two rows: the norm, then the linear
+    ops.normed_linear(_inputs(1, residual=False), w)
+    assert fused == [(1, True), (1, False)]
+    with pytest.raises(RuntimeError, match="normalised once"):
+        ops.normed_linear(one, w)
+
+
+def test_the_fusion_off_computes_the_norm_then_the_linear(fused, monkeypatch):
+    monkeypatch.setattr(ops, "FUSED_GEMV", frozenset({"norm"}))
+    ops.normed_linear(_inputs(1), torch.randn(8, 64).bfloat16())
+    assert fused == []
+
+
+def test_a_plain_tensor_goes_to_the_linear(fused):
+    x, w = torch.randn(1, 64).bfloat16(), torch.randn(8, 64).bfloat16()
+    assert torch.equal(ops.normed_linear(x, w), F.linear(x, w))
+    assert fused == []
+
+
+def _decode_row_logits(preset: str) -> torch.Tensor:
+    cfg = ModelConfig.from_dict(text_config(preset))
+    torch.manual_seed(0)
+    model = qwen35.Qwen35ForCausalLM(cfg, dtype=torch.bfloat16, device=torch.device("cpu"))
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    caches = build_device_caches(
+        cfg, num_pages=16, page_size=4, num_slots=2, dtype=torch.bfloat16, device=torch.device("cpu")
+    )
+    cache = CacheManager.for_device(caches)
+    backend = Backend(model, caches)
+    seq = cache.open()
+    cache.reserve(seq, 3)
+    backend.logits([BatchRow([5, 6], 0, seq.pages, seq.slot)])
+    cache.advance(seq, 2)
+    return backend.logits([BatchRow([7], 2, seq.pages, seq.slot)])
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
+def test_a_decode_row_gets_the_same_logits_with_the_norms_in_its_first_projections(
+    preset, fused, monkeypatch
+):
+    """Every layer's input norm, and a dense MLP's, goes into the projection after it at a decode row
+    (an MoE block computes its own: the router, the experts and the shared expert all read it); the
+    residual stream is the unfused forward's, so the logits are its bits."""
+    fused_logits = _decode_row_logits(preset)
+    layers = ModelConfig.from_dict(text_config(preset)).num_hidden_layers
+    norms_fused = fused.copy()
+    monkeypatch.setattr(ops, "FUSED_GEMV", frozenset())
+    assert torch.equal(fused_logits, _decode_row_logits(preset))
+    first_layer = [(1, False)]  # the first input norm has no residual: the embedding is the residual
+    if preset == "tiny":
+        assert norms_fused == first_layer + [(1, True)] * (2 * layers - 1)
+    else:
+        assert norms_fused == first_layer + [(1, True)] * (layers - 1)
