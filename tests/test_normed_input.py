@@ -7,14 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from decode_row import decode_row_logits
 
 import deltaserve.ops as ops
-from deltaserve.cache.device import build_device_caches
-from deltaserve.cache.manager import CacheManager
 from deltaserve.config import ModelConfig
-from deltaserve.engine.backend import Backend
-from deltaserve.model import qwen35
-from deltaserve.ops.batch import BatchRow
 from deltaserve.tiny import text_config
 
 triton_linear = pytest.importorskip("deltaserve.ops.triton.linear")
@@ -89,24 +85,6 @@ def test_a_plain_tensor_goes_to_the_linear(fused):
     assert fused == []
 
 
-def _decode_row_logits(preset: str) -> torch.Tensor:
-    cfg = ModelConfig.from_dict(text_config(preset))
-    torch.manual_seed(0)
-    model = qwen35.Qwen35ForCausalLM(cfg, dtype=torch.bfloat16, device=torch.device("cpu"))
-    for p in model.parameters():
-        torch.nn.init.normal_(p, std=0.2)
-    caches = build_device_caches(
-        cfg, num_pages=16, page_size=4, num_slots=2, dtype=torch.bfloat16, device=torch.device("cpu")
-    )
-    cache = CacheManager.for_device(caches)
-    backend = Backend(model, caches)
-    seq = cache.open()
-    cache.reserve(seq, 3)
-    backend.logits([BatchRow([5, 6], 0, seq.pages, seq.slot)])
-    cache.advance(seq, 2)
-    return backend.logits([BatchRow([7], 2, seq.pages, seq.slot)])
-
-
 @pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
 def test_a_decode_row_gets_the_same_logits_with_the_norms_in_its_first_projections(
     preset, fused, monkeypatch
@@ -114,11 +92,11 @@ def test_a_decode_row_gets_the_same_logits_with_the_norms_in_its_first_projectio
     """Every layer's input norm, and a dense MLP's, goes into the projection after it at a decode row
     (an MoE block computes its own: the router, the experts and the shared expert all read it); the
     residual stream is the unfused forward's, so the logits are its bits."""
-    fused_logits = _decode_row_logits(preset)
+    fused_logits = decode_row_logits(preset)
     layers = ModelConfig.from_dict(text_config(preset)).num_hidden_layers
     norms_fused = fused.copy()
     monkeypatch.setattr(ops, "FUSED_GEMV", frozenset())
-    assert torch.equal(fused_logits, _decode_row_logits(preset))
+    assert torch.equal(fused_logits, decode_row_logits(preset))
     first_layer = [(1, False)]  # the first input norm has no residual: the embedding is the residual
     if preset == "tiny":
         assert norms_fused == first_layer + [(1, True)] * (2 * layers - 1)

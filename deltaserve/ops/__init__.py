@@ -455,6 +455,49 @@ def gated_delta_rule(
     return _gdn_ref.gated_delta_rule(q, k, v, a, b, A_log, dt_bias, ssm_state, batch)
 
 
+def parse_gdn_decode_norm(text: str) -> bool:
+    """DELTASERVE_GDN_DECODE_NORM's value: "1" on, "0" off."""
+    if text.strip() not in ("0", "1"):
+        raise ValueError(f"DELTASERVE_GDN_DECODE_NORM must be 0 or 1, got {text!r}")
+    return text.strip() == "1"
+
+
+# DELTASERVE_GDN_DECODE_NORM=1: in a step of decode rows only, each Gated DeltaNet layer's output norm
+# (gated RMSNorm) is applied by the decode kernel as it writes its output (one program per row and value
+# head instead of one per 32 values of a head), so the step has no norm kernel: 24 fewer kernels a 4B step.
+# Off by default: not yet measured on a GPU.
+GDN_DECODE_NORM = parse_gdn_decode_norm(os.environ.get("DELTASERVE_GDN_DECODE_NORM", "0"))
+
+
+def gated_delta_rule_normed(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    ssm_state: torch.Tensor,
+    batch: ForwardBatch,
+    z: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+) -> torch.Tensor | None:
+    """With GDN_DECODE_NORM, on the GPU, for a batch of decode rows only: gated_rms_norm(gated_delta_rule(
+    ...), z, norm_weight, eps) from the decode kernel alone, [T, HV, DV]. Otherwise None: the caller runs
+    the recurrence and the norm apart."""
+    if not (GDN_DECODE_NORM and use_kernels(q)):
+        return None
+    from deltaserve.ops.triton.gdn import GatedNorm, takes_normed_decode
+    from deltaserve.ops.triton.gdn import gated_delta_rule_normed as kernel
+
+    norm = GatedNorm(z, norm_weight, eps)
+    tokens, heads, head_dim = v.shape
+    if not takes_normed_decode(batch, tokens) or norm.problem(tokens, heads, head_dim, v.dtype) is not None:
+        return None
+    return kernel(q, k, v, a, b, A_log, dt_bias, ssm_state, batch, norm)
+
+
 def qk_norm_rope_write_kv(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -16,7 +16,9 @@ from deltaserve.ops import (
     NormedInput,
     causal_conv1d_split,
     gated_delta_rule,
+    gated_delta_rule_normed,
     gated_norm_linear,
+    linear,
     normed_linear,
 )
 from deltaserve.ops.batch import ForwardBatch
@@ -92,7 +94,7 @@ class GatedDeltaNet(nn.Module):
             [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1
         )
         q, k, v = causal_conv1d_split(mixed, self.conv1d, conv_state, batch, self.key_dim, 2 * self.key_dim)
-        out = gated_delta_rule(
+        recurrence = (
             q.view(tokens, self.num_k_heads, self.head_k_dim),
             k.view(tokens, self.num_k_heads, self.head_k_dim),
             v.view(tokens, self.num_v_heads, self.head_v_dim),
@@ -104,4 +106,7 @@ class GatedDeltaNet(nn.Module):
             batch,
         )
         z = z.reshape(tokens, self.num_v_heads, self.head_v_dim)
-        return gated_norm_linear(out, z, self.norm, self.eps, self.out_proj, then)
+        normed = gated_delta_rule_normed(*recurrence, z, self.norm, self.eps)
+        if normed is not None:  # the decode kernel applied the output norm
+            return linear(normed.view(tokens, -1), self.out_proj, then)
+        return gated_norm_linear(gated_delta_rule(*recurrence), z, self.norm, self.eps, self.out_proj, then)
