@@ -25,7 +25,8 @@ def hopper_ptx(script: str, *args: str) -> list[str]:
 
 
 # A script for hopper_ptx: argv[1] "prefetch" (the L2 prefetch kernel of its own) or "gemv" (the GEMV at
-# ROWS 1, BLOCK_N 8, BLOCK_K 256, 4 warps, with the L2 prefetch; argv[2]: PRELOAD, 1 by default).
+# ROWS 1, BLOCK_N 8, BLOCK_K 256, 4 warps, with the L2 prefetch; argv[2]: PRELOAD, 1 by default; argv[3]:
+# SWIGLU_OUT, 0 by default).
 COMPILE_FOR_HOPPER = """
 import sys
 
@@ -42,7 +43,9 @@ else:
     signature |= {"eps": "fp32", "N": "i32", "K": "i32"}
     signature |= {name: "i32" for name in ("stride_xm", "stride_wn", "stride_om", "stride_gm", "stride_gh")}
     signature |= {"pf_base": "i64", "pf_bytes": "i32"}
-    constexprs = {"ROWS": 1, "MODE": 0, "HEAD_DIM": 1, "K_POW2": 1, "BLOCK_N": 8, "BLOCK_K": 256}
+    constexprs = {"ROWS": 1, "MODE": 0, "HEAD_DIM": 1, "K_POW2": 1}
+    constexprs["SWIGLU_OUT"] = len(sys.argv) > 3 and sys.argv[3] == "1"
+    constexprs |= {"BLOCK_N": 8, "BLOCK_K": 256}
     constexprs["PREFETCH"] = True
     constexprs["PRELOAD"] = int(sys.argv[2]) if len(sys.argv) > 2 else 1
     constexprs["USE_GDC"] = True

@@ -324,10 +324,11 @@ def test_op_boundary_normalises_inside_the_gemvs_rows_only(monkeypatch):
 def test_fused_gemv_variable_names_the_fusions_or_all_of_them():
     assert ops.parse_gemv_fusions("") == ops.parse_gemv_fusions("0") == frozenset()
     every = {"swiglu", "gate", "norm", "rmsnorm"}
-    assert ops.parse_gemv_fusions("1") == ops.parse_gemv_fusions("all") == every
+    assert ops.parse_gemv_fusions("1") == ops.parse_gemv_fusions("all") == every | {"swiglu_out"}
     assert ops.parse_gemv_fusions(" gate, norm ") == {"gate", "norm"}
     with pytest.raises(
-        ValueError, match=r"unknown fusion\(s\) 'silu'.*swiglu, gate, norm, rmsnorm, got 'gate,silu'"
+        ValueError,
+        match=r"unknown fusion\(s\) 'silu'.*swiglu, gate, norm, rmsnorm, swiglu_out, got 'gate,silu'",
     ):
         ops.parse_gemv_fusions("gate,silu")
 
@@ -371,17 +372,17 @@ def test_a_bad_preload_setting_names_the_variable_and_the_value(text):
         triton_linear.parse_preload(text)
 
 
-@pytest.mark.parametrize("preload", [1, 0])
-def test_only_the_weights_first_block_loads_before_the_pdl_wait(preload):
+@pytest.mark.parametrize(("preload", "swiglu_out"), [(1, 0), (0, 0), (1, 1)])
+def test_only_the_weights_first_block_loads_before_the_pdl_wait(preload, swiglu_out):
     """Compiled for sm_90: with the preload, the loads before griddepcontrol.wait are the first weight
-    block's alone (8 x 256 values over 128 threads: 16 a thread; an x load would make it 18) and nothing
-    is stored before it; without it nothing loads before it."""
+    block's alone (8 x 256 values over 128 threads: 16 a thread, 32 with both halves of a [gate; up]
+    weight; an x load would add 2) and nothing is stored before it; without it nothing loads before it."""
     from hopper_ptx import COMPILE_FOR_HOPPER, hopper_ptx
 
-    code = hopper_ptx(COMPILE_FOR_HOPPER, "gemv", str(preload))
+    code = hopper_ptx(COMPILE_FOR_HOPPER, "gemv", str(preload), str(swiglu_out))
     wait = next(i for i, line in enumerate(code) if line.startswith("griddepcontrol.wait"))
     before = [line for line in code[:wait] if "ld.global" in line or "st.global" in line]
-    assert len(before) == (16 if preload else 0), before
+    assert len(before) == 16 * preload * (1 + swiglu_out), before
     assert all("ld.global" in line for line in before)
     assert any("ld.global" in line for line in code[wait:])
 
@@ -436,3 +437,41 @@ def test_gemv_rms_norm_refuses_what_it_cannot_take_naming_it():
     wide = torch.zeros(1, triton_linear.RMS_NORM_MAX_K + 1, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"rows of at most 8192 values, got K = 8193"):
         triton_linear.gemv_rms_norm(wide, wide[0], 1e-6, torch.zeros(8, 8193, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize(("n", "k", "m"), [(37, 200, 1), (130, 40, 1), (45, 64, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gemv_swiglu_out_has_the_bits_of_gemv_then_silu_and_mul(n, k, m, dtype):
+    """A dense MLP's gate_up projection writing the activation (x a strided view): the GEMV's rounded
+    gate and up halves, then the activation kernel's rounding, so the same bits as the two kernels."""
+    from deltaserve.ops.triton.activation import silu_and_mul
+
+    gen = torch.Generator().manual_seed(n + k + m)
+    x = torch.randn(m + 1, k + 8, generator=gen).to(dtype).to(DEVICE)[1:, 8:]
+    w = torch.randn(2 * n, k, generator=gen).to(dtype).to(DEVICE)
+    got = triton_linear.gemv_swiglu_out(x, w)
+    assert got.shape == (m, n) and got.dtype == dtype
+    assert torch.equal(got, silu_and_mul(triton_linear.gemv(x, w)))
+    want = F.silu(F.linear(x.double(), w.double())[:, :n]) * F.linear(x.double(), w.double())[:, n:]
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2**-6, atol=5e-2)
+    torch.testing.assert_close(got.double(), want, **tol)
+
+
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_gemv_rms_norm_can_write_the_swiglu_activation_too(with_residual):
+    from deltaserve.ops.triton.activation import silu_and_mul
+
+    gen = torch.Generator().manual_seed(3)
+    h = torch.randn(1, 96, generator=gen).mul(3).bfloat16().to(DEVICE)
+    residual = torch.randn(1, 96, generator=gen).bfloat16().to(DEVICE) if with_residual else None
+    norm_w = (0.2 * torch.randn(96, generator=gen)).bfloat16().to(DEVICE)
+    w = torch.randn(2 * 45, 96, generator=gen).bfloat16().to(DEVICE)
+    act, summed = triton_linear.gemv_rms_norm(h, norm_w, 1e-6, w, residual=residual, swiglu_out=True)
+    gate_up, want_sum = triton_linear.gemv_rms_norm(h, norm_w, 1e-6, w, residual=residual)
+    assert torch.equal(act, silu_and_mul(gate_up))
+    assert (summed is None) == (residual is None) and (summed is None or torch.equal(summed, want_sum))
+
+
+def test_gemv_swiglu_out_refuses_an_odd_weight():
+    with pytest.raises(ValueError, match="a \\[gate; up\\] weight has an even number of rows, got 7"):
+        triton_linear.gemv_swiglu_out(torch.zeros(1, 64).bfloat16(), torch.zeros(7, 64).bfloat16())

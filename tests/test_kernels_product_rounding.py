@@ -30,15 +30,18 @@ KERNELS = [
     ("activation", "_sigmoid_gate_kernel", dict(BLOCK=256, USE_GDC=True)),
     ("norm", "_rms_norm_kernel", dict(HAS_RESIDUAL=True, BLOCK_R=1, BLOCK_N=64, USE_GDC=True)),
     ("norm", "_gated_rms_norm_kernel", dict(PROD_DTYPE=tl.bfloat16, BLOCK_R=1, BLOCK_D=64, USE_GDC=True)),
-    *[("linear", "_gemv_kernel", dict(ROWS=1, MODE=mode, HEAD_DIM=64, BLOCK_N=8, BLOCK_K=256, PREFETCH=False,
-                                       USE_GDC=True)) for mode in range(4)],
+    *[("linear", "_gemv_kernel", dict(ROWS=1, MODE=mode, HEAD_DIM=64, K_POW2=256 if mode >= 4 else 1,
+                                       SWIGLU_OUT=swiglu_out, BLOCK_N=8, BLOCK_K=256, PREFETCH=False, PRELOAD=1,
+                                       USE_GDC=True))
+      for mode, swiglu_out in [(0, False), (1, False), (2, False), (3, False), (4, False), (5, True), (0, True)]],
     ("linear", "_skinny_kernel", dict(BLOCK_N=64, BLOCK_K=64, USE_GDC=True)),
     ("conv1d", "_conv1d_decode_kernel", dict(KW=4, BLOCK_C=64, USE_GDC=True)),
     ("conv1d", "_conv1d_heads_kernel", dict(KW=4, BLOCK_C=64)),
     ("conv1d", "_conv1d_stream_kernel", dict(KW=4, BLOCK_T=16, BLOCK_C=64, ROWS=1)),
     ("conv1d", "_conv1d_tiles_kernel", dict(KW=4, BLOCK_T=16, BLOCK_C=64, SPILL=True)),
     ("conv1d", "_conv1d_verify_kernel", dict(KW=4, BLOCK_C=64, OUTPUTS=2)),
-    ("gdn", "_gdn_decode_kernel", dict(HK=2, HV=4, DK=64, DV=64, BV=32, COUNTED_PROGRAMS=True, USE_GDC=True)),
+    *[("gdn", "_gdn_decode_kernel", dict(HK=2, HV=4, DK=64, DV=64, BV=64 if norm else 32, COUNTED_PROGRAMS=True,
+                                         NORM=norm, PROD_DTYPE=tl.bfloat16, USE_GDC=True)) for norm in (False, True)],
     ("gdn", "_gdn_verify_kernel", dict(HK=2, HV=4, DK=64, DV=64, BV=32)),
     ("gdn_gating", "_gdn_gating_kernel", dict(BLOCK_T=16, BLOCK_H=16, USE_GDC=True)),
     ("attention", "_qk_norm_rope_write_kv_kernel", dict(NUM_HEADS=2, NUM_KV_HEADS=1, HEAD_DIM=64, ROTARY_DIM=32,
@@ -76,6 +79,7 @@ for module, kernel, constexprs in KERNELS:
     ptx = compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
     ops = [line.split()[0] for line in (raw.strip() for raw in ptx.splitlines()) if line]
     label = f"{kernel}" + (f" MODE={constexprs['MODE']}" if "MODE" in constexprs else "")
+    label += "".join(f" {flag}" for flag in ("SWIGLU_OUT", "NORM") if constexprs.get(flag))
     found[label] = sorted({op for op in ops if op.startswith("fma") and (".bf16" in op or ".f16" in op)})
 print("FOUND " + json.dumps(found))
 """

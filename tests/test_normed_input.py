@@ -4,6 +4,8 @@ computes it once; the next residual exists once it has been computed."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -40,22 +42,33 @@ def test_without_a_residual_the_next_residual_is_the_hidden_state():
     assert torch.equal(x.normed(), ops._norm_ref.rms_norm(x.hidden, x.weight, x.eps))
 
 
+def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    return ops._activation_ref.silu_and_mul(gate_up)
+
+
 @pytest.fixture
 def fused(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, bool]]:
     """The "rmsnorm" fusion on, with the op boundary taking CPU tensors for a GPU's and the kernels
     standing in by their references: each fused call's (rows, with a residual)."""
     calls: list[tuple[int, bool]] = []
 
-    def fused_reference(h, norm_weight, eps, weight, residual=None, prefetch=None):
+    def fused_reference(h, norm_weight, eps, weight, residual=None, swiglu_out=False, prefetch=None):
         calls.append((h.shape[0], residual is not None))
         if residual is None:
-            return F.linear(ops._norm_ref.rms_norm(h, norm_weight, eps), weight), None
-        normed, summed = ops._norm_ref.rms_norm(h, norm_weight, eps, residual)
-        return F.linear(normed, weight), summed
+            normed, summed = ops._norm_ref.rms_norm(h, norm_weight, eps), None
+        else:
+            normed, summed = ops._norm_ref.rms_norm(h, norm_weight, eps, residual)
+        y = F.linear(normed, weight)
+        return (_swiglu(y) if swiglu_out else y), summed
 
     monkeypatch.setattr(ops, "_streams_weights", lambda x, w: x.dim() == 2 and x.dtype == torch.bfloat16)
     monkeypatch.setattr(triton_linear, "gemv", lambda x, w, prefetch=None: F.linear(x, w))
     monkeypatch.setattr(triton_linear, "gemv_rms_norm", fused_reference)
+    monkeypatch.setattr(
+        triton_linear,
+        "gemv_swiglu_out",
+        lambda x, w, prefetch=None: calls.append(("act", x.shape[0])) or _swiglu(F.linear(x, w)),
+    )
     monkeypatch.setattr(ops, "FUSED_GEMV", frozenset({"rmsnorm"}))
     return calls
 
@@ -97,8 +110,34 @@ def test_a_decode_row_gets_the_same_logits_with_the_norms_in_its_first_projectio
     norms_fused = fused.copy()
     monkeypatch.setattr(ops, "FUSED_GEMV", frozenset())
     assert torch.equal(fused_logits, decode_row_logits(preset))
+    monkeypatch.setattr(ops, "FUSED_GEMV", frozenset({"rmsnorm", "swiglu_out"}))
+    fused.clear()
+    assert torch.equal(decode_row_logits(preset), fused_logits)  # the activation from gate_up's GEMV too
+    shared_experts = [("act", 1)] * layers if preset == "tiny-moe" else []  # a shared expert: an MLP
+    assert Counter(fused) == Counter(norms_fused + shared_experts)
     first_layer = [(1, False)]  # the first input norm has no residual: the embedding is the residual
     if preset == "tiny":
         assert norms_fused == first_layer + [(1, True)] * (2 * layers - 1)
     else:
         assert norms_fused == first_layer + [(1, True)] * (layers - 1)
+
+
+def test_a_dense_mlp_writes_its_activation_from_the_gate_up_gemv(fused, monkeypatch):
+    gate_up, down = torch.randn(16, 64).bfloat16(), torch.randn(64, 8).bfloat16()
+    x = torch.randn(1, 64).bfloat16()
+    want = F.linear(_swiglu(F.linear(x, gate_up)), down)
+    monkeypatch.setattr(ops, "FUSED_GEMV", frozenset({"swiglu_out"}))
+    assert torch.equal(ops.swiglu_mlp(x, gate_up, down), want)
+    pending = _inputs(1)
+    ops.swiglu_mlp(pending, gate_up, down)  # without "rmsnorm": the norm, then the activation GEMV
+    assert fused == [("act", 1), ("act", 1)]
+    fused.clear()
+    monkeypatch.setattr(ops, "FUSED_GEMV", frozenset({"swiglu_out", "rmsnorm"}))
+    pending = _inputs(1)
+    normed, summed = ops._norm_ref.rms_norm(pending.hidden, pending.weight, pending.eps, pending.residual)
+    assert torch.equal(
+        ops.swiglu_mlp(pending, gate_up, down), F.linear(_swiglu(F.linear(normed, gate_up)), down)
+    )
+    assert torch.equal(pending.next_residual, summed)
+    ops.swiglu_mlp(torch.randn(2, 64).bfloat16(), gate_up, down)  # two rows: cuBLAS and the kernel
+    assert fused == [(1, True)]

@@ -7,9 +7,11 @@ against F.linear first (one bf16 rounding apart).
 
 python3 -m deltaserve.bench.linear_kernel   (needs CUDA; docs/benchmarks/2026-12-02-h200-gemv-rows.md)
 
-With --fused: the GEMV fusions of one decode row (DELTASERVE_FUSED_GEMV's three, and a layer's first
-projection over its input RMSNorm and residual add, gemv_rms_norm) against the kernels they replace, inside
-CUDA graphs as a decode step runs them (the per-kernel gaps included), per layer call.
+With --fused: the GEMV fusions of one decode row (DELTASERVE_FUSED_GEMV: the SwiGLU activation, the
+attention output gate and the GDN output norm into the following GEMV; a layer's input RMSNorm and
+residual add into its first projection, gemv_rms_norm; the gate_up GEMV writing the SwiGLU activation,
+gemv_swiglu_out) against the kernels they replace, inside CUDA graphs as a decode step runs them (the
+per-kernel gaps included), per layer call.
 
 With --prefetch: each decode linear behind a GEMV and short kernels (1 or 4 RMSNorms of a hidden row,
 standing in for a step's norms, convolution and recurrent update), the GEMV before it prefetching the
@@ -38,6 +40,7 @@ from deltaserve.ops.triton.linear import (
     gemv_rms_norm,
     gemv_sigmoid_gated,
     gemv_swiglu,
+    gemv_swiglu_out,
     skinny_gemm,
 )
 from deltaserve.ops.triton.norm import gated_rms_norm, rms_norm
@@ -132,6 +135,18 @@ def fused_main() -> None:
             (18432, hidden),
             lambda w: gemv(rms_norm(h, layer_norm_w, eps, residual)[0], w),
             lambda w: gemv_rms_norm(h, layer_norm_w, eps, w, residual=residual)[0],
+        ),
+        (
+            "mlp gate_up + act out",
+            (18432, hidden),
+            lambda w: silu_and_mul(gemv(h, w)),
+            lambda w: gemv_swiglu_out(h, w),
+        ),
+        (
+            "gate_up + norm + act",
+            (18432, hidden),
+            lambda w: silu_and_mul(gemv(rms_norm(h, layer_norm_w, eps, residual)[0], w)),
+            lambda w: gemv_rms_norm(h, layer_norm_w, eps, w, residual=residual, swiglu_out=True)[0],
         ),
     ]
     print(f"{'layer op':<22}{'unfused ms':>12}{'fused ms':>10}{'saved us':>10}  same bits")

@@ -38,12 +38,13 @@ if not 1 <= GEMV_ROWS <= 4:
     raise ValueError(f"DELTASERVE_GEMV_ROWS must be 1..4, got {GEMV_ROWS}")
 # DELTASERVE_FUSED_GEMV moves the op before a GEMV row's projection into the GEMV: "swiglu"
 # (silu_and_mul_linear), "gate" (sigmoid_gated_linear), "norm" (gated_norm_linear), "rmsnorm" (a layer's
-# input RMSNorm and residual add into its first projection: normed_linear), as a comma list, or "1" for
-# all of them. Off by default: on an H200 the first three measured no faster (4B c1 TPOT 3.064 ms against
+# input RMSNorm and residual add into its first projection: normed_linear), "swiglu_out" (a dense MLP's
+# activation into its gate_up GEMV, which writes it: swiglu_mlp; it takes precedence over "swiglu"), as a
+# comma list, or "1" for all of them. Off by default: on an H200 the first three measured no faster (4B c1 TPOT 3.064 ms against
 # 3.056 unfused): the SwiGLU GEMV loses 1.9 us per layer, "gate" and "norm" save 2.1 and 0.3 us
 # (docs/benchmarks/2026-12-04-h200-c1-fusions-graph-attention.md). "rmsnorm" (64 fewer kernels per
-# 4B step) is not yet measured on a GPU.
-GEMV_FUSIONS = ("swiglu", "gate", "norm", "rmsnorm")
+# 4B step) and "swiglu_out" (32 fewer) are not yet measured on a GPU.
+GEMV_FUSIONS = ("swiglu", "gate", "norm", "rmsnorm", "swiglu_out")
 
 
 def parse_gemv_fusions(text: str) -> frozenset[str]:
@@ -305,23 +306,65 @@ def normed_linear(
     (see linear) normalise a pending input inside the GEMV (ops/triton/linear.py gemv_rms_norm)."""
     if isinstance(x, torch.Tensor):
         return linear(x, weight, then)
+    if _fuses_input_norm(x, weight):
+        return _gemv_over_norm(x, weight, then, swiglu_out=False)
+    return linear(x.normed(), weight, then)
+
+
+def _fuses_input_norm(x: NormedInput, weight: torch.Tensor) -> bool:
+    """Whether the "rmsnorm" fusion takes x's norm into a GEMV over `weight` (ops/triton/linear.py)."""
     h, residual = x.hidden, x.residual
-    if (
+    if not (
         "rmsnorm" in FUSED_GEMV
         and _streams_weights(h, weight)
         and 1 <= h.shape[0] <= GEMV_ROWS
         and (residual is None or (residual.dtype == h.dtype and residual.stride(-1) == 1))
         and x.weight.dtype == h.dtype
     ):
-        from deltaserve.ops.triton.linear import RMS_NORM_MAX_K, gemv_rms_norm
+        return False
+    from deltaserve.ops.triton.linear import RMS_NORM_MAX_K
 
-        if h.shape[1] <= RMS_NORM_MAX_K:
-            x._use()
-            y, x._sum = gemv_rms_norm(
-                h, x.weight, x.eps, weight, residual=residual, prefetch=_prefetch_target(h.shape[0], then)
-            )
-            return y
-    return linear(x.normed(), weight, then)
+    return h.shape[1] <= RMS_NORM_MAX_K
+
+
+def _gemv_over_norm(
+    x: NormedInput, weight: torch.Tensor, then: torch.Tensor | None, *, swiglu_out: bool
+) -> torch.Tensor:
+    from deltaserve.ops.triton.linear import gemv_rms_norm
+
+    x._use()
+    rows = x.hidden.shape[0]
+    y, x._sum = gemv_rms_norm(
+        x.hidden,
+        x.weight,
+        x.eps,
+        weight,
+        residual=x.residual,
+        swiglu_out=swiglu_out,
+        prefetch=_prefetch_target(rows, then),
+    )
+    return y
+
+
+def swiglu_mlp(
+    x: torch.Tensor | NormedInput,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    then: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """down(silu_and_mul(gate_up(x))): a dense SwiGLU MLP, x possibly its pending input norm. With the
+    "swiglu_out" fusion the gate_up GEMV's rows (see linear) write the activation, never [gate | up] (over
+    the pending norm too with "rmsnorm"); otherwise normed_linear, then silu_and_mul_linear."""
+    h = x if isinstance(x, torch.Tensor) else x.hidden
+    if "swiglu_out" in FUSED_GEMV and _streams_weights(h, gate_up) and 1 <= h.shape[0] <= GEMV_ROWS:
+        from deltaserve.ops.triton.linear import gemv_swiglu_out
+
+        if isinstance(x, NormedInput) and _fuses_input_norm(x, gate_up):
+            act = _gemv_over_norm(x, gate_up, down, swiglu_out=True)
+        else:
+            act = gemv_swiglu_out(as_tensor(x), gate_up, prefetch=_prefetch_target(h.shape[0], down))
+        return linear(act, down, then)
+    return silu_and_mul_linear(normed_linear(x, gate_up, down), down, then)
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,9 +13,8 @@ from deltaserve.ops import (
     as_tensor,
     linear,
     moe_block_output,
-    normed_linear,
     route,
-    silu_and_mul_linear,
+    swiglu_mlp,
 )
 
 
@@ -57,7 +56,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor | NormedInput, then: torch.Tensor | None = None) -> torch.Tensor:
         """`then`: the weight the step streams after this MLP's (prefetched at GEMV rows: ops.linear)."""
-        return silu_and_mul_linear(normed_linear(x, self.gate_up_proj, self.down_proj), self.down_proj, then)
+        return swiglu_mlp(x, self.gate_up_proj, self.down_proj, then)
 
 
 class SparseMoeBlock(nn.Module):

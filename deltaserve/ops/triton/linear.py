@@ -159,9 +159,18 @@ def _row_rstd(x_row_ptr, g_row_ptr, res_out_row_ptr, eps, K, MODE: tl.constexpr,
 
 
 @triton.jit
-def _accumulate(
-    accs,
-    w,
+def _store_swiglu_row(out_row_ptr, acc_gate, acc_up, rows, row_ok):
+    """silu(gate) * up of this program's rows, each half rounded as _store_row stores it and the product
+    as the silu_and_mul kernel rounds it: the bits of the GEMV then the activation kernel."""
+    dtype: tl.constexpr = out_row_ptr.dtype.element_ty
+    gate = round_to(tl.sum(acc_gate, axis=1), dtype)
+    up = round_to(tl.sum(acc_up, axis=1), dtype)
+    act = round_to(silu_f32(gate.to(tl.float32)), dtype)
+    tl.store(out_row_ptr + rows, round_to(act.to(tl.float32) * up.to(tl.float32), dtype), mask=row_ok)
+
+
+@triton.jit
+def _load_xs(
     x_ptr,
     g_ptr,
     nw_ptr,
@@ -178,8 +187,8 @@ def _accumulate(
     HEAD_DIM: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """accs[r] + w * x_r[cols] for each row r: one K block of the GEMV (w in fp32)."""
-    summed = ()
+    """x_r[cols] in fp32 for each row r (_load_x)."""
+    xs = ()
     for r in tl.static_range(ROWS):
         x = _load_x(
             x_ptr + r * stride_xm,
@@ -195,7 +204,16 @@ def _accumulate(
             HEAD_DIM,
             BLOCK_K,
         )
-        summed = summed + (accs[r] + w * x[None, :],)
+        xs = xs + (x,)
+    return xs
+
+
+@triton.jit
+def _accumulate(accs, w, xs, ROWS: tl.constexpr):
+    """accs[r] + w * xs[r] for each row r: one K block of the GEMV (w in fp32)."""
+    summed = ()
+    for r in tl.static_range(ROWS):
+        summed = summed + (accs[r] + w * xs[r][None, :],)
     return summed
 
 
@@ -221,6 +239,7 @@ def _gemv_kernel(
     MODE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     K_POW2: tl.constexpr,
+    SWIGLU_OUT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PREFETCH: tl.constexpr,
@@ -228,16 +247,22 @@ def _gemv_kernel(
     USE_GDC: tl.constexpr,
 ):
     # Each weight tile is loaded once for all ROWS rows (1..4), each row with its own accumulator in the
-    # same order, so a row's bits depend only on that row and W (and the block shape).
+    # same order, so a row's bits depend only on that row and W (and the block shape). SWIGLU_OUT: W is a
+    # SwiGLU MLP's [gate; up] (2N rows); a program streams its N-rows of both halves and writes
+    # silu(gate) * up, N wide.
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
+    w_up_rows = w_rows + N.to(tl.int64) * stride_wn
     cols = tl.arange(0, BLOCK_K)
     col_ok = cols < K
+    tile_ok = row_ok[:, None] & col_ok[None, :]
     if PRELOAD:
         # The weight is read-only while steps run (no kernel writes it), so the first K block may load
         # before the PDL wait: a program scheduled early streams it under the kernels before this one.
-        w_first = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        w_first = tl.load(w_rows + cols[None, :], mask=tile_ok, other=0.0)
+        if SWIGLU_OUT:
+            w_up_first = tl.load(w_up_rows + cols[None, :], mask=tile_ok, other=0.0)
     gdc_enter(USE_GDC)
     accs = ()
     rstds = ()  # RMS_NORM / ADD_RMS_NORM: each row's, from the whole row before its first block
@@ -250,58 +275,41 @@ def _gemv_kernel(
         else:
             rstd = 0.0
         rstds = rstds + (rstd,)
+    accs_up = accs
     if PRELOAD:  # the loop's first block, in the same order: the same bits
-        accs = _accumulate(
-            accs,
-            w_first.to(tl.float32),
-            x_ptr,
-            g_ptr,
-            nw_ptr,
-            eps,
-            rstds,
-            cols,
-            col_ok,
-            K,
-            stride_xm,
-            stride_gm,
-            stride_gh,
-            ROWS,
-            MODE,
-            HEAD_DIM,
-            BLOCK_K,
-        )
+        xs = _load_xs(
+            x_ptr, g_ptr, nw_ptr, eps, rstds, cols, col_ok, K, stride_xm, stride_gm, stride_gh,
+            ROWS, MODE, HEAD_DIM, BLOCK_K,
+        )  # fmt: skip
+        accs = _accumulate(accs, w_first.to(tl.float32), xs, ROWS)
+        if SWIGLU_OUT:
+            accs_up = _accumulate(accs_up, w_up_first.to(tl.float32), xs, ROWS)
     for k0 in range(BLOCK_K * PRELOAD, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         col_ok = cols < K
-        w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-        accs = _accumulate(
-            accs,
-            w,
-            x_ptr,
-            g_ptr,
-            nw_ptr,
-            eps,
-            rstds,
-            cols,
-            col_ok,
-            K,
-            stride_xm,
-            stride_gm,
-            stride_gh,
-            ROWS,
-            MODE,
-            HEAD_DIM,
-            BLOCK_K,
-        )
+        tile_ok = row_ok[:, None] & col_ok[None, :]
+        w = tl.load(w_rows + cols[None, :], mask=tile_ok, other=0.0).to(tl.float32)
+        if SWIGLU_OUT:
+            w_up = tl.load(w_up_rows + cols[None, :], mask=tile_ok, other=0.0).to(tl.float32)
+        xs = _load_xs(
+            x_ptr, g_ptr, nw_ptr, eps, rstds, cols, col_ok, K, stride_xm, stride_gm, stride_gh,
+            ROWS, MODE, HEAD_DIM, BLOCK_K,
+        )  # fmt: skip
+        accs = _accumulate(accs, w, xs, ROWS)
+        if SWIGLU_OUT:
+            accs_up = _accumulate(accs_up, w_up, xs, ROWS)
     for r in tl.static_range(ROWS):
-        _store_row(out_ptr + r * stride_om, accs[r], rows, row_ok)
+        if SWIGLU_OUT:
+            _store_swiglu_row(out_ptr + r * stride_om, accs[r], accs_up[r], rows, row_ok)
+        else:
+            _store_row(out_ptr + r * stride_om, accs[r], rows, row_ok)
     if PREFETCH:  # the next projection's first pf_bytes at pf_base, a share per program
         issue_share(pf_base, pf_bytes)
 
 
 _gemv_tuned = triton.autotune(
     configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n, k, w in _CONFIGS],
-    key=["N", "K", "ROWS", "MODE", "PRELOAD"],
+    key=["N", "K", "ROWS", "MODE", "SWIGLU_OUT", "PRELOAD"],
     cache_results=True,  # the winners persist in Triton's cache directory: a restart does not re-tune
 )(_gemv_kernel)
 
@@ -517,6 +525,27 @@ def gemv_gated_norm(
     return _launch_gemv(rows, weight, out, GATED_NORM, z, norm_weight.contiguous(), eps, prefetch=prefetch)
 
 
+def _check_gate_up(weight: torch.Tensor) -> None:
+    if weight.shape[0] % 2:
+        raise ValueError(f"a [gate; up] weight has an even number of rows, got {weight.shape[0]}")
+
+
+def gemv_swiglu_out(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    prefetch: NextWeight | None = None,
+) -> torch.Tensor:
+    """silu_and_mul(gemv(x, weight)) in one kernel: weight [2I, K] a SwiGLU MLP's gate_up_proj (gate rows
+    first), x [M, K] (any row stride, unit column stride). Returns [M, I]: each program streams I-rows of
+    both halves and writes the activation; [gate | up] is never written (a dense MLP's gate_up projection
+    at batch-1 decode)."""
+    _check_operands(x, weight, max_rows=GEMV_MAX_ROWS)
+    _check_gate_up(weight)
+    return _launch_gemv(x, weight, out, PLAIN, swiglu_out=True, prefetch=prefetch)
+
+
 def gemv_rms_norm(
     h: torch.Tensor,
     norm_weight: torch.Tensor,
@@ -526,6 +555,7 @@ def gemv_rms_norm(
     residual: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
+    swiglu_out: bool = False,
     prefetch: NextWeight | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """gemv(rms_norm(h, norm_weight, eps[, residual]), weight) in one kernel: h [M, K] (any row stride,
@@ -533,7 +563,8 @@ def gemv_rms_norm(
     [N, K]. Returns (y [M, N], the new residual h + residual [M, K], or None without a residual). The
     normed row is never written: each program takes the row's sum of squares, then normalises each K
     block as the weight streams by (a layer's first projection at batch-1 decode). `residual_out`
-    (contiguous, apart from h and the residual) receives the sum when given."""
+    (contiguous, apart from h and the residual) receives the sum when given. `swiglu_out`: the weight is
+    a SwiGLU MLP's [gate; up] and y is silu(gate) * up, [M, N / 2] (as gemv_swiglu_out)."""
     _check_operands(h, weight, max_rows=GEMV_MAX_ROWS)
     m, k = h.shape
     if k > RMS_NORM_MAX_K:
@@ -542,8 +573,13 @@ def gemv_rms_norm(
         raise ValueError(
             f"norm_weight must be ({k},) of h's dtype {h.dtype}, got {tuple(norm_weight.shape)} {norm_weight.dtype}"
         )
+    if swiglu_out:
+        _check_gate_up(weight)
     if residual is None:
-        return _launch_gemv(h, weight, out, RMS_NORM, None, norm_weight, eps, prefetch=prefetch), None
+        y = _launch_gemv(
+            h, weight, out, RMS_NORM, None, norm_weight, eps, swiglu_out=swiglu_out, prefetch=prefetch
+        )
+        return y, None
     if residual.shape != h.shape or residual.dtype != h.dtype or residual.stride(1) != 1:
         raise ValueError(
             f"residual must be {tuple(h.shape)} {h.dtype} with a unit column stride, got "
@@ -571,6 +607,7 @@ def gemv_rms_norm(
         eps,
         residual=residual,
         residual_out=residual_out,
+        swiglu_out=swiglu_out,
         prefetch=prefetch,
     )
     return y, residual_out
@@ -587,9 +624,12 @@ def _launch_gemv(
     *,
     residual: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
+    swiglu_out: bool = False,
     prefetch: NextWeight | None = None,
 ) -> torch.Tensor:
     m, (n, k) = x.shape[0], weight.shape
+    if swiglu_out:  # [gate; up] rows in, silu(gate) * up out
+        n //= 2
     pf_base, pf_bytes = 0, 0
     if prefetch is not None:
         pf_bytes = prefetch_bytes(prefetch.weight, prefetch.max_bytes)
@@ -634,6 +674,7 @@ def _launch_gemv(
             MODE=mode,
             HEAD_DIM=head_dim,
             K_POW2=k_pow2,
+            SWIGLU_OUT=swiglu_out,
             BLOCK_N=block_n,
             BLOCK_K=block_k,
             PREFETCH=False,  # the interpreter runs no inline assembly; a prefetch changes no value
@@ -648,6 +689,7 @@ def _launch_gemv(
             MODE=mode,
             HEAD_DIM=head_dim,
             K_POW2=k_pow2,
+            SWIGLU_OUT=swiglu_out,
             PREFETCH=pf_bytes > 0,
             PRELOAD=int(PRELOAD),
             **launch_options(x.device),
