@@ -14,14 +14,15 @@ from deltaserve.ops.batch import BatchRow
 from deltaserve.tiny import text_config
 
 
-def decode_row_logits(preset: str) -> torch.Tensor:
+def after_two_tokens(preset: str, dtype: torch.dtype, std: float) -> tuple[Backend, BatchRow]:
+    """A `preset` model of random weights (normal, `std`) on the CPU with one sequence whose two-token
+    prompt is prefilled: its backend and the sequence's next decode row."""
     cfg = ModelConfig.from_dict(text_config(preset))
-    torch.manual_seed(0)
-    model = qwen35.Qwen35ForCausalLM(cfg, dtype=torch.bfloat16, device=torch.device("cpu"))
+    model = qwen35.Qwen35ForCausalLM(cfg, dtype=dtype, device=torch.device("cpu"))
     for p in model.parameters():
-        torch.nn.init.normal_(p, std=0.2)
+        torch.nn.init.normal_(p, std=std)
     caches = build_device_caches(
-        cfg, num_pages=16, page_size=4, num_slots=2, dtype=torch.bfloat16, device=torch.device("cpu")
+        cfg, num_pages=16, page_size=4, num_slots=2, dtype=dtype, device=torch.device("cpu")
     )
     cache = CacheManager.for_device(caches)
     backend = Backend(model, caches)
@@ -29,4 +30,10 @@ def decode_row_logits(preset: str) -> torch.Tensor:
     cache.reserve(seq, 3)
     backend.logits([BatchRow([5, 6], 0, seq.pages, seq.slot)])
     cache.advance(seq, 2)
-    return backend.logits([BatchRow([7], 2, seq.pages, seq.slot)])
+    return backend, BatchRow([7], 2, seq.pages, seq.slot)
+
+
+def decode_row_logits(preset: str) -> torch.Tensor:
+    torch.manual_seed(0)
+    backend, row = after_two_tokens(preset, torch.bfloat16, 0.2)
+    return backend.logits([row])

@@ -8,19 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from decode_row import after_two_tokens
 from hopper_ptx import COMPILE_FOR_HOPPER, hopper_ptx
 
 import deltaserve.ops as ops
-from deltaserve.cache.device import build_device_caches
-from deltaserve.cache.manager import CacheManager
-from deltaserve.config import ModelConfig
-from deltaserve.engine.backend import Backend
 from deltaserve.model import qwen35
 from deltaserve.model.layers import attention, gdn, mlp
-from deltaserve.ops.batch import BatchRow
 from deltaserve.ops.triton import device_info, prefetch
 from deltaserve.ops.triton import linear as triton_linear
-from deltaserve.tiny import text_config
 
 MODULES_THAT_PREFETCH = (qwen35, attention, gdn, mlp)
 
@@ -105,19 +100,7 @@ def _decode_row_projections(preset: str, monkeypatch: pytest.MonkeyPatch) -> lis
     """The weights one decode row's forward and logits stream, in order ("linear"), with each weight
     named for a prefetch in its place ("prefetch"): after the projection whose GEMV carries it, or where
     the step's first projection gets a kernel of its own."""
-    cfg = ModelConfig.from_dict(text_config(preset))
-    model = qwen35.Qwen35ForCausalLM(cfg, dtype=torch.float32, device=torch.device("cpu"))
-    for p in model.parameters():
-        torch.nn.init.normal_(p, std=0.02)
-    caches = build_device_caches(
-        cfg, num_pages=16, page_size=4, num_slots=2, dtype=torch.float32, device=torch.device("cpu")
-    )
-    cache = CacheManager.for_device(caches)
-    backend = Backend(model, caches)
-    seq = cache.open()
-    cache.reserve(seq, 3)
-    backend.logits([BatchRow([5, 6], 0, seq.pages, seq.slot)])
-    cache.advance(seq, 2)
+    backend, row = after_two_tokens(preset, torch.float32, 0.02)
 
     events: list[tuple[str, torch.Tensor]] = []
     real_linear = ops.linear
@@ -137,7 +120,7 @@ def _decode_row_projections(preset: str, monkeypatch: pytest.MonkeyPatch) -> lis
     for module in (ops, *MODULES_THAT_PREFETCH):
         monkeypatch.setattr(module, "linear", recording_linear, raising=False)
     monkeypatch.setattr(qwen35, "prefetch_weight", recording_prefetch)
-    backend.logits([BatchRow([7], 2, seq.pages, seq.slot)])
+    backend.logits([row])
     return events
 
 

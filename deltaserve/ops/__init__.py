@@ -531,14 +531,15 @@ def gated_delta_rule_normed(
     the recurrence and the norm apart."""
     if not (GDN_DECODE_NORM and use_kernels(q)):
         return None
-    from deltaserve.ops.triton.gdn import GatedNorm, takes_normed_decode
-    from deltaserve.ops.triton.gdn import gated_delta_rule_normed as kernel
+    from deltaserve.ops.triton.gdn import GatedNorm, gdn_decode, takes_normed_decode
 
     norm = GatedNorm(z, norm_weight, eps)
     tokens, heads, head_dim = v.shape
     if not takes_normed_decode(batch, tokens) or norm.problem(tokens, heads, head_dim, v.dtype) is not None:
         return None
-    return kernel(q, k, v, a, b, A_log, dt_bias, ssm_state, batch, norm)
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    gdn_decode(q, k, v, a, b, A_log, dt_bias, ssm_state, batch.state_slots, out, norm=norm)
+    return out
 
 
 def qk_norm_rope_write_kv(

@@ -481,29 +481,6 @@ def gdn_prefill(
     return out[0]
 
 
-def gated_delta_rule_normed(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    ssm_state: torch.Tensor,
-    batch: ForwardBatch,
-    norm: GatedNorm,
-) -> torch.Tensor:
-    """A batch of decode rows only (`takes_normed_decode`): the decode kernel with the layer's gated
-    RMSNorm applied as it writes its output, [N, HV, DV]."""
-    if not takes_normed_decode(batch, q.shape[0]):
-        raise ValueError(
-            f"the normed decode takes decode rows only, got {batch.num_decodes} decode rows of {q.shape[0]}"
-        )
-    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    gdn_decode(q, k, v, a, b, A_log, dt_bias, ssm_state, batch.state_slots, out, norm=norm)
-    return out
-
-
 def takes_normed_decode(batch: ForwardBatch, tokens: int) -> bool:
     """Whether every row of the batch is a decode row the decode kernel takes alone (no verify row, no
     prefill chunk, not a prefill graph's batch)."""
