@@ -40,11 +40,15 @@ if sys.argv[1] == "prefetch":
 else:
     fn = linear._gemv_kernel
     signature = {name: "*bf16" for name in ("x_ptr", "w_ptr", "out_ptr", "g_ptr", "nw_ptr", "res_out_ptr")}
+    signature |= {"conv_w_ptr": "*bf16", "conv_state_ptr": "*bf16", "conv_slots_ptr": "*i32"}
     signature |= {"eps": "fp32", "N": "i32", "K": "i32"}
     signature |= {name: "i32" for name in ("stride_xm", "stride_wn", "stride_om", "stride_gm", "stride_gh")}
+    signature |= {name: "i32" for name in ("conv_channels", "stride_cw_ch", "stride_cw_k")}
+    signature |= {name: "i32" for name in ("stride_cs_slot", "stride_cs_ch", "stride_cs_k")}
     signature |= {"pf_base": "i64", "pf_bytes": "i32"}
     constexprs = {"ROWS": 1, "MODE": 0, "HEAD_DIM": 1, "K_POW2": 1}
     constexprs["SWIGLU_OUT"] = len(sys.argv) > 3 and sys.argv[3] == "1"
+    constexprs["CONV_KW"] = 0
     constexprs |= {"BLOCK_N": 8, "BLOCK_K": 256}
     constexprs["PREFETCH"] = True
     constexprs["PRELOAD"] = int(sys.argv[2]) if len(sys.argv) > 2 else 1

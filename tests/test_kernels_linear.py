@@ -324,11 +324,11 @@ def test_op_boundary_normalises_inside_the_gemvs_rows_only(monkeypatch):
 def test_fused_gemv_variable_names_the_fusions_or_all_of_them():
     assert ops.parse_gemv_fusions("") == ops.parse_gemv_fusions("0") == frozenset()
     every = {"swiglu", "gate", "norm", "rmsnorm"}
-    assert ops.parse_gemv_fusions("1") == ops.parse_gemv_fusions("all") == every | {"swiglu_out"}
+    assert ops.parse_gemv_fusions("1") == ops.parse_gemv_fusions("all") == every | {"swiglu_out", "conv"}
     assert ops.parse_gemv_fusions(" gate, norm ") == {"gate", "norm"}
     with pytest.raises(
         ValueError,
-        match=r"unknown fusion\(s\) 'silu'.*swiglu, gate, norm, rmsnorm, swiglu_out, got 'gate,silu'",
+        match=r"unknown fusion\(s\) 'silu'.*swiglu, gate, norm, rmsnorm, swiglu_out, conv, got 'gate,silu'",
     ):
         ops.parse_gemv_fusions("gate,silu")
 
@@ -475,3 +475,51 @@ def test_gemv_rms_norm_can_write_the_swiglu_activation_too(with_residual):
 def test_gemv_swiglu_out_refuses_an_odd_weight():
     with pytest.raises(ValueError, match="a \\[gate; up\\] weight has an even number of rows, got 7"):
         triton_linear.gemv_swiglu_out(torch.zeros(1, 64).bfloat16(), torch.zeros(7, 64).bfloat16())
+
+
+@pytest.mark.parametrize(("rows", "with_norm"), [(1, False), (3, False), (1, True)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_an_in_proj_gemv_with_the_conv_is_the_gemv_then_the_conv_decode(rows, with_norm, dtype):
+    """A Gated DeltaNet in_proj at decode rows with its causal conv in the GEMV: the first C outputs are
+    the conv1d kernel's silu(conv) of the GEMV's outputs and each row's slot window shifts as that kernel
+    shifts it (the same bits); the outputs past C are the GEMV's."""
+    from deltaserve.ops.batch import BatchRow, build_forward_batch
+    from deltaserve.ops.triton.conv1d import causal_conv1d
+
+    gen = torch.Generator().manual_seed(rows)
+    k, n, channels, width = 64, 45, 29, 4  # C off the block size: one program holds conv and plain outputs
+    x = torch.randn(rows, k, generator=gen).to(dtype).to(DEVICE)
+    w = (0.2 * torch.randn(n, k, generator=gen)).to(dtype).to(DEVICE)
+    conv_w = (0.5 * torch.randn(channels, width, generator=gen)).to(dtype).to(DEVICE)
+    state = torch.randn(6, channels, width - 1, generator=gen).to(dtype).to(DEVICE)
+    slots = [4, 1, 5][:rows]
+    batch = build_forward_batch(
+        [BatchRow([1], context_len=3, pages=[1], state_slot=s) for s in slots], page_size=16, device=DEVICE
+    )
+    conv = triton_linear.DecodeConv(conv_w, state.clone(), batch.state_slots)
+    if with_norm:
+        norm_w = (0.2 * torch.randn(k, generator=gen)).to(dtype).to(DEVICE)
+        got, _ = triton_linear.gemv_rms_norm(x, norm_w, 1e-6, w, conv=conv)
+        plain, _ = triton_linear.gemv_rms_norm(x, norm_w, 1e-6, w)
+    else:
+        got = triton_linear.gemv(x, w, conv=conv)
+        plain = triton_linear.gemv(x, w)
+    want_state = state.clone()
+    want_conv = causal_conv1d(plain[:, :channels].contiguous(), conv_w, want_state, batch)
+    assert torch.equal(got[:, :channels], want_conv)
+    assert torch.equal(got[:, channels:], plain[:, channels:])
+    assert torch.equal(conv.state, want_state)
+
+
+def test_a_conv_the_gemv_cannot_apply_is_named():
+    w, x = torch.zeros(8, 64).bfloat16(), torch.zeros(1, 64).bfloat16()
+    conv = triton_linear.DecodeConv(
+        torch.zeros(12, 4).bfloat16(), torch.zeros(2, 12, 3).bfloat16(), torch.zeros(1)
+    )
+    with pytest.raises(ValueError, match=r"the conv needs weight \(C <= 8, KW >= 2\) .* got \(12, 4\)"):
+        triton_linear.gemv(x, w, conv=conv)
+    conv = triton_linear.DecodeConv(
+        torch.zeros(6, 4).bfloat16(), torch.zeros(2, 6, 3).bfloat16(), torch.zeros(1)
+    )
+    with pytest.raises(ValueError, match=r"the conv needs 1 integer slots, got \(1,\) torch.float32"):
+        triton_linear.gemv(x, w, conv=conv)

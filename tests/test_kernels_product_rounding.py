@@ -20,7 +20,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 
-INT_POINTERS = {"qsl", "seq_lens", "bt", "count", "slots", "ctx", "sorted_slots", "block_expert",
+INT_POINTERS = {"qsl", "seq_lens", "bt", "count", "slots", "ctx", "sorted_slots", "block_expert", "conv_slots",
                 "verify_slots", "ids", "position", "slot", "pos"}
 FP32_POINTERS = {"inv_freq", "part_out", "part_lse", "a_log", "dt_bias", "state", "g", "beta", "logits", "weights"}
 FP32_SCALARS = {"eps", "n_cols_f32", "head_dim_f32", "qk_scale", "scale"}
@@ -31,9 +31,10 @@ KERNELS = [
     ("norm", "_rms_norm_kernel", dict(HAS_RESIDUAL=True, BLOCK_R=1, BLOCK_N=64, USE_GDC=True)),
     ("norm", "_gated_rms_norm_kernel", dict(PROD_DTYPE=tl.bfloat16, BLOCK_R=1, BLOCK_D=64, USE_GDC=True)),
     *[("linear", "_gemv_kernel", dict(ROWS=1, MODE=mode, HEAD_DIM=64, K_POW2=256 if mode >= 4 else 1,
-                                       SWIGLU_OUT=swiglu_out, BLOCK_N=8, BLOCK_K=256, PREFETCH=False, PRELOAD=1,
-                                       USE_GDC=True))
-      for mode, swiglu_out in [(0, False), (1, False), (2, False), (3, False), (4, False), (5, True), (0, True)]],
+                                       SWIGLU_OUT=swiglu_out, CONV_KW=conv_kw, BLOCK_N=8, BLOCK_K=256,
+                                       PREFETCH=False, PRELOAD=1, USE_GDC=True))
+      for mode, swiglu_out, conv_kw in [(0, False, 0), (1, False, 0), (2, False, 0), (3, False, 0), (4, False, 0),
+                                        (5, True, 0), (0, True, 0), (0, False, 4), (5, False, 4)]],
     ("linear", "_skinny_kernel", dict(BLOCK_N=64, BLOCK_K=64, USE_GDC=True)),
     ("conv1d", "_conv1d_decode_kernel", dict(KW=4, BLOCK_C=64, USE_GDC=True)),
     ("conv1d", "_conv1d_heads_kernel", dict(KW=4, BLOCK_C=64)),
@@ -79,7 +80,7 @@ for module, kernel, constexprs in KERNELS:
     ptx = compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
     ops = [line.split()[0] for line in (raw.strip() for raw in ptx.splitlines()) if line]
     label = f"{kernel}" + (f" MODE={constexprs['MODE']}" if "MODE" in constexprs else "")
-    label += "".join(f" {flag}" for flag in ("SWIGLU_OUT", "NORM") if constexprs.get(flag))
+    label += "".join(f" {flag}" for flag in ("SWIGLU_OUT", "NORM", "CONV_KW") if constexprs.get(flag))
     found[label] = sorted({op for op in ops if op.startswith("fma") and (".bf16" in op or ".f16" in op)})
 print("FOUND " + json.dumps(found))
 """

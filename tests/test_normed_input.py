@@ -13,6 +13,7 @@ from decode_row import decode_row_logits
 
 import deltaserve.ops as ops
 from deltaserve.config import ModelConfig
+from deltaserve.ops.batch import BatchRow, build_forward_batch
 from deltaserve.tiny import text_config
 
 triton_linear = pytest.importorskip("deltaserve.ops.triton.linear")
@@ -46,23 +47,42 @@ def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return ops._activation_ref.silu_and_mul(gate_up)
 
 
+def _conv_columns(y: torch.Tensor, conv) -> torch.Tensor:
+    """y with its first conv channels through the reference conv of decode rows at conv.slots."""
+    if conv is None:
+        return y
+    rows = [BatchRow([1], context_len=1, pages=[0], state_slot=int(s)) for s in conv.slots]
+    batch = build_forward_batch(rows, page_size=16, device=y.device)
+    channels = conv.weight.shape[0]
+    y = y.clone()
+    y[:, :channels] = ops._conv1d_ref.causal_conv1d(y[:, :channels], conv.weight, conv.state, batch)
+    return y
+
+
 @pytest.fixture
 def fused(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, bool]]:
     """The "rmsnorm" fusion on, with the op boundary taking CPU tensors for a GPU's and the kernels
     standing in by their references: each fused call's (rows, with a residual)."""
     calls: list[tuple[int, bool]] = []
 
-    def fused_reference(h, norm_weight, eps, weight, residual=None, swiglu_out=False, prefetch=None):
+    def fused_reference(
+        h, norm_weight, eps, weight, residual=None, swiglu_out=False, conv=None, prefetch=None
+    ):
         calls.append((h.shape[0], residual is not None))
         if residual is None:
             normed, summed = ops._norm_ref.rms_norm(h, norm_weight, eps), None
         else:
             normed, summed = ops._norm_ref.rms_norm(h, norm_weight, eps, residual)
         y = F.linear(normed, weight)
-        return (_swiglu(y) if swiglu_out else y), summed
+        return (_swiglu(y) if swiglu_out else _conv_columns(y, conv)), summed
+
+    def gemv_reference(x, w, prefetch=None, conv=None):
+        if conv is not None:
+            calls.append(("conv", x.shape[0]))
+        return _conv_columns(F.linear(x, w), conv)
 
     monkeypatch.setattr(ops, "_streams_weights", lambda x, w: x.dim() == 2 and x.dtype == torch.bfloat16)
-    monkeypatch.setattr(triton_linear, "gemv", lambda x, w, prefetch=None: F.linear(x, w))
+    monkeypatch.setattr(triton_linear, "gemv", gemv_reference)
     monkeypatch.setattr(triton_linear, "gemv_rms_norm", fused_reference)
     monkeypatch.setattr(
         triton_linear,
@@ -115,6 +135,17 @@ def test_a_decode_row_gets_the_same_logits_with_the_norms_in_its_first_projectio
     assert torch.equal(decode_row_logits(preset), fused_logits)  # the activation from gate_up's GEMV too
     shared_experts = [("act", 1)] * layers if preset == "tiny-moe" else []  # a shared expert: an MLP
     assert Counter(fused) == Counter(norms_fused + shared_experts)
+    monkeypatch.setattr(ops, "FUSED_GEMV", frozenset({"conv"}))  # each GDN layer's conv in its in_proj
+    fused.clear()
+    assert torch.equal(decode_row_logits(preset), fused_logits)
+    gdn_layers = len(ModelConfig.from_dict(text_config(preset)).layer_types) - len(
+        ModelConfig.from_dict(text_config(preset)).full_attention_layers
+    )
+    assert fused == [("conv", 1)] * gdn_layers
+    monkeypatch.setattr(ops, "FUSED_GEMV", frozenset({"conv", "rmsnorm"}))  # the in_proj over its norm too
+    fused.clear()
+    assert torch.equal(decode_row_logits(preset), fused_logits)
+    assert fused == norms_fused
     first_layer = [(1, False)]  # the first input norm has no residual: the embedding is the residual
     if preset == "tiny":
         assert norms_fused == first_layer + [(1, True)] * (2 * layers - 1)

@@ -10,7 +10,7 @@ python3 -m deltaserve.bench.linear_kernel   (needs CUDA; docs/benchmarks/2026-12
 With --fused: the GEMV fusions of one decode row (DELTASERVE_FUSED_GEMV: the SwiGLU activation, the
 attention output gate and the GDN output norm into the following GEMV; a layer's input RMSNorm and
 residual add into its first projection, gemv_rms_norm; the gate_up GEMV writing the SwiGLU activation,
-gemv_swiglu_out) against the kernels they replace, inside CUDA graphs as a decode step runs them (the
+gemv_swiglu_out; a GDN in_proj convolving its q | k | v as it writes them) against the kernels they replace, inside CUDA graphs as a decode step runs them (the
 per-kernel gaps included), per layer call.
 
 With --prefetch: each decode linear behind a GEMV and short kernels (1 or 4 RMSNorms of a hidden row,
@@ -30,10 +30,13 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
+from deltaserve.ops.batch import BatchRow, build_forward_batch
 from deltaserve.ops.triton import linear
 from deltaserve.ops.triton.activation import silu_and_mul
+from deltaserve.ops.triton.conv1d import causal_conv1d
 from deltaserve.ops.triton.linear import (
     GEMV_MAX_ROWS,
+    DecodeConv,
     NextWeight,
     gemv,
     gemv_gated_norm,
@@ -90,8 +93,7 @@ def graph_ms(fn, weights: list[torch.Tensor], reps: int = 200) -> float:
 
 
 def fused_main() -> None:
-    """gemv_swiglu, gemv_sigmoid_gated, gemv_gated_norm and gemv_rms_norm at the 4B shape against their
-    unfused pairs."""
+    """Each GEMV fusion at the 4B shape against the kernels it replaces."""
     hidden, inter, eps = 2560, 9216, 1e-6
     weights = {
         (n, k): [torch.randn(n, k, device=DEV, dtype=DTYPE) * 0.02 for _ in range(COPIES)]
@@ -99,6 +101,14 @@ def fused_main() -> None:
     }
     h, residual = (torch.randn(1, hidden, device=DEV, dtype=DTYPE) for _ in range(2))
     layer_norm_w = torch.randn(hidden, device=DEV, dtype=DTYPE) * 0.2
+    conv_dim = 8192  # the 4B GDN layer's q | k | v channels, a window of 3 inputs each
+    conv_w = torch.randn(conv_dim, 4, device=DEV, dtype=DTYPE) * 0.5
+    conv_state = torch.randn(2, conv_dim, 3, device=DEV, dtype=DTYPE)
+    row = build_forward_batch(
+        [BatchRow([1], context_len=3, pages=[0], state_slot=1)], page_size=16, device=DEV
+    )
+    fused_state = conv_state.clone()  # each side shifts its own window, by the same inputs
+    conv = DecodeConv(conv_w, fused_state, row.state_slots)
     gate_up = torch.randn(1, 2 * inter, device=DEV, dtype=DTYPE)
     q_gate = torch.randn(1, 16, 512, device=DEV, dtype=DTYPE)  # attention: 16 heads x [query | gate] of 256
     attn, gate = torch.randn(1, 4096, device=DEV, dtype=DTYPE), q_gate[..., 256:]
@@ -135,6 +145,12 @@ def fused_main() -> None:
             (18432, hidden),
             lambda w: gemv(rms_norm(h, layer_norm_w, eps, residual)[0], w),
             lambda w: gemv_rms_norm(h, layer_norm_w, eps, w, residual=residual)[0],
+        ),
+        (
+            "gdn in_proj + conv",
+            (12352, hidden),
+            lambda w: causal_conv1d(gemv(h, w)[:, :conv_dim], conv_w, conv_state, row),
+            lambda w: gemv(h, w, conv=conv)[:, :conv_dim],
         ),
         (
             "mlp gate_up + act out",

@@ -22,7 +22,7 @@ from deltaserve.ops import rotary as _rotary_ref
 from deltaserve.ops.batch import ForwardBatch
 
 if TYPE_CHECKING:
-    from deltaserve.ops.triton.linear import NextWeight
+    from deltaserve.ops.triton.linear import DecodeConv, NextWeight
 
 REFERENCE_ONLY = os.environ.get("DELTASERVE_REFERENCE_OPS", "") == "1"
 # DELTASERVE_SKINNY_GEMM=1 sends 2..16-row 16-bit linears to the skinny GEMM instead of cuBLAS. Off by
@@ -39,12 +39,13 @@ if not 1 <= GEMV_ROWS <= 4:
 # DELTASERVE_FUSED_GEMV moves the op before a GEMV row's projection into the GEMV: "swiglu"
 # (silu_and_mul_linear), "gate" (sigmoid_gated_linear), "norm" (gated_norm_linear), "rmsnorm" (a layer's
 # input RMSNorm and residual add into its first projection: normed_linear), "swiglu_out" (a dense MLP's
-# activation into its gate_up GEMV, which writes it: swiglu_mlp; it takes precedence over "swiglu"), as a
-# comma list, or "1" for all of them. Off by default: on an H200 the first three measured no faster (4B c1 TPOT 3.064 ms against
+# activation into its gate_up GEMV, which writes it: swiglu_mlp; it takes precedence over "swiglu"),
+# "conv" (a Gated DeltaNet layer's causal conv into its in_proj GEMV, in steps of decode rows only:
+# in_proj_conv), as a comma list, or "1" for all of them. Off by default: on an H200 the first three measured no faster (4B c1 TPOT 3.064 ms against
 # 3.056 unfused): the SwiGLU GEMV loses 1.9 us per layer, "gate" and "norm" save 2.1 and 0.3 us
 # (docs/benchmarks/2026-12-04-h200-c1-fusions-graph-attention.md). "rmsnorm" (64 fewer kernels per
-# 4B step) and "swiglu_out" (32 fewer) are not yet measured on a GPU.
-GEMV_FUSIONS = ("swiglu", "gate", "norm", "rmsnorm", "swiglu_out")
+# 4B step), "swiglu_out" (32 fewer) and "conv" (24 fewer) are not yet measured on a GPU.
+GEMV_FUSIONS = ("swiglu", "gate", "norm", "rmsnorm", "swiglu_out", "conv")
 
 
 def parse_gemv_fusions(text: str) -> frozenset[str]:
@@ -328,7 +329,12 @@ def _fuses_input_norm(x: NormedInput, weight: torch.Tensor) -> bool:
 
 
 def _gemv_over_norm(
-    x: NormedInput, weight: torch.Tensor, then: torch.Tensor | None, *, swiglu_out: bool
+    x: NormedInput,
+    weight: torch.Tensor,
+    then: torch.Tensor | None,
+    *,
+    swiglu_out: bool = False,
+    conv: DecodeConv | None = None,
 ) -> torch.Tensor:
     from deltaserve.ops.triton.linear import gemv_rms_norm
 
@@ -341,9 +347,47 @@ def _gemv_over_norm(
         weight,
         residual=x.residual,
         swiglu_out=swiglu_out,
+        conv=conv,
         prefetch=_prefetch_target(rows, then),
     )
     return y
+
+
+def in_proj_conv(
+    x: torch.Tensor | NormedInput,
+    in_proj: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    batch: ForwardBatch,
+    b1: int,
+    b2: int,
+    then: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Gated DeltaNet layer's in_proj and causal conv: (proj [T, N], and q, k, v: silu(conv) of proj's
+    first C = conv_weight.shape[0] columns cut at b1 and b2). With the "conv" fusion (FUSED_GEMV), in a
+    batch of decode rows only at GEMV rows (see linear), the in_proj GEMV convolves those columns as it
+    writes them and shifts each row's conv window (over the pending norm too with "rmsnorm"): q, k, v are
+    then views of proj. Otherwise normed_linear, then causal_conv1d_split."""
+    h = x if isinstance(x, torch.Tensor) else x.hidden
+    rows, channels = h.shape[0], conv_weight.shape[0]
+    if (
+        "conv" in FUSED_GEMV
+        and _streams_weights(h, in_proj)
+        and 1 <= rows <= GEMV_ROWS
+        and rows == batch.num_decodes
+        and batch.num_verify == 0
+        and batch.graph_decodes is None
+    ):
+        from deltaserve.ops.triton.linear import DecodeConv, gemv
+
+        conv = DecodeConv(conv_weight, conv_state, batch.state_slots[:rows])
+        if isinstance(x, NormedInput) and _fuses_input_norm(x, in_proj):
+            proj = _gemv_over_norm(x, in_proj, then, conv=conv)
+        else:
+            proj = gemv(as_tensor(x), in_proj, prefetch=_prefetch_target(rows, then), conv=conv)
+        return proj, proj[:, :b1], proj[:, b1:b2], proj[:, b2:channels]
+    proj = normed_linear(x, in_proj, then)
+    return proj, *causal_conv1d_split(proj[:, :channels], conv_weight, conv_state, batch, b1, b2)
 
 
 def swiglu_mlp(

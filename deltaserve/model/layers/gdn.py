@@ -14,12 +14,11 @@ from deltaserve.model.layers.parallel import SINGLE, TensorParallel
 from deltaserve.model.layers.params import WeightRequirement, new_param, single, stacked
 from deltaserve.ops import (
     NormedInput,
-    causal_conv1d_split,
     gated_delta_rule,
     gated_delta_rule_normed,
     gated_norm_linear,
+    in_proj_conv,
     linear,
-    normed_linear,
 )
 from deltaserve.ops.batch import ForwardBatch
 
@@ -88,12 +87,11 @@ class GatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         """`then`: the weight the step streams after this layer's (prefetched at GEMV rows: ops.linear)."""
         conv_state, ssm_state = state
-        proj = normed_linear(x, self.in_proj, self.out_proj)
-        tokens = proj.shape[0]
-        mixed, z, b, a = proj.split(
-            [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1
+        proj, q, k, v = in_proj_conv(
+            x, self.in_proj, self.conv1d, conv_state, batch, self.key_dim, 2 * self.key_dim, self.out_proj
         )
-        q, k, v = causal_conv1d_split(mixed, self.conv1d, conv_state, batch, self.key_dim, 2 * self.key_dim)
+        tokens = proj.shape[0]
+        _, z, b, a = proj.split([self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1)
         recurrence = (
             q.view(tokens, self.num_k_heads, self.head_k_dim),
             k.view(tokens, self.num_k_heads, self.head_k_dim),

@@ -71,7 +71,7 @@ _SEQ_BLOCKS = (256, 4)
 
 
 @triton.jit
-def _conv_silu(acc, dtype: tl.constexpr):
+def conv_silu(acc, dtype: tl.constexpr):
     """silu(conv sum) in `dtype`: HF rounds the fp32 sum to the activation dtype before the SiLU."""
     y = round_to(acc, dtype).to(tl.float32)
     return round_to(silu_f32(y), dtype)
@@ -164,7 +164,7 @@ def _conv_rows(
             old = tl.load(state_row + col * stride_s_k, mask=mask & from_slot, other=0.0)
             v = tl.where(in_x, v, round_to(old.to(tl.float32), v.dtype))
         acc += wk[None, :] * v.to(tl.float32)
-    y = _conv_silu(acc, out_ptr.dtype.element_ty)
+    y = conv_silu(acc, out_ptr.dtype.element_ty)
     tl.store(out_ptr + _out_offsets(rows64[:, None], cols[None, :], out_rows, b1, b2, channels), y, mask=mask)
 
 
@@ -280,7 +280,7 @@ def _stream_row(r, v, win, taps, cols, cmask, out_ptr, channels, out_rows, b1, b
         acc += taps[k] * win[k]
     x = v.to(tl.float32)
     acc += taps[KW - 1] * x
-    y = _conv_silu(acc, out_ptr.dtype.element_ty)
+    y = conv_silu(acc, out_ptr.dtype.element_ty)
     tl.store(out_ptr + _out_offsets(tl.cast(r, tl.int64), cols, out_rows, b1, b2, channels), y, mask=cmask)
     shifted = ()
     for p in tl.static_range(1, KW - 1):
@@ -402,7 +402,7 @@ def _conv1d_heads_kernel(
         for k in tl.static_range(KW - 1):  # summed oldest first, as the other kernels sum
             acc += taps[k] * win[k].to(tl.float32)
         acc += taps[KW - 1] * heads[j].to(tl.float32)
-        y = _conv_silu(acc, out_ptr.dtype.element_ty)
+        y = conv_silu(acc, out_ptr.dtype.element_ty)
         row = start + j + tl.zeros_like(cols)
         in_seq = j < n
         tl.store(
@@ -462,7 +462,7 @@ def _conv1d_decode_kernel(
         acc += wk * old.to(tl.float32)
     wk = tl.load(w_ptr + cols * stride_w_ch + (KW - 1) * stride_w_k, mask=cmask, other=0.0).to(tl.float32)
     acc += wk * x.to(tl.float32)
-    y = _conv_silu(acc, out_ptr.dtype.element_ty)
+    y = conv_silu(acc, out_ptr.dtype.element_ty)
     tl.store(out_ptr + _out_offsets(row.to(tl.int64), cols, out_rows, b1, b2, channels), y, mask=cmask)
     # Shift left: column p takes column p+1 (read before column p+1 is written, same thread), the
     # newest column takes x.
@@ -517,7 +517,7 @@ def _verify_outputs(
                 token - (KW - 1 - k), start, own_row, cols, cmask, x_ptr, stride_x_tok, stride_s_k, KW
             )
             acc += wk * v.to(tl.float32)
-        y = _conv_silu(acc, out_ptr.dtype.element_ty)
+        y = conv_silu(acc, out_ptr.dtype.element_ty)
         tl.store(out_ptr + _out_offsets(token, cols, out_rows, b1, b2, channels), y, mask=cmask)
 
 

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from deltaserve.ops.triton.activation import _INTERPRETER, round_to, sigmoid_f32, silu_f32
+from deltaserve.ops.triton.conv1d import conv_silu
 from deltaserve.ops.triton.pdl import gdc_enter, launch_options
 from deltaserve.ops.triton.prefetch import issue_share, prefetch_bytes
 
@@ -58,6 +59,29 @@ def parse_preload(text: str) -> bool:
 # On by default: on an H100 at the 4B shape, c1 over HTTP, TPOT 3.47 ms against 3.51 (two runs against
 # three; docs/benchmarks/2026-12-06-h100-gemv-preload.md). DELTASERVE_GEMV_PRELOAD=0 turns it off.
 PRELOAD = parse_preload(os.environ.get("DELTASERVE_GEMV_PRELOAD", "1"))
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeConv:
+    """A Gated DeltaNet layer's causal conv for its in_proj GEMV to apply at decode rows (one token each,
+    context > 0): weight [C, KW] (C conv channels, in_proj's first outputs), state [slots, C, KW - 1]
+    (shifted in place at each row's slot), slots [M] (the rows' state slots, integers)."""
+
+    weight: torch.Tensor
+    state: torch.Tensor
+    slots: torch.Tensor
+
+    def problem(self, rows: int, outputs: int) -> str | None:
+        """Why the GEMV cannot apply this conv to `rows` rows of `outputs` outputs, or None."""
+        channels, taps = self.weight.shape
+        if channels > outputs or taps < 2 or self.state.shape[1:] != (channels, taps - 1):
+            return (
+                f"the conv needs weight (C <= {outputs}, KW >= 2) and state (slots, C, KW - 1), got "
+                f"{tuple(self.weight.shape)} and {tuple(self.state.shape)}"
+            )
+        if self.slots.shape != (rows,) or self.slots.dtype.is_floating_point:
+            return f"the conv needs {rows} integer slots, got {tuple(self.slots.shape)} {self.slots.dtype}"
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +183,42 @@ def _row_rstd(x_row_ptr, g_row_ptr, res_out_row_ptr, eps, K, MODE: tl.constexpr,
 
 
 @triton.jit
+def _store_conv_row(
+    out_row_ptr,
+    acc,
+    rows,
+    row_ok,
+    conv_channels,
+    conv_w_ptr,
+    conv_state_row_ptr,
+    stride_cw_ch,
+    stride_cw_k,
+    stride_cs_ch,
+    stride_cs_k,
+    KW: tl.constexpr,
+):
+    """A Gated DeltaNet in_proj row at a decode row: outputs below conv_channels (q | k | v) leave as
+    silu(conv(.)) over the slot's last KW-1 inputs, whose window shifts to take this one, exactly as the
+    conv1d decode kernel computes and updates them (each channel is one program's); the rest (z | b | a)
+    as they are. conv_state_row_ptr: the token's slot in the conv state."""
+    dtype: tl.constexpr = out_row_ptr.dtype.element_ty
+    y = round_to(tl.sum(acc, axis=1), dtype)  # as _store_row stores it: the conv kernel's input
+    is_conv = row_ok & (rows < conv_channels)
+    state = conv_state_row_ptr + rows.to(tl.int64) * stride_cs_ch
+    taps = conv_w_ptr + rows.to(tl.int64) * stride_cw_ch
+    conv = tl.zeros(rows.shape, dtype=tl.float32)
+    for k in tl.static_range(KW - 1):  # oldest first, as the conv kernels sum
+        old = round_to(tl.load(state + k * stride_cs_k, mask=is_conv, other=0.0).to(tl.float32), dtype)
+        conv += tl.load(taps + k * stride_cw_k, mask=is_conv, other=0.0).to(tl.float32) * old.to(tl.float32)
+    conv += tl.load(taps + (KW - 1) * stride_cw_k, mask=is_conv, other=0.0).to(tl.float32) * y.to(tl.float32)
+    for p in tl.static_range(KW - 2):  # the window shifts left (each channel read before it is written)
+        tl.store(state + p * stride_cs_k, tl.load(state + (p + 1) * stride_cs_k, mask=is_conv), mask=is_conv)
+    newest = round_to(y.to(tl.float32), conv_state_row_ptr.dtype.element_ty)
+    tl.store(state + (KW - 2) * stride_cs_k, newest, mask=is_conv)
+    tl.store(out_row_ptr + rows, tl.where(is_conv, conv_silu(conv, dtype), y), mask=row_ok)
+
+
+@triton.jit
 def _store_swiglu_row(out_row_ptr, acc_gate, acc_up, rows, row_ok):
     """silu(gate) * up of this program's rows, each half rounded as _store_row stores it and the product
     as the silu_and_mul kernel rounds it: the bits of the GEMV then the activation kernel."""
@@ -225,6 +285,9 @@ def _gemv_kernel(
     g_ptr,
     nw_ptr,
     res_out_ptr,
+    conv_w_ptr,
+    conv_state_ptr,
+    conv_slots_ptr,
     eps,
     N,
     K,
@@ -233,6 +296,12 @@ def _gemv_kernel(
     stride_om,
     stride_gm,
     stride_gh,
+    conv_channels,
+    stride_cw_ch,
+    stride_cw_k,
+    stride_cs_slot,
+    stride_cs_ch,
+    stride_cs_k,
     pf_base,
     pf_bytes,
     ROWS: tl.constexpr,
@@ -240,6 +309,7 @@ def _gemv_kernel(
     HEAD_DIM: tl.constexpr,
     K_POW2: tl.constexpr,
     SWIGLU_OUT: tl.constexpr,
+    CONV_KW: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PREFETCH: tl.constexpr,
@@ -249,7 +319,8 @@ def _gemv_kernel(
     # Each weight tile is loaded once for all ROWS rows (1..4), each row with its own accumulator in the
     # same order, so a row's bits depend only on that row and W (and the block shape). SWIGLU_OUT: W is a
     # SwiGLU MLP's [gate; up] (2N rows); a program streams its N-rows of both halves and writes
-    # silu(gate) * up, N wide.
+    # silu(gate) * up, N wide. CONV_KW > 0: W is a Gated DeltaNet in_proj at decode rows, its first
+    # conv_channels outputs convolved with the conv state of each row's slot (_store_conv_row).
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
@@ -301,6 +372,13 @@ def _gemv_kernel(
     for r in tl.static_range(ROWS):
         if SWIGLU_OUT:
             _store_swiglu_row(out_ptr + r * stride_om, accs[r], accs_up[r], rows, row_ok)
+        elif CONV_KW > 0:
+            slot = tl.load(conv_slots_ptr + r).to(tl.int64)
+            _store_conv_row(
+                out_ptr + r * stride_om, accs[r], rows, row_ok, conv_channels, conv_w_ptr,
+                conv_state_ptr + slot * stride_cs_slot, stride_cw_ch, stride_cw_k, stride_cs_ch, stride_cs_k,
+                CONV_KW,
+            )  # fmt: skip
         else:
             _store_row(out_ptr + r * stride_om, accs[r], rows, row_ok)
     if PREFETCH:  # the next projection's first pf_bytes at pf_base, a share per program
@@ -309,7 +387,8 @@ def _gemv_kernel(
 
 _gemv_tuned = triton.autotune(
     configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n, k, w in _CONFIGS],
-    key=["N", "K", "ROWS", "MODE", "SWIGLU_OUT", "PRELOAD"],
+    key=["N", "K", "ROWS", "MODE", "SWIGLU_OUT", "CONV_KW", "PRELOAD"],
+    restore_value=["conv_state_ptr"],  # tuning runs a config more than once: each shifts the conv window
     cache_results=True,  # the winners persist in Triton's cache directory: a restart does not re-tune
 )(_gemv_kernel)
 
@@ -424,14 +503,23 @@ def gemv(
     *,
     out: torch.Tensor | None = None,
     prefetch: NextWeight | None = None,
+    conv: DecodeConv | None = None,
 ) -> torch.Tensor:
     """x: [M, K] with 1 <= M <= GEMV_MAX_ROWS (any row stride, unit column stride); weight: [N, K] with
     unit column stride (row slices of a larger matrix are fine). Returns [M, N] in x's dtype, written
     into `out` when given (contiguous). The weight is streamed once for all M rows. `prefetch` (every
     GEMV takes it): the next projection's weight, whose first bytes the programs prefetch into L2 as they
-    end (ops/triton/prefetch.py; a Hopper GPU only)."""
+    end (ops/triton/prefetch.py; a Hopper GPU only). `conv`: a Gated DeltaNet
+    in_proj at decode rows, its first conv channels convolved as they are written (DecodeConv)."""
     _check_operands(x, weight, max_rows=GEMV_MAX_ROWS)
-    return _launch_gemv(x, weight, out, PLAIN, prefetch=prefetch)
+    _check_conv(conv, x.shape[0], weight.shape[0])
+    return _launch_gemv(x, weight, out, PLAIN, conv=conv, prefetch=prefetch)
+
+
+def _check_conv(conv: DecodeConv | None, rows: int, outputs: int) -> None:
+    problem = None if conv is None else conv.problem(rows, outputs)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def gemv_swiglu(
@@ -556,6 +644,7 @@ def gemv_rms_norm(
     out: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
     swiglu_out: bool = False,
+    conv: DecodeConv | None = None,
     prefetch: NextWeight | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """gemv(rms_norm(h, norm_weight, eps[, residual]), weight) in one kernel: h [M, K] (any row stride,
@@ -564,7 +653,8 @@ def gemv_rms_norm(
     normed row is never written: each program takes the row's sum of squares, then normalises each K
     block as the weight streams by (a layer's first projection at batch-1 decode). `residual_out`
     (contiguous, apart from h and the residual) receives the sum when given. `swiglu_out`: the weight is
-    a SwiGLU MLP's [gate; up] and y is silu(gate) * up, [M, N / 2] (as gemv_swiglu_out)."""
+    a SwiGLU MLP's [gate; up] and y is silu(gate) * up, [M, N / 2] (as gemv_swiglu_out). `conv`: as
+    gemv's."""
     _check_operands(h, weight, max_rows=GEMV_MAX_ROWS)
     m, k = h.shape
     if k > RMS_NORM_MAX_K:
@@ -575,9 +665,21 @@ def gemv_rms_norm(
         )
     if swiglu_out:
         _check_gate_up(weight)
+        if conv is not None:
+            raise ValueError("a conv applies to a Gated DeltaNet in_proj, not to a SwiGLU gate_up")
+    _check_conv(conv, m, weight.shape[0])
     if residual is None:
         y = _launch_gemv(
-            h, weight, out, RMS_NORM, None, norm_weight, eps, swiglu_out=swiglu_out, prefetch=prefetch
+            h,
+            weight,
+            out,
+            RMS_NORM,
+            None,
+            norm_weight,
+            eps,
+            swiglu_out=swiglu_out,
+            conv=conv,
+            prefetch=prefetch,
         )
         return y, None
     if residual.shape != h.shape or residual.dtype != h.dtype or residual.stride(1) != 1:
@@ -608,6 +710,7 @@ def gemv_rms_norm(
         residual=residual,
         residual_out=residual_out,
         swiglu_out=swiglu_out,
+        conv=conv,
         prefetch=prefetch,
     )
     return y, residual_out
@@ -625,6 +728,7 @@ def _launch_gemv(
     residual: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
     swiglu_out: bool = False,
+    conv: DecodeConv | None = None,
     prefetch: NextWeight | None = None,
 ) -> torch.Tensor:
     m, (n, k) = x.shape[0], weight.shape
@@ -654,6 +758,9 @@ def _launch_gemv(
         g,
         nw,
         out if residual_out is None else residual_out,  # written by ADD_RMS_NORM only
+        out if conv is None else conv.weight,  # the conv's operands: unread without it
+        out if conv is None else conv.state,
+        out if conv is None else conv.slots,
         eps,
         n,
         k,
@@ -662,6 +769,8 @@ def _launch_gemv(
         out.stride(0),
         stride_gm,
         stride_gh,
+        0 if conv is None else conv.weight.shape[0],
+        *((0, 0, 0, 0, 0) if conv is None else (*conv.weight.stride(), *conv.state.stride())),
         pf_base,
         pf_bytes,
     )
@@ -675,6 +784,7 @@ def _launch_gemv(
             HEAD_DIM=head_dim,
             K_POW2=k_pow2,
             SWIGLU_OUT=swiglu_out,
+            CONV_KW=0 if conv is None else conv.weight.shape[1],
             BLOCK_N=block_n,
             BLOCK_K=block_k,
             PREFETCH=False,  # the interpreter runs no inline assembly; a prefetch changes no value
@@ -690,6 +800,7 @@ def _launch_gemv(
             HEAD_DIM=head_dim,
             K_POW2=k_pow2,
             SWIGLU_OUT=swiglu_out,
+            CONV_KW=0 if conv is None else conv.weight.shape[1],
             PREFETCH=pf_bytes > 0,
             PRELOAD=int(PRELOAD),
             **launch_options(x.device),
