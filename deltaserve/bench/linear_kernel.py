@@ -10,8 +10,8 @@ python3 -m deltaserve.bench.linear_kernel   (needs CUDA; docs/benchmarks/2026-12
 With --fused: the GEMV fusions of one decode row (DELTASERVE_FUSED_GEMV: the SwiGLU activation, the
 attention output gate and the GDN output norm into the following GEMV; a layer's input RMSNorm and
 residual add into its first projection, gemv_rms_norm; the gate_up GEMV writing the SwiGLU activation,
-gemv_swiglu_out; a GDN in_proj convolving its q | k | v as it writes them) against the kernels they replace, inside CUDA graphs as a decode step runs them (the
-per-kernel gaps included), per layer call.
+gemv_swiglu_out; a GDN in_proj convolving its q | k | v as it writes them) against the kernels they
+replace, inside CUDA graphs as a decode step runs them (the per-kernel gaps included), per layer call.
 
 With --prefetch: each decode linear behind a GEMV and short kernels (1 or 4 RMSNorms of a hidden row,
 standing in for a step's norms, convolution and recurrent update), the GEMV before it prefetching the

@@ -36,15 +36,16 @@ SKINNY_GEMM = os.environ.get("DELTASERVE_SKINNY_GEMM", "0") == "1"
 GEMV_ROWS = int(os.environ.get("DELTASERVE_GEMV_ROWS", "1"))
 if not 1 <= GEMV_ROWS <= 4:
     raise ValueError(f"DELTASERVE_GEMV_ROWS must be 1..4, got {GEMV_ROWS}")
-# DELTASERVE_FUSED_GEMV moves the op before a GEMV row's projection into the GEMV: "swiglu"
-# (silu_and_mul_linear), "gate" (sigmoid_gated_linear), "norm" (gated_norm_linear), "rmsnorm" (a layer's
-# input RMSNorm and residual add into its first projection: normed_linear), "swiglu_out" (a dense MLP's
-# activation into its gate_up GEMV, which writes it: swiglu_mlp; it takes precedence over "swiglu"),
-# "conv" (a Gated DeltaNet layer's causal conv into its in_proj GEMV, in steps of decode rows only:
-# in_proj_conv), as a comma list, or "1" for all of them. Off by default: on an H200 the first three measured no faster (4B c1 TPOT 3.064 ms against
-# 3.056 unfused): the SwiGLU GEMV loses 1.9 us per layer, "gate" and "norm" save 2.1 and 0.3 us
-# (docs/benchmarks/2026-12-04-h200-c1-fusions-graph-attention.md). "rmsnorm" (64 fewer kernels per
-# 4B step), "swiglu_out" (32 fewer) and "conv" (24 fewer) are not yet measured on a GPU.
+# DELTASERVE_FUSED_GEMV moves a short op beside a GEMV row's projection into the GEMV, as a comma list
+# or "1" for all of them. Before the projection: "swiglu" (silu_and_mul_linear), "gate"
+# (sigmoid_gated_linear), "norm" (gated_norm_linear), "rmsnorm" (a layer's input RMSNorm and residual add:
+# normed_linear). After it: "swiglu_out" (a dense MLP's activation, written by its gate_up GEMV:
+# swiglu_mlp; it takes precedence over "swiglu"), "conv" (a Gated DeltaNet layer's causal conv, applied
+# by its in_proj GEMV in steps of decode rows only: in_proj_conv). Off by default: on an H200 the first
+# three together measured no faster (4B c1 TPOT 3.064 ms against 3.056 unfused): the SwiGLU GEMV loses
+# 1.9 us per layer, "gate" and "norm" save 2.1 and 0.3 us
+# (docs/benchmarks/2026-12-04-h200-c1-fusions-graph-attention.md). "rmsnorm" (64 fewer kernels per 4B
+# step), "swiglu_out" (32 fewer) and "conv" (24 fewer) are not yet measured on a GPU.
 GEMV_FUSIONS = ("swiglu", "gate", "norm", "rmsnorm", "swiglu_out", "conv")
 
 

@@ -661,7 +661,8 @@ def gemv_rms_norm(
         raise ValueError(f"gemv_rms_norm takes rows of at most {RMS_NORM_MAX_K} values, got K = {k}")
     if norm_weight.shape != (k,) or norm_weight.dtype != h.dtype:
         raise ValueError(
-            f"norm_weight must be ({k},) of h's dtype {h.dtype}, got {tuple(norm_weight.shape)} {norm_weight.dtype}"
+            f"norm_weight must be ({k},) of h's dtype {h.dtype}, got {tuple(norm_weight.shape)} "
+            f"{norm_weight.dtype}"
         )
     if swiglu_out:
         _check_gate_up(weight)
