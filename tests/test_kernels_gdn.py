@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deltaserve.ops.batch import BatchRow, build_forward_batch
+from deltaserve.ops.batch import BatchRow, build_forward_batch, decode_rows_only
 from deltaserve.ops.gdn import gated_delta_rule as reference
 
 triton_gdn = pytest.importorskip("deltaserve.ops.triton.gdn")
@@ -233,8 +233,8 @@ def test_decode_kernel_with_the_gated_norm_is_the_kernel_then_the_norm(dtype):
 
 def test_the_normed_decode_takes_decode_rows_only_and_names_what_it_refuses():
     recurrence, z, norm_w, state, batch = _normed_case(torch.bfloat16)
-    assert triton_gdn.takes_normed_decode(batch, 3)
-    assert not triton_gdn.takes_normed_decode(batch, 4)  # a row past the decode rows: a prefill chunk
+    assert decode_rows_only(batch, 3)
+    assert not decode_rows_only(batch, 4)  # a row past the decode rows: a prefill chunk
     bad = triton_gdn.GatedNorm(z[:2], norm_w, 1e-6)
     assert "z must be (3, 4, 32) with adjacent heads" in bad.problem(3, 4, 32, torch.bfloat16)
     z24 = torch.zeros(3, 4, 24, dtype=torch.bfloat16)

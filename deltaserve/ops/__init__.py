@@ -19,7 +19,8 @@ from deltaserve.ops import gdn as _gdn_ref
 from deltaserve.ops import moe as _moe_ref
 from deltaserve.ops import norm as _norm_ref
 from deltaserve.ops import rotary as _rotary_ref
-from deltaserve.ops.batch import ForwardBatch
+from deltaserve.ops.batch import ForwardBatch, decode_rows_only
+from deltaserve.ops.switches import parse_switch
 
 if TYPE_CHECKING:
     from deltaserve.ops.triton.linear import DecodeConv, NextWeight
@@ -147,6 +148,11 @@ def _takes_slot_gemvs(x: torch.Tensor, ids: torch.Tensor) -> bool:
     return use_kernels(x) and ids.numel() <= MOE_SLOT_GEMV_SLOTS
 
 
+def _takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether x's rows are GEMV rows (GEMV_ROWS) that may take the weight-streaming kernels."""
+    return _streams_weights(x, weight) and 1 <= x.shape[0] <= GEMV_ROWS
+
+
 def _streams_weights(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether x's rows may take the weight-streaming kernels (ops/triton/linear.py)."""
     return (
@@ -214,7 +220,7 @@ def silu_and_mul_linear(
 ) -> torch.Tensor:
     """linear(silu_and_mul(gate_up), weight): a SwiGLU MLP's down projection. With the "swiglu" fusion
     (FUSED_GEMV) the GEMV's rows (see linear) compute the activation inside the GEMV, with the same bits as the two ops."""
-    if "swiglu" in FUSED_GEMV and _streams_weights(gate_up, weight) and 1 <= gate_up.shape[0] <= GEMV_ROWS:
+    if "swiglu" in FUSED_GEMV and _takes_gemv(gate_up, weight):
         from deltaserve.ops.triton.linear import gemv_swiglu
 
         return gemv_swiglu(gate_up, weight, prefetch=_prefetch_target(gate_up.shape[0], then))
@@ -227,12 +233,7 @@ def sigmoid_gated_linear(
     """linear(x * sigmoid(gate), weight) with x [T, H * D] and gate [T, H, D] (any row and head strides):
     gated attention's output projection. With the "gate" fusion the GEMV's rows (see linear) gate inside the
     GEMV, rounded as the two ops round."""
-    if (
-        "gate" in FUSED_GEMV
-        and _streams_weights(x, weight)
-        and 1 <= x.shape[0] <= GEMV_ROWS
-        and gate.stride(-1) == 1
-    ):
+    if "gate" in FUSED_GEMV and _takes_gemv(x, weight) and gate.stride(-1) == 1:
         from deltaserve.ops.triton.linear import gemv_sigmoid_gated
 
         return gemv_sigmoid_gated(x, gate, weight, prefetch=_prefetch_target(x.shape[0], then))
@@ -318,8 +319,7 @@ def _fuses_input_norm(x: NormedInput, weight: torch.Tensor) -> bool:
     h, residual = x.hidden, x.residual
     if not (
         "rmsnorm" in FUSED_GEMV
-        and _streams_weights(h, weight)
-        and 1 <= h.shape[0] <= GEMV_ROWS
+        and _takes_gemv(h, weight)
         and (residual is None or (residual.dtype == h.dtype and residual.stride(-1) == 1))
         and x.weight.dtype == h.dtype
     ):
@@ -371,14 +371,7 @@ def in_proj_conv(
     then views of proj. Otherwise normed_linear, then causal_conv1d_split."""
     h = x if isinstance(x, torch.Tensor) else x.hidden
     rows, channels = h.shape[0], conv_weight.shape[0]
-    if (
-        "conv" in FUSED_GEMV
-        and _streams_weights(h, in_proj)
-        and 1 <= rows <= GEMV_ROWS
-        and rows == batch.num_decodes
-        and batch.num_verify == 0
-        and batch.graph_decodes is None
-    ):
+    if "conv" in FUSED_GEMV and _takes_gemv(h, in_proj) and decode_rows_only(batch, rows):
         from deltaserve.ops.triton.linear import DecodeConv, gemv
 
         conv = DecodeConv(conv_weight, conv_state, batch.state_slots[:rows])
@@ -401,7 +394,7 @@ def swiglu_mlp(
     "swiglu_out" fusion the gate_up GEMV's rows (see linear) write the activation, never [gate | up] (over
     the pending norm too with "rmsnorm"); otherwise normed_linear, then silu_and_mul_linear."""
     h = x if isinstance(x, torch.Tensor) else x.hidden
-    if "swiglu_out" in FUSED_GEMV and _streams_weights(h, gate_up) and 1 <= h.shape[0] <= GEMV_ROWS:
+    if "swiglu_out" in FUSED_GEMV and _takes_gemv(h, gate_up):
         from deltaserve.ops.triton.linear import gemv_swiglu_out
 
         if isinstance(x, NormedInput) and _fuses_input_norm(x, gate_up):
@@ -543,18 +536,13 @@ def gated_delta_rule(
     return _gdn_ref.gated_delta_rule(q, k, v, a, b, A_log, dt_bias, ssm_state, batch)
 
 
-def parse_gdn_decode_norm(text: str) -> bool:
-    """DELTASERVE_GDN_DECODE_NORM's value: "1" on, "0" off."""
-    if text.strip() not in ("0", "1"):
-        raise ValueError(f"DELTASERVE_GDN_DECODE_NORM must be 0 or 1, got {text!r}")
-    return text.strip() == "1"
-
-
 # DELTASERVE_GDN_DECODE_NORM=1: in a step of decode rows only, each Gated DeltaNet layer's output norm
 # (gated RMSNorm) is applied by the decode kernel as it writes its output (one program per row and value
 # head instead of one per 32 values of a head), so the step has no norm kernel: 24 fewer kernels a 4B step.
 # Off by default: not yet measured on a GPU.
-GDN_DECODE_NORM = parse_gdn_decode_norm(os.environ.get("DELTASERVE_GDN_DECODE_NORM", "0"))
+GDN_DECODE_NORM = parse_switch(
+    "DELTASERVE_GDN_DECODE_NORM", os.environ.get("DELTASERVE_GDN_DECODE_NORM", "0")
+)
 
 
 def gated_delta_rule_normed(
@@ -576,11 +564,11 @@ def gated_delta_rule_normed(
     the recurrence and the norm apart."""
     if not (GDN_DECODE_NORM and use_kernels(q)):
         return None
-    from deltaserve.ops.triton.gdn import GatedNorm, gdn_decode, takes_normed_decode
+    from deltaserve.ops.triton.gdn import GatedNorm, gdn_decode
 
     norm = GatedNorm(z, norm_weight, eps)
     tokens, heads, head_dim = v.shape
-    if not takes_normed_decode(batch, tokens) or norm.problem(tokens, heads, head_dim, v.dtype) is not None:
+    if not decode_rows_only(batch, tokens) or norm.problem(tokens, heads, head_dim, v.dtype) is not None:
         return None
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     gdn_decode(q, k, v, a, b, A_log, dt_bias, ssm_state, batch.state_slots, out, norm=norm)

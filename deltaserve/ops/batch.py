@@ -95,6 +95,12 @@ class BatchRow:
         return len(self.state_after) > 0
 
 
+def decode_rows_only(batch: ForwardBatch, tokens: int) -> bool:
+    """Whether the batch's `tokens` tokens are all decode rows' (one token each, context > 0), run by the
+    decode kernels alone: no verify row, no prompt chunk, not a prefill graph's batch."""
+    return 0 < tokens == batch.num_decodes and batch.num_verify == 0 and batch.graph_decodes is None
+
+
 def logits_rows(row: BatchRow) -> int:
     """Rows of logits the forward computes for `row`: every token of a verify row, else the last
     token's when the row needs logits."""

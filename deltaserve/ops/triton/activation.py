@@ -26,6 +26,8 @@ from deltaserve.ops.triton.pdl import gdc_enter, launch_options
 
 # Decided at import, as Triton decides at decoration time whether kernels run in the interpreter.
 _INTERPRETER: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+# Triton's name of each float dtype a kernel takes as a constexpr (a product's rounding dtype).
+TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 if not _INTERPRETER:
     from triton.language.extra import libdevice  # the interpreter has no libdevice
 

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from deltaserve.ops.batch import ForwardBatch, fla_chunk_list, to_device
-from deltaserve.ops.triton.activation import round_to, silu_f32
+from deltaserve.ops.triton.activation import TL_DTYPES, round_to, silu_f32
 from deltaserve.ops.triton.gdn_gating import gdn_gating
 from deltaserve.ops.triton.narrow_import import import_narrowly
 from deltaserve.ops.triton.pdl import gdc_enter, launch_options
@@ -162,9 +162,6 @@ def _gdn_decode_kernel(
         )  # fmt: skip
 
 
-_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
-
 @dataclass(frozen=True, slots=True)
 class GatedNorm:
     """A Gated DeltaNet layer's output norm, norm(o) * weight * silu(z) per value head, for the decode
@@ -258,7 +255,7 @@ def gdn_decode(
         BV=block_v,
         COUNTED_PROGRAMS=0 if count is None else row_programs,
         NORM=norm is not None,
-        PROD_DTYPE=_TL_DTYPES[
+        PROD_DTYPE=TL_DTYPES[
             out.dtype if norm is None else torch.promote_types(norm.weight.dtype, out.dtype)
         ],
         num_warps=8 if norm is not None else 4,
@@ -479,12 +476,6 @@ def gdn_prefill(
     )
     ssm_state[slots] = final.to(ssm_state.dtype)
     return out[0]
-
-
-def takes_normed_decode(batch: ForwardBatch, tokens: int) -> bool:
-    """Whether every row of the batch is a decode row the decode kernel takes alone (no verify row, no
-    prefill chunk, not a prefill graph's batch)."""
-    return 0 < tokens == batch.num_decodes and batch.num_verify == 0 and batch.graph_decodes is None
 
 
 def gated_delta_rule(

@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.ops.switches import parse_switch
 from deltaserve.ops.triton.activation import _INTERPRETER, round_to, sigmoid_f32, silu_f32
 from deltaserve.ops.triton.conv1d import conv_silu
 from deltaserve.ops.triton.pdl import gdc_enter, launch_options
@@ -47,18 +48,11 @@ GATED_NORM_MAX_HEAD_DIM = min(k for _, k, _ in _CONFIGS)  # every tuned K block 
 GEMV_MAX_ROWS = 4  # rows streamed together (a K = 3 verify row has 4 tokens)
 
 
-def parse_preload(text: str) -> bool:
-    """DELTASERVE_GEMV_PRELOAD's value: "1" on, "0" off."""
-    if text.strip() not in ("0", "1"):
-        raise ValueError(f"DELTASERVE_GEMV_PRELOAD must be 0 or 1, got {text!r}")
-    return text.strip() == "1"
-
-
 # Each GEMV program loads its first K block of the weight before the PDL wait (see _gemv_kernel), so the
 # first wave's weight stream starts under the short kernels before the GEMV. The same bits either way.
 # On by default: on an H100 at the 4B shape, c1 over HTTP, TPOT 3.47 ms against 3.51 (two runs against
 # three; docs/benchmarks/2026-12-06-h100-gemv-preload.md). DELTASERVE_GEMV_PRELOAD=0 turns it off.
-PRELOAD = parse_preload(os.environ.get("DELTASERVE_GEMV_PRELOAD", "1"))
+PRELOAD = parse_switch("DELTASERVE_GEMV_PRELOAD", os.environ.get("DELTASERVE_GEMV_PRELOAD", "1"))
 
 
 @dataclass(frozen=True, slots=True)

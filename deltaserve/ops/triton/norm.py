@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deltaserve.ops.triton.activation import round_to, silu_f32
+from deltaserve.ops.triton.activation import TL_DTYPES, round_to, silu_f32
 from deltaserve.ops.triton.launch_shape import program_shape
 from deltaserve.ops.triton.pdl import gdc_enter, launch_options
 
@@ -29,8 +29,6 @@ from deltaserve.ops.triton.pdl import gdc_enter, launch_options
 # 8192-wide tile and 8 warps), 16 rows of q/k heads (256) or 32 of GDN heads (128). That keeps 32 values per
 # thread, enough bytes in flight per SM without spilling registers.
 _TILE = 4096
-
-_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 def _rows_view(t: torch.Tensor) -> torch.Tensor:
@@ -278,7 +276,7 @@ def gated_rms_norm(
             z.stride(1),
             float(head_dim),
             eps,
-            PROD_DTYPE=_TL_DTYPES[torch.promote_types(weight.dtype, x.dtype)],
+            PROD_DTYPE=TL_DTYPES[torch.promote_types(weight.dtype, x.dtype)],
             BLOCK_R=block_r,
             BLOCK_D=block_d,
             num_warps=num_warps,
