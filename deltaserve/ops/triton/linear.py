@@ -3,7 +3,7 @@
 The GEMV takes up to GEMV_MAX_ROWS rows (batch-1 decode; a speculative verify row of up to 4 tokens)
 and streams the weight once for all of them; the skinny GEMM takes 2..16 rows and reads the weight
 once for all rows on the tensor cores. ops.linear routes one row to the GEMV and, by default, nothing
-else here (DELTASERVE_GEMV_ROWS and DELTASERVE_SKINNY_GEMM switch the others on; ops/__init__.py).
+else here (DELTASERVE_GEMV_ROWS and DELTASERVE_SKINNY_GEMM switch the others on; ops/settings.py).
 
 The GEMV also takes a SwiGLU MLP's [gate | up] row in place of x (gemv_swiglu): each program computes
 silu(gate) * up for its K block as the weight streams by, rounded as the silu_and_mul kernel rounds it,
