@@ -112,8 +112,8 @@ def parse_slot_gemv_slots(text: str) -> int:
 # HTTP: c1 TPOT 3.50 ms against 4.59 ms with the grouped kernels
 # (docs/benchmarks/2026-12-06-h100-slot-gemv-default.md); c4 6.19 ms against 7.11 ms, twice each
 # (docs/benchmarks/2026-12-06-h100-gate-rope-moe-tails-slots32.md). Each slot's programs compute the
-# same whatever the number of slots; the GPU gate's tiny-MoE surfaces passed with the bound at 16 (the
-# resumed bf16 surface over five prompt seeds with the grouped kernels' numbers), not yet at 32.
+# same whatever the number of slots; the GPU gate's tiny-MoE surfaces passed with the bound at 16 and at
+# 32 (docs/benchmarks/2026-12-06-h100-gemv-preload.md).
 MOE_SLOT_GEMV_SLOTS = parse_slot_gemv_slots(os.environ.get("DELTASERVE_MOE_SLOT_GEMV_SLOTS", "32"))
 
 # DELTASERVE_GDN_DECODE_NORM=1: in a step of decode rows only, each Gated DeltaNet layer's output norm
