@@ -26,7 +26,8 @@ def hopper_ptx(script: str, *args: str) -> list[str]:
 
 # A script for hopper_ptx: argv[1] "prefetch" (the L2 prefetch kernel of its own) or "gemv" (the GEMV at
 # ROWS 1, BLOCK_N 8, BLOCK_K 256, 4 warps, with the L2 prefetch; argv[2]: PRELOAD, 1 by default; argv[3]:
-# SWIGLU_OUT, 0 by default).
+# SWIGLU_OUT, 0 by default; argv[4]: a comma list of integer arguments fixed at 1, as Triton specializes an
+# integer argument that is 1 at a launch).
 COMPILE_FOR_HOPPER = """
 import sys
 
@@ -53,6 +54,9 @@ else:
     constexprs["PREFETCH"] = True
     constexprs["PRELOAD"] = int(sys.argv[2]) if len(sys.argv) > 2 else 1
     constexprs["USE_GDC"] = True
+    for name in filter(None, (sys.argv[4] if len(sys.argv) > 4 else "").split(",")):
+        signature.pop(name)
+        constexprs[name] = 1
 signature |= {name: "constexpr" for name in constexprs}
 source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
 print(compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"])

@@ -391,6 +391,18 @@ def test_only_the_weights_first_block_loads_before_the_pdl_wait(preload, swiglu_
     assert any("ld.global" in line for line in code[wait:])
 
 
+@pytest.mark.parametrize("swiglu_out", ["0", "1"])
+def test_the_gemv_compiles_where_an_integer_argument_is_1(swiglu_out):
+    """Triton fixes an integer argument that is 1 at a launch as a constant (a Python int, no tensor
+    methods), so a one-output GEMV or a unit stride compiles another kernel: compiled for sm_90 with each
+    such argument fixed at 1. The interpreter passes them as tensors and cannot tell."""
+    from hopper_ptx import COMPILE_FOR_HOPPER, hopper_ptx
+
+    ones = "N,K,stride_xm,stride_wn,stride_om,stride_gm,stride_gh,stride_cw_k,stride_cs_k"
+    code = hopper_ptx(COMPILE_FOR_HOPPER, "gemv", "1", swiglu_out, ones)
+    assert any("st.global" in line for line in code)
+
+
 @pytest.mark.parametrize(("n", "k", "m"), [(37, 200, 1), (130, 40, 1), (45, 64, 3)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_residual", [True, False])

@@ -318,7 +318,7 @@ def _gemv_kernel(
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
-    w_up_rows = w_rows + N.to(tl.int64) * stride_wn
+    w_up_rows = w_rows + tl.cast(N, tl.int64) * stride_wn  # N may be the constant 1 (Triton specializes it)
     cols = tl.arange(0, BLOCK_K)
     col_ok = cols < K
     tile_ok = row_ok[:, None] & col_ok[None, :]
