@@ -27,7 +27,7 @@ def hopper_ptx(script: str, *args: str) -> list[str]:
 # A script for hopper_ptx: argv[1] "prefetch" (the L2 prefetch kernel of its own) or "gemv" (the GEMV at
 # ROWS 1, BLOCK_N 8, BLOCK_K 256, 4 warps, with the L2 prefetch; argv[2]: PRELOAD, 1 by default; argv[3]:
 # SWIGLU_OUT, 0 by default; argv[4]: a comma list of integer arguments fixed at 1, as Triton specializes an
-# integer argument that is 1 at a launch).
+# integer argument that is 1 at a launch; argv[5]: CONV_KW, 0 by default).
 COMPILE_FOR_HOPPER = """
 import sys
 
@@ -49,7 +49,7 @@ else:
     signature |= {"pf_base": "i64", "pf_bytes": "i32"}
     constexprs = {"ROWS": 1, "MODE": 0, "HEAD_DIM": 1, "K_POW2": 1}
     constexprs["SWIGLU_OUT"] = len(sys.argv) > 3 and sys.argv[3] == "1"
-    constexprs["CONV_KW"] = 0
+    constexprs["CONV_KW"] = int(sys.argv[5]) if len(sys.argv) > 5 else 0
     constexprs |= {"BLOCK_N": 8, "BLOCK_K": 256}
     constexprs["PREFETCH"] = True
     constexprs["PRELOAD"] = int(sys.argv[2]) if len(sys.argv) > 2 else 1

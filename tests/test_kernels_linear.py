@@ -403,6 +403,19 @@ def test_the_gemv_compiles_where_an_integer_argument_is_1(swiglu_out):
     assert any("st.global" in line for line in code)
 
 
+def test_the_conv_windows_are_read_before_a_barrier_and_shifted_after_it():
+    """Compiled for sm_90 with the conv epilogue (CONV_KW 4): a channel's values may sit in several
+    threads, so every global load (the windows among them) comes before a CTA barrier that comes before
+    the first global store (the shifted windows among them); without it a thread could read a window
+    another thread has already shifted. The interpreter runs a block at once and cannot tell."""
+    from hopper_ptx import COMPILE_FOR_HOPPER, hopper_ptx
+
+    code = hopper_ptx(COMPILE_FOR_HOPPER, "gemv", "1", "0", "", "4")
+    last_load = max(i for i, line in enumerate(code) if "ld.global" in line)
+    first_store = min(i for i, line in enumerate(code) if "st.global" in line)
+    assert any("bar.sync" in line for line in code[last_load:first_store]), (last_load, first_store)
+
+
 @pytest.mark.parametrize(("n", "k", "m"), [(37, 200, 1), (130, 40, 1), (45, 64, 3)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_residual", [True, False])

@@ -201,12 +201,18 @@ def _store_conv_row(
     state = conv_state_row_ptr + rows.to(tl.int64) * stride_cs_ch
     taps = conv_w_ptr + rows.to(tl.int64) * stride_cw_ch
     conv = tl.zeros(rows.shape, dtype=tl.float32)
+    window = ()  # the slot's inputs as stored, oldest first
     for k in tl.static_range(KW - 1):  # oldest first, as the conv kernels sum
-        old = round_to(tl.load(state + k * stride_cs_k, mask=is_conv, other=0.0).to(tl.float32), dtype)
+        stored = tl.load(state + k * stride_cs_k, mask=is_conv, other=0.0)
+        window = window + (stored,)
+        old = round_to(stored.to(tl.float32), dtype)
         conv += tl.load(taps + k * stride_cw_k, mask=is_conv, other=0.0).to(tl.float32) * old.to(tl.float32)
     conv += tl.load(taps + (KW - 1) * stride_cw_k, mask=is_conv, other=0.0).to(tl.float32) * y.to(tl.float32)
-    for p in tl.static_range(KW - 2):  # the window shifts left (each channel read before it is written)
-        tl.store(state + p * stride_cs_k, tl.load(state + (p + 1) * stride_cs_k, mask=is_conv), mask=is_conv)
+    # A channel's values may sit in several threads (the reduction's replicas, a store's own layout), so
+    # every thread's read of the windows is issued before any thread shifts them.
+    tl.debug_barrier()
+    for p in tl.static_range(KW - 2):  # the window shifts left
+        tl.store(state + p * stride_cs_k, window[p + 1], mask=is_conv)
     newest = round_to(y.to(tl.float32), conv_state_row_ptr.dtype.element_ty)
     tl.store(state + (KW - 2) * stride_cs_k, newest, mask=is_conv)
     tl.store(out_row_ptr + rows, tl.where(is_conv, conv_silu(conv, dtype), y), mask=row_ok)
