@@ -88,7 +88,7 @@ def test_the_gemv_loads_only_its_weight_before_its_wait():
     loads = [call for call in calls if ast.unparse(call.func) == "tl.load"]
     assert loads, "the preload is gone: drop the exception"
     assert all(ast.unparse(call.args[0]).startswith(("w_rows", "w_up_rows")) for call in loads)
-    allowed = {"tl.load", "tl.arange", "tl.program_id", "rows.to", "N.to"}
+    allowed = {"tl.load", "tl.arange", "tl.program_id", "rows.to", "tl.cast"}
     assert {ast.unparse(call.func) for call in calls} <= allowed
 
 
