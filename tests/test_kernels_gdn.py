@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deltaserve.ops.batch import BatchRow, build_forward_batch, decode_rows_only
+from deltaserve.ops.batch import BatchRow, build_forward_batch
 from deltaserve.ops.gdn import gated_delta_rule as reference
 
 triton_gdn = pytest.importorskip("deltaserve.ops.triton.gdn")
@@ -195,105 +195,3 @@ def test_gating_kernel_names_a_misshaped_input():
         gdn_gating(a, a, torch.zeros(8, device=DEVICE), torch.zeros(7, device=DEVICE))
     with pytest.raises(ValueError, match=r"one \[T, HV\] shape, got \(4, 8\) and \(4, 7\)"):
         gdn_gating(a, a[:, :7], torch.zeros(8, device=DEVICE), torch.zeros(8, device=DEVICE))
-
-
-def _normed_case(dtype: torch.dtype, hv: int = 4, d: int = 32, n: int = 3):
-    q, k, v, a, b, A_log, dt_bias = make_inputs(n, 2, hv, d, dtype, seed=hv + d)
-    gen = torch.Generator().manual_seed(11)
-    proj = (torch.randn(n, hv * d + 7, generator=gen) * 2).to(dtype).to(DEVICE)
-    z = proj[:, 7:].view(n, hv, d)  # a strided row view, as the layer passes it
-    norm_w = (1 + 0.2 * torch.randn(d, generator=gen)).to(dtype).to(DEVICE)
-    state = torch.randn(6, hv, d, d, generator=torch.Generator().manual_seed(5)).to(DEVICE)
-    rows = [BatchRow([1], context_len=4, pages=[1], state_slot=s) for s in (3, 0, 5)[:n]]
-    batch = build_forward_batch(rows, page_size=16, device=DEVICE)
-    return (q, k, v, a, b, A_log, dt_bias), z, norm_w, state, batch
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_kernel_with_the_gated_norm_is_the_kernel_then_the_norm(dtype):
-    """The normed decode: the same state bits as the plain kernel, and the gated_rms_norm kernel's output
-    of its output (to the last bf16 step where the sum of squares adds in another order)."""
-    from deltaserve.ops import norm as norm_ref
-    from deltaserve.ops.triton.norm import gated_rms_norm
-
-    recurrence, z, norm_w, state, batch = _normed_case(dtype)
-    plain_state, normed_state = state.clone(), state.clone()
-    plain = torch.empty_like(recurrence[2])
-    triton_gdn.gdn_decode(*recurrence, plain_state, batch.state_slots, plain)
-    got = torch.empty_like(plain)
-    norm = triton_gdn.GatedNorm(z, norm_w, 1e-6)
-    triton_gdn.gdn_decode(*recurrence, normed_state, batch.state_slots, got, norm=norm)
-    assert torch.equal(normed_state, plain_state)
-    unfused = gated_rms_norm(plain, z, norm_w, 1e-6)
-    want = norm_ref.gated_rms_norm(plain.cpu(), z.cpu(), norm_w.cpu(), 1e-6).to(DEVICE)
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=2e-2)
-    torch.testing.assert_close(got.float(), unfused.float(), **tol)
-    torch.testing.assert_close(got.float(), want.float(), **tol)
-
-
-def test_the_normed_decode_takes_decode_rows_only_and_names_what_it_refuses():
-    recurrence, z, norm_w, state, batch = _normed_case(torch.bfloat16)
-    assert decode_rows_only(batch, 3)
-    assert not decode_rows_only(batch, 4)  # a row past the decode rows: a prefill chunk
-    bad = triton_gdn.GatedNorm(z[:2], norm_w, 1e-6)
-    assert "z must be (3, 4, 32) with adjacent heads" in bad.problem(3, 4, 32, torch.bfloat16)
-    z24 = torch.zeros(3, 4, 24, dtype=torch.bfloat16)
-    odd = triton_gdn.GatedNorm(z24, norm_w[:24], 1e-6).problem(3, 4, 24, torch.bfloat16)
-    assert "power-of-two head dim, got 24" in odd
-    wrong_w = triton_gdn.GatedNorm(z, norm_w[:16], 1e-6).problem(3, 4, 32, torch.bfloat16)
-    assert "the norm weight must be (32,)" in wrong_w
-    with pytest.raises(ValueError, match="z must be"):
-        triton_gdn.gdn_decode(*recurrence, state, batch.state_slots, torch.empty(3, 4, 32), norm=bad)
-
-
-def test_op_boundary_normalises_in_the_decode_kernel_only_when_switched_on_for_decode_rows(monkeypatch):
-    from deltaserve import ops
-
-    recurrence, z, norm_w, state, batch = _normed_case(torch.bfloat16)
-    args = (*recurrence, state.clone(), batch, z, norm_w, 1e-6)
-    assert ops.gated_delta_rule_normed(*args) is None  # off by default
-    monkeypatch.setattr(ops, "GDN_DECODE_NORM", True)
-    if DEVICE.type == "cpu":
-        assert ops.gated_delta_rule_normed(*args) is None  # the reference ops: the norm apart
-        monkeypatch.setattr(ops, "use_kernels", lambda t: True)
-    got = ops.gated_delta_rule_normed(*args)
-    want = torch.empty_like(got)
-    norm = triton_gdn.GatedNorm(z, norm_w, 1e-6)
-    triton_gdn.gdn_decode(*recurrence, state.clone(), batch.state_slots, want, norm=norm)
-    assert torch.equal(got, want)
-    rows = [
-        BatchRow([1], context_len=4, pages=[1], state_slot=3),
-        BatchRow([1, 2], 0, pages=[2], state_slot=0),
-    ]
-    mixed = build_forward_batch(rows, page_size=16, device=DEVICE)  # a decode row beside a prompt chunk
-    three = (*recurrence, state.clone(), mixed, z, norm_w, 1e-6)
-    assert ops.gated_delta_rule_normed(*three) is None
-    assert ops.gated_delta_rule_normed(*args[:-3], z[:, :, :16], norm_w[:16], 1e-6) is None  # z misshaped
-
-
-@pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
-def test_a_decode_row_takes_each_gdn_layers_norm_from_the_decode_kernel(preset, monkeypatch):
-    """With the normed decode taken (its reference standing in), every Gated DeltaNet layer skips its own
-    norm at a decode row and the logits are the unfused forward's bits."""
-    from decode_row import decode_row_logits
-
-    from deltaserve import ops
-    from deltaserve.config import ModelConfig
-    from deltaserve.model.layers import gdn as gdn_layer
-    from deltaserve.ops.gdn import gated_delta_rule as recurrence_ref
-    from deltaserve.tiny import text_config
-
-    taken = []
-
-    def normed_reference(q, k, v, a, b, A_log, dt_bias, ssm_state, batch, z, norm_weight, eps):
-        if q.shape[0] != 1:
-            return None
-        taken.append(q.shape[0])
-        out = recurrence_ref(q, k, v, a, b, A_log, dt_bias, ssm_state, batch)
-        return ops._norm_ref.gated_rms_norm(out, z, norm_weight, eps)
-
-    unfused = decode_row_logits(preset)
-    monkeypatch.setattr(gdn_layer, "gated_delta_rule_normed", normed_reference)
-    assert torch.equal(decode_row_logits(preset), unfused)
-    cfg = ModelConfig.from_dict(text_config(preset))
-    assert len(taken) == len(cfg.layer_types) - len(cfg.full_attention_layers) > 0

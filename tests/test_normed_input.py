@@ -172,3 +172,20 @@ def test_a_dense_mlp_writes_its_activation_from_the_gate_up_gemv(fused, monkeypa
     assert torch.equal(pending.next_residual, summed)
     ops.swiglu_mlp(torch.randn(2, 64).bfloat16(), gate_up, down)  # two rows: cuBLAS and the kernel
     assert fused == [(1, True)]
+
+
+def test_the_conv_fusion_takes_batches_of_decode_rows_only():
+    """ops.in_proj_conv fuses the conv only where every token is a decode row's (one token, context > 0)."""
+    from deltaserve.ops.batch import decode_rows_only
+
+    decodes = [BatchRow([1], context_len=4, pages=[1], state_slot=s) for s in (3, 0)]
+    batch = build_forward_batch(decodes, page_size=16, device=torch.device("cpu"))
+    assert decode_rows_only(batch, 2)
+    assert not decode_rows_only(batch, 3)  # a token past the decode rows: a prompt chunk's
+    chunk = BatchRow([1, 2], 0, pages=[2], state_slot=1)
+    mixed = build_forward_batch([*decodes, chunk], page_size=16, device=torch.device("cpu"))
+    assert not decode_rows_only(mixed, 4)
+    prompt = build_forward_batch(
+        [BatchRow([5], 0, pages=[2], state_slot=1)], page_size=16, device=torch.device("cpu")
+    )
+    assert not decode_rows_only(prompt, 1)  # a one-token prompt has no context: not a decode row

@@ -21,7 +21,6 @@ from deltaserve.ops import rotary as _rotary_ref
 from deltaserve.ops.batch import ForwardBatch, decode_rows_only
 from deltaserve.ops.settings import (
     FUSED_GEMV,
-    GDN_DECODE_NORM,
     GEMV_ROWS,
     L2_PREFETCH_MIB,
     MOE_DESCRIPTORS_FROM,
@@ -438,36 +437,6 @@ def gated_delta_rule(
 
         return kernel(q, k, v, a, b, A_log, dt_bias, ssm_state, batch)
     return _gdn_ref.gated_delta_rule(q, k, v, a, b, A_log, dt_bias, ssm_state, batch)
-
-
-def gated_delta_rule_normed(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    ssm_state: torch.Tensor,
-    batch: ForwardBatch,
-    z: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-) -> torch.Tensor | None:
-    """With GDN_DECODE_NORM, on the GPU, for a batch of decode rows only: gated_rms_norm(gated_delta_rule(
-    ...), z, norm_weight, eps) from the decode kernel alone, [T, HV, DV]. Otherwise None: the caller runs
-    the recurrence and the norm apart."""
-    if not (GDN_DECODE_NORM and use_kernels(q)):
-        return None
-    from deltaserve.ops.triton.gdn import GatedNorm, gdn_decode
-
-    norm = GatedNorm(z, norm_weight, eps)
-    tokens, heads, head_dim = v.shape
-    if not decode_rows_only(batch, tokens) or norm.problem(tokens, heads, head_dim, v.dtype) is not None:
-        return None
-    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    gdn_decode(q, k, v, a, b, A_log, dt_bias, ssm_state, batch.state_slots, out, norm=norm)
-    return out
 
 
 def qk_norm_rope_write_kv(

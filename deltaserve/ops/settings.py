@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import os
 
-from deltaserve.ops.switches import parse_switch
-
 REFERENCE_ONLY = os.environ.get("DELTASERVE_REFERENCE_OPS", "") == "1"
 # DELTASERVE_SKINNY_GEMM=1 sends 2..16-row 16-bit linears to the skinny GEMM instead of cuBLAS. Off by
 # default: on an H200 at the 4B shape it measured level with cuBLAS at 16 decode rows (see the record
@@ -28,8 +26,10 @@ if not 1 <= GEMV_ROWS <= 4:
 # by its in_proj GEMV in steps of decode rows only: in_proj_conv). Off by default: on an H200 the first
 # three together measured no faster (4B c1 TPOT 3.064 ms against 3.056 unfused): the SwiGLU GEMV loses
 # 1.9 us per layer, "gate" and "norm" save 2.1 and 0.3 us
-# (docs/benchmarks/2026-12-04-h200-c1-fusions-graph-attention.md). "rmsnorm" (64 fewer kernels per 4B
-# step), "swiglu_out" (32 fewer) and "conv" (24 fewer) are not yet measured on a GPU.
+# (docs/benchmarks/2026-12-04-h200-c1-fusions-graph-attention.md). "rmsnorm,swiglu_out,conv" (120 fewer
+# kernels per 4B step) measured 4B c1 TPOT 3.47 ms against 3.61 on an H100, but the 4B gate failed with
+# them on: the conv epilogue had no barrier between reading and shifting the windows (fixed since, not
+# yet re-measured; docs/benchmarks/2026-12-06-h100-decode-fusions-ab.md). Off until the gate passes.
 GEMV_FUSIONS = ("swiglu", "gate", "norm", "rmsnorm", "swiglu_out", "conv")
 
 
@@ -115,11 +115,3 @@ def parse_slot_gemv_slots(text: str) -> int:
 # same whatever the number of slots; the GPU gate's tiny-MoE surfaces passed with the bound at 16 and at
 # 32 (docs/benchmarks/2026-12-06-h100-gemv-preload.md).
 MOE_SLOT_GEMV_SLOTS = parse_slot_gemv_slots(os.environ.get("DELTASERVE_MOE_SLOT_GEMV_SLOTS", "32"))
-
-# DELTASERVE_GDN_DECODE_NORM=1: in a step of decode rows only, each Gated DeltaNet layer's output norm
-# (gated RMSNorm) is applied by the decode kernel as it writes its output (one program per row and value
-# head instead of one per 32 values of a head), so the step has no norm kernel: 24 fewer kernels a 4B step.
-# Off by default: not yet measured on a GPU.
-GDN_DECODE_NORM = parse_switch(
-    "DELTASERVE_GDN_DECODE_NORM", os.environ.get("DELTASERVE_GDN_DECODE_NORM", "0")
-)

@@ -15,10 +15,8 @@ from deltaserve.model.layers.params import WeightRequirement, new_param, single,
 from deltaserve.ops import (
     NormedInput,
     gated_delta_rule,
-    gated_delta_rule_normed,
     gated_norm_linear,
     in_proj_conv,
-    linear,
 )
 from deltaserve.ops.batch import ForwardBatch
 
@@ -92,7 +90,7 @@ class GatedDeltaNet(nn.Module):
         )
         tokens = proj.shape[0]
         _, z, b, a = proj.split([self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1)
-        recurrence = (
+        out = gated_delta_rule(
             q.view(tokens, self.num_k_heads, self.head_k_dim),
             k.view(tokens, self.num_k_heads, self.head_k_dim),
             v.view(tokens, self.num_v_heads, self.head_v_dim),
@@ -104,7 +102,4 @@ class GatedDeltaNet(nn.Module):
             batch,
         )
         z = z.reshape(tokens, self.num_v_heads, self.head_v_dim)
-        normed = gated_delta_rule_normed(*recurrence, z, self.norm, self.eps)
-        if normed is not None:  # the decode kernel applied the output norm
-            return linear(normed.view(tokens, -1), self.out_proj, then)
-        return gated_norm_linear(gated_delta_rule(*recurrence), z, self.norm, self.eps, self.out_proj, then)
+        return gated_norm_linear(out, z, self.norm, self.eps, self.out_proj, then)

@@ -33,7 +33,6 @@ import triton
 import triton.language as tl
 
 from deltaserve.ops.batch import ForwardBatch, fla_chunk_list, to_device
-from deltaserve.ops.triton.activation import TL_DTYPES, round_to, silu_f32
 from deltaserve.ops.triton.gdn_gating import gdn_gating
 from deltaserve.ops.triton.narrow_import import import_narrowly
 from deltaserve.ops.triton.pdl import gdc_enter, launch_options
@@ -54,13 +53,9 @@ def _gdn_decode_row(
     state_ptr,
     slots_ptr,
     out_ptr,
-    z_ptr,
-    norm_w_ptr,
-    eps,
     stride_qk_row,
     stride_v_row,
     stride_ab_row,
-    stride_z_row,
     stride_state_slot,
     scale,
     HK: tl.constexpr,
@@ -68,12 +63,8 @@ def _gdn_decode_row(
     DK: tl.constexpr,
     DV: tl.constexpr,
     BV: tl.constexpr,
-    NORM: tl.constexpr,
-    PROD_DTYPE: tl.constexpr,
 ):
-    """One decode row's step for value head hv, value block vb, its state read and written in place.
-    NORM (BV == DV, the whole head): the output is the layer's gated RMSNorm of it, norm(o) * w * silu(z),
-    rounded where the gated_rms_norm kernel rounds (its sum of squares may add in another order)."""
+    """One decode row's step for value head hv, value block vb, its state read and written in place."""
     hk = hv // (HV // HK)
     offs_k = tl.arange(0, DK)
     offs_v = vb * BV + tl.arange(0, BV)
@@ -100,16 +91,7 @@ def _gdn_decode_row(
     s = s + k[:, None] * delta[None, :]
     o = tl.sum(s * q[:, None], axis=0)
     tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty))
-    o_out = o.to(out_ptr.dtype.element_ty)  # as the unfused kernel stores it
-    if NORM:
-        x = o_out.to(tl.float32)
-        var = tl.div_rn(tl.sum(x * x), DV * 1.0)
-        rstd = tl.div_rn(1.0, tl.sqrt_rn(var + eps))
-        normed = round_to(x * rstd, o_out.dtype)
-        y = round_to(normed.to(tl.float32) * tl.load(norm_w_ptr + offs_v).to(tl.float32), PROD_DTYPE)
-        z = tl.load(z_ptr + row64 * stride_z_row + hv * DV + offs_v).to(tl.float32)
-        o_out = round_to(y.to(tl.float32) * silu_f32(z), out_ptr.dtype.element_ty)
-    tl.store(out_ptr + row64 * HV * DV + hv * DV + offs_v, o_out)
+    tl.store(out_ptr + row64 * HV * DV + hv * DV + offs_v, o.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -125,13 +107,9 @@ def _gdn_decode_kernel(
     slots_ptr,
     out_ptr,
     count_ptr,
-    z_ptr,
-    norm_w_ptr,
-    eps,
     stride_qk_row,
     stride_v_row,
     stride_ab_row,
-    stride_z_row,
     stride_state_slot,
     scale,
     HK: tl.constexpr,
@@ -140,8 +118,6 @@ def _gdn_decode_kernel(
     DV: tl.constexpr,
     BV: tl.constexpr,
     COUNTED_PROGRAMS: tl.constexpr,
-    NORM: tl.constexpr,
-    PROD_DTYPE: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
     """Without a count (COUNTED_PROGRAMS == 0) one row per program; with one, COUNTED_PROGRAMS row
@@ -157,37 +133,8 @@ def _gdn_decode_kernel(
     for row in range(rows_from, rows_to, rows_step):
         _gdn_decode_row(
             row, hv, vb, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_ptr, slots_ptr,
-            out_ptr, z_ptr, norm_w_ptr, eps, stride_qk_row, stride_v_row, stride_ab_row, stride_z_row,
-            stride_state_slot, scale, HK, HV, DK, DV, BV, NORM, PROD_DTYPE,
+            out_ptr, stride_qk_row, stride_v_row, stride_ab_row, stride_state_slot, scale, HK, HV, DK, DV, BV,
         )  # fmt: skip
-
-
-@dataclass(frozen=True, slots=True)
-class GatedNorm:
-    """A Gated DeltaNet layer's output norm, norm(o) * weight * silu(z) per value head, for the decode
-    kernel to apply as it writes its output: z [N, HV, DV] (any row stride; heads adjacent, unit column
-    stride), weight [DV] (plain: no +1)."""
-
-    z: torch.Tensor
-    weight: torch.Tensor
-    eps: float
-
-    def problem(self, rows: int, heads: int, head_dim: int, dtype: torch.dtype) -> str | None:
-        """Why the decode kernel cannot apply this norm to [rows, heads, head_dim] of `dtype`, or None."""
-        z = self.z
-        if z.shape != (rows, heads, head_dim) or z.stride(1) != head_dim or z.stride(2) != 1:
-            return (
-                f"z must be ({rows}, {heads}, {head_dim}) with adjacent heads and a unit column stride, got "
-                f"{tuple(z.shape)} strides {z.stride()}"
-            )
-        if head_dim & (head_dim - 1):
-            return f"the fused gated norm needs a power-of-two head dim, got {head_dim}"
-        if self.weight.shape != (head_dim,) or z.dtype != dtype:
-            return (
-                f"the norm weight must be ({head_dim},) and z of the output's dtype {dtype}, got "
-                f"{tuple(self.weight.shape)} and z {z.dtype}"
-            )
-        return None
 
 
 # Row programs of the decode kernel with a device count: 16 x (value heads x value blocks) programs,
@@ -207,13 +154,11 @@ def gdn_decode(
     slots: torch.Tensor,
     out: torch.Tensor,
     count: torch.Tensor | None = None,
-    norm: GatedNorm | None = None,
 ) -> None:
     """One token per row. q, k: [N, HK, DK] and v: [N, HV, DV] (rows may be strided views); a, b: [N, HV];
     ssm_state: [slots, HV, DK, DV] updated in place at `slots` [N]; writes out [N, HV, DV]. With
     `count` (a one-element device tensor), only its first count[0] <= N rows: the others' state and
-    output are left as they are, and N comes from shapes alone (CUDA-graph capturable). With `norm`,
-    out receives the layer's gated RMSNorm of the output instead (one program per row and head)."""
+    output are left as they are, and N comes from shapes alone (CUDA-graph capturable)."""
     n, hk, dk = q.shape
     hv, dv = v.shape[1:]
     if n == 0:
@@ -221,11 +166,7 @@ def gdn_decode(
     assert q.stride(1) == dk and q.stride(2) == 1 and k.stride() == q.stride()
     assert v.stride(1) == dv and v.stride(2) == 1 and a.stride(1) == 1 and b.stride() == a.stride()
     assert ssm_state.is_contiguous() and out.is_contiguous()
-    if norm is not None:
-        problem = norm.problem(n, hv, dv, out.dtype)
-        if problem is not None:
-            raise ValueError(problem)
-    block_v = dv if norm is not None else min(dv, 32)
+    block_v = min(dv, 32)
     row_programs = n if count is None else min(n, _COUNTED_ROW_PROGRAMS)
     _gdn_decode_kernel[(row_programs, hv, triton.cdiv(dv, block_v))](
         q,
@@ -239,13 +180,9 @@ def gdn_decode(
         slots,
         out,
         slots if count is None else count,  # unread without a count
-        out if norm is None else norm.z,  # z and the norm weight: unread without the norm
-        out if norm is None else norm.weight,
-        0.0 if norm is None else norm.eps,
         q.stride(0),
         v.stride(0),
         a.stride(0),
-        0 if norm is None else norm.z.stride(0),
         ssm_state.stride(0),
         dk**-0.5,
         HK=hk,
@@ -254,11 +191,6 @@ def gdn_decode(
         DV=dv,
         BV=block_v,
         COUNTED_PROGRAMS=0 if count is None else row_programs,
-        NORM=norm is not None,
-        PROD_DTYPE=TL_DTYPES[
-            out.dtype if norm is None else torch.promote_types(norm.weight.dtype, out.dtype)
-        ],
-        num_warps=8 if norm is not None else 4,
         **launch_options(q.device),
     )
 
