@@ -363,14 +363,14 @@ def test_gemv_preloading_its_first_block_gives_the_same_bits(mode, k, monkeypatc
 
 @pytest.mark.parametrize(("text", "on"), [("1", True), ("0", False), (" 1 ", True)])
 def test_the_preload_setting_reads_0_or_1(text, on):
-    from deltaserve.ops.switches import parse_switch
+    from deltaserve.ops.settings import parse_switch
 
     assert parse_switch("DELTASERVE_GEMV_PRELOAD", text) is on
 
 
 @pytest.mark.parametrize("text", ["2", "yes", ""])
 def test_a_bad_preload_setting_names_the_variable_and_the_value(text):
-    from deltaserve.ops.switches import parse_switch
+    from deltaserve.ops.settings import parse_switch
 
     with pytest.raises(ValueError, match=rf"DELTASERVE_GEMV_PRELOAD must be 0 or 1, got '{text}'"):
         parse_switch("DELTASERVE_GEMV_PRELOAD", text)

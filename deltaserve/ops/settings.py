@@ -1,10 +1,21 @@
 """The kernels' environment settings (DELTASERVE_*), read once at import and strictly: a typo names the
 variable and the value instead of silently meaning a default. The op boundary (ops/__init__.py) reads
-them as its module globals, so a test may patch them there."""
+them as its module globals, so a test may patch them there; a kernel module reads its own (the GEMV
+preload) with the same parsers."""
 
 from __future__ import annotations
 
 import os
+
+
+def parse_switch(variable: str, text: str) -> bool:
+    """`text` as the value of `variable`: "1" on, "0" off (surrounding spaces allowed); ValueError naming
+    the variable and the value otherwise."""
+    value = text.strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{variable} must be 0 or 1, got {text!r}")
+    return value == "1"
+
 
 REFERENCE_ONLY = os.environ.get("DELTASERVE_REFERENCE_OPS", "") == "1"
 # DELTASERVE_SKINNY_GEMM=1 sends 2..16-row 16-bit linears to the skinny GEMM instead of cuBLAS. Off by

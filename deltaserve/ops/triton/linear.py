@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deltaserve.ops.switches import parse_switch
+from deltaserve.ops.settings import parse_switch
 from deltaserve.ops.triton.activation import _INTERPRETER, round_to, sigmoid_f32, silu_f32
 from deltaserve.ops.triton.conv1d import conv_silu
 from deltaserve.ops.triton.pdl import gdc_enter, launch_options
