@@ -39,8 +39,10 @@ if not 1 <= GEMV_ROWS <= 4:
 # 1.9 us per layer, "gate" and "norm" save 2.1 and 0.3 us
 # (docs/benchmarks/2026-12-04-h200-c1-fusions-graph-attention.md). "rmsnorm,swiglu_out,conv" (120 fewer
 # kernels per 4B step) measured 4B c1 TPOT 3.47 ms against 3.61 on an H100, but the 4B gate failed with
-# them on: the conv epilogue had no barrier between reading and shifting the windows (fixed since, not
-# yet re-measured; docs/benchmarks/2026-12-06-h100-decode-fusions-ab.md). Off until the gate passes.
+# them on: the conv epilogue had no barrier between reading and shifting the windows (fixed since; the
+# gate's batch-of-one bf16 cases, which failed, pass with the fix; the whole gate not yet run:
+# docs/benchmarks/2026-12-06-h100-decode-fusions-ab.md, 2026-12-06-h100-fusions-bisect.md). Off until it
+# passes.
 GEMV_FUSIONS = ("swiglu", "gate", "norm", "rmsnorm", "swiglu_out", "conv")
 
 
