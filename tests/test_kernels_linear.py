@@ -27,7 +27,6 @@ def one_block_shape_per_test(request, monkeypatch):
     pick = zlib.crc32(request.node.nodeid.encode())
     for tuned in (triton_linear._gemv_tuned, triton_linear._skinny_tuned):
         monkeypatch.setattr(tuned, "configs", [tuned.configs[pick % len(tuned.configs)]])
-        monkeypatch.setattr(tuned, "cache", {})
 
 
 @pytest.mark.parametrize(

@@ -22,16 +22,15 @@ from deltaserve.ops.batch import BatchRow
 
 triton_linear = pytest.importorskip("deltaserve.ops.triton.linear")
 STEPS = 3
-PINNED = triton_linear.triton.Config({"BLOCK_N": 4, "BLOCK_K": 1024}, num_warps=8)  # one of _CONFIGS
 
 
 @pytest.fixture(scope="module", autouse=True)
 def one_block_shape():
+    """The tuned block shape with K blocks of 1,024 (one config: the autotuner runs it without timing)."""
     tuned = triton_linear._gemv_tuned
-    configs, cache = tuned.configs, tuned.cache
-    tuned.configs, tuned.cache = [PINNED], {}
-    yield
-    tuned.configs, tuned.cache = configs, cache
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(tuned, "configs", [next(c for c in tuned.configs if c.kwargs["BLOCK_K"] == 1024)])
+        yield
 
 
 def _decode_logits(monkeypatch: pytest.MonkeyPatch, fusions: set[str], preload: bool = True) -> torch.Tensor:
