@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import zlib
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from deltaserve import ops
+from deltaserve.ops.settings import DEFAULT_GEMV_FUSIONS
 
 triton_linear = pytest.importorskip("deltaserve.ops.triton.linear")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -156,6 +158,7 @@ def test_gemv_swiglu_refuses_a_gate_up_not_twice_the_weights_k():
 
 
 def test_op_boundary_fuses_the_swiglu_into_the_gemvs_rows_only(monkeypatch):
+    monkeypatch.setattr(ops, "FUSED_GEMV", frozenset())
     calls = []
     monkeypatch.setattr(
         triton_linear,
@@ -176,7 +179,7 @@ def test_op_boundary_fuses_the_swiglu_into_the_gemvs_rows_only(monkeypatch):
         "deltaserve.ops.triton.activation.silu_and_mul", lambda g: ops._activation_ref.silu_and_mul(g)
     )
     ops.silu_and_mul_linear(torch.randn(1, 32, dtype=torch.bfloat16), w)
-    assert calls == [("gemv", 1, 16)]  # DELTASERVE_FUSED_GEMV unset: the activation kernel, then the GEMV
+    assert calls == [("gemv", 1, 16)]  # no fusion: the activation kernel, then the GEMV
     calls.clear()
     monkeypatch.setattr(ops, "FUSED_GEMV", frozenset({"swiglu"}))
     for m in (1, 2):
@@ -217,6 +220,7 @@ def test_gemv_sigmoid_gated_refuses_a_gate_of_another_shape_naming_it():
 
 
 def test_op_boundary_gates_inside_the_gemvs_rows_only(monkeypatch):
+    monkeypatch.setattr(ops, "FUSED_GEMV", frozenset())
     calls = []
     monkeypatch.setattr(
         triton_linear,
@@ -237,7 +241,7 @@ def test_op_boundary_gates_inside_the_gemvs_rows_only(monkeypatch):
     monkeypatch.setattr(ops, "use_kernels", lambda t: True)
     monkeypatch.setattr("deltaserve.ops.triton.activation.sigmoid_gate", ops._activation_ref.sigmoid_gate)
     ops.sigmoid_gated_linear(x[:1], gate[:1], w)
-    assert calls == [("gemv", 1, 32)]  # DELTASERVE_FUSED_GEMV unset: the gate kernel, then the GEMV
+    assert calls == [("gemv", 1, 32)]  # no fusion: the gate kernel, then the GEMV
     calls.clear()
     monkeypatch.setattr(ops, "FUSED_GEMV", frozenset({"gate"}))
     ops.sigmoid_gated_linear(x[:1], gate[:1], w)
@@ -309,6 +313,7 @@ def test_gemv_gated_norm_refuses_what_it_cannot_normalise_naming_it():
 
 
 def test_op_boundary_normalises_inside_the_gemvs_rows_only(monkeypatch):
+    monkeypatch.setattr(ops, "FUSED_GEMV", frozenset())
     calls = []
     monkeypatch.setattr(
         triton_linear,
@@ -326,7 +331,7 @@ def test_op_boundary_normalises_inside_the_gemvs_rows_only(monkeypatch):
     monkeypatch.setattr(ops, "use_kernels", lambda t: True)
     monkeypatch.setattr("deltaserve.ops.triton.norm.gated_rms_norm", ops._norm_ref.gated_rms_norm)
     ops.gated_norm_linear(x[:1], z[:1], nw, 1e-6, w)
-    assert calls == [("gemv", 1, 64)]  # DELTASERVE_FUSED_GEMV unset: the norm kernel, then the GEMV
+    assert calls == [("gemv", 1, 64)]  # no fusion: the norm kernel, then the GEMV
     calls.clear()
     monkeypatch.setattr(ops, "FUSED_GEMV", frozenset({"norm"}))
     ops.gated_norm_linear(x[:1], z[:1], nw, 1e-6, w)
@@ -336,6 +341,13 @@ def test_op_boundary_normalises_inside_the_gemvs_rows_only(monkeypatch):
         odd, odd, torch.randn(12, dtype=torch.bfloat16), 1e-6, torch.randn(8, 48).bfloat16()
     )
     assert calls == [("fused", 1, 4, 16), ("gemv", 1, 48)]
+
+
+def test_the_default_fusions_are_the_gated_three():
+    """The three fusions the 4B GPU gate passed with and that measured faster at batch 1 are the default."""
+    assert ops.parse_gemv_fusions(DEFAULT_GEMV_FUSIONS) == {"rmsnorm", "swiglu_out", "conv"}
+    if "DELTASERVE_FUSED_GEMV" not in os.environ:
+        assert {"rmsnorm", "swiglu_out", "conv"} == ops.FUSED_GEMV
 
 
 def test_fused_gemv_variable_names_the_fusions_or_all_of_them():

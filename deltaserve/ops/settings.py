@@ -34,16 +34,14 @@ if not 1 <= GEMV_ROWS <= 4:
 # (sigmoid_gated_linear), "norm" (gated_norm_linear), "rmsnorm" (a layer's input RMSNorm and residual add:
 # normed_linear). After it: "swiglu_out" (a dense MLP's activation, written by its gate_up GEMV:
 # swiglu_mlp; it takes precedence over "swiglu"), "conv" (a Gated DeltaNet layer's causal conv, applied
-# by its in_proj GEMV in steps of decode rows only: in_proj_conv). Off by default: on an H200 the first
-# three together measured no faster (4B c1 TPOT 3.064 ms against 3.056 unfused): the SwiGLU GEMV loses
-# 1.9 us per layer, "gate" and "norm" save 2.1 and 0.3 us
-# (docs/benchmarks/2026-12-04-h200-c1-fusions-graph-attention.md). "rmsnorm,swiglu_out,conv" (120 fewer
-# kernels per 4B step) measured 4B c1 TPOT 3.47 ms against 3.61 on an H100, but the 4B gate failed with
-# them on: the conv epilogue had no barrier between reading and shifting the windows (fixed since; the
-# gate's batch-of-one bf16 cases, which failed, pass with the fix; the whole gate not yet run:
-# docs/benchmarks/2026-12-06-h100-decode-fusions-ab.md, 2026-12-06-h100-fusions-bisect.md). Off until it
-# passes.
+# by its in_proj GEMV in steps of decode rows only: in_proj_conv). Default "rmsnorm,swiglu_out,conv" (120
+# fewer kernels per 4B step): 4B c1 TPOT 3.34 ms against 3.52 unfused on one H100, alternating runs, and
+# the whole 4B GPU gate passes with them (docs/benchmarks/2026-12-06-h100-fusions-default.md); "0" turns
+# them off. "swiglu", "gate" and "norm" stay off: on an H200 they measured no faster together (4B c1 TPOT
+# 3.064 ms against 3.056 unfused: the SwiGLU GEMV loses 1.9 us per layer, "gate" and "norm" save 2.1 and
+# 0.3 us; docs/benchmarks/2026-12-04-h200-c1-fusions-graph-attention.md).
 GEMV_FUSIONS = ("swiglu", "gate", "norm", "rmsnorm", "swiglu_out", "conv")
+DEFAULT_GEMV_FUSIONS = "rmsnorm,swiglu_out,conv"
 
 
 def parse_gemv_fusions(text: str) -> frozenset[str]:
@@ -63,7 +61,7 @@ def parse_gemv_fusions(text: str) -> frozenset[str]:
     return names
 
 
-FUSED_GEMV = parse_gemv_fusions(os.environ.get("DELTASERVE_FUSED_GEMV", ""))
+FUSED_GEMV = parse_gemv_fusions(os.environ.get("DELTASERVE_FUSED_GEMV", DEFAULT_GEMV_FUSIONS))
 
 
 def parse_count(variable: str, unit: str, text: str) -> int:
