@@ -48,7 +48,9 @@ REFERENCES: dict[str, CellReference] = {
     "4b-shape:1-256-c1": CellReference(
         _DECODE_4B_FLOOR,
         (Figure("TPOT", 2.78, "ms"),),
-        note="the 2026-12-04 record (decode-4b-c1-wait-first; 2.89 ms in decode-4b-decode-apart)",
+        note="the 2026-12-04 record (decode-4b-c1-wait-first; 2.89 ms in decode-4b-decode-apart); on an H100 "
+        "on 2026-12-06: 3.34 ms with the three GEMV fusions (the default since), 3.52 ms without, twice each "
+        "(h100-fusions-default)",
     ),
     "4b-shape:1-1-c1": CellReference(previous=(Figure("TTFT", 7.1, "ms"),)),
     "4b-shape:1024-256-c1": CellReference(_DECODE_4B_FLOOR),
