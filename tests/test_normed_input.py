@@ -106,6 +106,20 @@ def test_the_first_projection_of_a_gemv_row_takes_the_norm(fused):
         ops.normed_linear(one, w)
 
 
+def test_rows_wider_than_the_fusions_bound_take_the_norm_then_the_linear(fused):
+    """The "rmsnorm" fusion takes rows of up to RMS_NORM_FUSION_MAX_K values (the GEMV's registers grow
+    with the row); a wider row (the 27B's 5,120) is normalised by the norm kernel, then projected."""
+    gen = torch.Generator().manual_seed(0)
+    for k in (ops.RMS_NORM_FUSION_MAX_K, ops.RMS_NORM_FUSION_MAX_K + 64):
+        h, res = (torch.randn(1, k, generator=gen).bfloat16() for _ in range(2))
+        x = ops.NormedInput(h, (0.2 * torch.randn(k, generator=gen)).bfloat16(), 1e-6, res)
+        w = torch.randn(8, k, generator=gen).bfloat16()
+        want = F.linear(ops._norm_ref.rms_norm(h, x.weight, 1e-6, res)[0], w)
+        assert torch.equal(ops.normed_linear(x, w), want)
+        assert torch.equal(x.next_residual, ops._norm_ref.rms_norm(h, x.weight, 1e-6, res)[1])
+    assert fused == [(1, True)]  # the first width only
+
+
 def test_the_fusion_off_computes_the_norm_then_the_linear(fused, monkeypatch):
     monkeypatch.setattr(ops, "FUSED_GEMV", frozenset({"norm"}))
     ops.normed_linear(_inputs(1), torch.randn(8, 64).bfloat16())

@@ -27,6 +27,7 @@ from deltaserve.ops.settings import (
     MOE_GROUPED_FROM,
     MOE_SLOT_GEMV_SLOTS,
     REFERENCE_ONLY,
+    RMS_NORM_FUSION_MAX_K,
     SKINNY_GEMM,
 )
 from deltaserve.ops.settings import parse_gemv_fusions as parse_gemv_fusions
@@ -229,7 +230,7 @@ def _fuses_input_norm(x: NormedInput, weight: torch.Tensor) -> bool:
         return False
     from deltaserve.ops.triton.linear import RMS_NORM_MAX_K
 
-    return h.shape[1] <= RMS_NORM_MAX_K
+    return h.shape[1] <= min(RMS_NORM_MAX_K, RMS_NORM_FUSION_MAX_K)
 
 
 def _gemv_over_norm(
