@@ -41,13 +41,13 @@ if not 1 <= GEMV_ROWS <= 4:
 # 3.064 ms against 3.056 unfused: the SwiGLU GEMV loses 1.9 us per layer, "gate" and "norm" save 2.1 and
 # 0.3 us; docs/benchmarks/2026-12-04-h200-c1-fusions-graph-attention.md).
 GEMV_FUSIONS = ("swiglu", "gate", "norm", "rmsnorm", "swiglu_out", "conv")
+DEFAULT_GEMV_FUSIONS = "rmsnorm,swiglu_out,conv"
 # The "rmsnorm" fusion takes rows of at most this many values. Its GEMV holds the whole row (padded to a
 # power of two) for the sum of squares before the first weight block. Compiled for sm_90 (Triton 3.9's
 # ptxas), the six tuned block shapes take 80-136 registers at 4,096 (the 4B's 2,560, where the fusion was
 # measured, and the 9B's 4,096) and 127-237 at 8,192, one of them spilling (the plain GEMV: 48-183).
 # The 27B's 5,120-wide rows stay on the measured path (the norm kernel, then the GEMV) until measured.
 RMS_NORM_FUSION_MAX_K = 4096
-DEFAULT_GEMV_FUSIONS = "rmsnorm,swiglu_out,conv"
 
 
 def parse_gemv_fusions(text: str) -> frozenset[str]:
