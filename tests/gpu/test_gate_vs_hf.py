@@ -140,7 +140,7 @@ class Engine:
 
 
 class Pair:
-    """HF bf16 and fp32 models and the engine in both precisions, all with the same weights."""
+    """HF bf16 and fp32 models and the engine in each precision, all with the same weights."""
 
     def __init__(self, preset: str, seed: int = 0) -> None:
         import transformers
@@ -156,12 +156,17 @@ class Pair:
         with torch.device(DEVICE):
             self.hf32 = model_class(hf_cfg).eval()
         self.hf32.load_state_dict({k: v.float() for k, v in self.hf.state_dict().items()})
-        config = ModelConfig.from_dict(official_config(preset))
-        self.engines = {
-            "bf16": Engine(config, self.hf.state_dict(), torch.bfloat16),
-            "fp32": Engine(config, self.hf32.state_dict(), torch.float32),
-        }
+        self._config = ModelConfig.from_dict(official_config(preset))
+        self._engines: dict[str, Engine] = {}
         self._references: dict[tuple[tuple[int, ...], tuple[int, ...]], Reference] = {}
+
+    def engine(self, precision: str) -> Engine:
+        """The engine in `precision` ("bf16" or "fp32"), built at its first use: a run of one precision's
+        cases (`-k bf16`) builds, compiles and captures that one alone."""
+        if precision not in self._engines:
+            hf, dtype = (self.hf, torch.bfloat16) if precision == "bf16" else (self.hf32, torch.float32)
+            self._engines[precision] = Engine(self._config, hf.state_dict(), dtype)
+        return self._engines[precision]
 
     @torch.no_grad()
     def reference(self, prompt: list[int], positions: Sequence[int] | None = None) -> Reference:
@@ -217,7 +222,7 @@ def replay(
 ) -> None:
     """Prefills every prompt (in chunks, all sequences in each step), comparing the sampled prompt
     positions, then decodes all of them together teacher-forced on HF's greedy tokens."""
-    engine = pair.engines[precision]
+    engine = pair.engine(precision)
     backend = engine.backend(graphs)
     refs = [pair.reference(p) for p in prompts]
     seqs = [engine.cache.open() for _ in prompts]
@@ -290,7 +295,7 @@ def test_chunked_prefill_at_odd_boundaries(pair, precision, chunk):
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_mixed_prefill_and_decode_steps_and_slot_reuse(pair, precision):
     gate = Gate(f"{precision} mixed steps + slot reuse")
-    engine = pair.engines[precision]
+    engine = pair.engine(precision)
     backend, cache = engine.backend(True), engine.cache
     a, b = prompt_of(50, 4), prompt_of(90, 5)
     ref_a, ref_b = pair.reference(a), pair.reference(b)
@@ -335,7 +340,7 @@ def test_resumed_from_the_prefix_cache(pair, precision, graphs, seed):
     decode steps match HF's over the whole prompt. (Every position, not the sampled ones: 68 compared
     positions instead of 14 keep the bf16 p99 out of run-to-run noise.)"""
     gate = Gate(f"{precision} resumed from the prefix cache, graphs={graphs}, seed {seed}")
-    engine = pair.engines[precision]
+    engine = pair.engine(precision)
     backend, cache = engine.backend(graphs), engine.cache
     boundary = 203
     shared = prompt_of(boundary, seed)
@@ -411,7 +416,7 @@ def test_free_running_greedy_does_not_collapse_into_a_token_loop(pair):
     chunked kernels instead). A run of one token longer than LOOP_RUN is allowed only where HF fp32 picks that
     token at every step of the run (random tied-embedding models do repeat tokens; bf16 noise can lead to
     a different, legitimate trajectory)."""
-    engine = pair.engines["bf16"]
+    engine = pair.engine("bf16")
     backend = engine.backend(True)
     ours_regrets, hf_regrets, runs = [], [], []
     for seed in range(3):
@@ -450,7 +455,7 @@ def test_prefill_steps_in_the_prefill_graphs(pair, precision):
     """Both prompts prefill through the step path, every step ending each prompt's chunk at its next
     compared position (chunks of 1..13 tokens beside each other), so each step runs a prefill graph."""
     gate = Gate(f"{precision} prefill graphs")
-    engine = pair.engines[precision]
+    engine = pair.engine(precision)
     backend = engine.backend(True)
     prompts = [prompt_of(300, 2), prompt_of(140, 3)]
     refs = [pair.reference(p) for p in prompts]
