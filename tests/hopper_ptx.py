@@ -34,30 +34,20 @@ import sys
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 
-from deltaserve.ops.triton import linear, prefetch
+from deltaserve.bench.gemv_registers import decode_row_constexprs, gemv_source
+from deltaserve.ops.triton import prefetch
 
 if sys.argv[1] == "prefetch":
-    fn, signature, constexprs = prefetch._l2_prefetch_kernel, {"base": "i64", "nbytes": "i32"}, {"USE_GDC": True}
+    constexprs = {"USE_GDC": True}
+    signature = {"base": "i64", "nbytes": "i32"} | {name: "constexpr" for name in constexprs}
+    source = ASTSource(fn=prefetch._l2_prefetch_kernel, signature=signature, constexprs=constexprs)
 else:
-    fn = linear._gemv_kernel
-    signature = {name: "*bf16" for name in ("x_ptr", "w_ptr", "out_ptr", "g_ptr", "nw_ptr", "res_out_ptr")}
-    signature |= {"conv_w_ptr": "*bf16", "conv_state_ptr": "*bf16", "conv_slots_ptr": "*i32"}
-    signature |= {"eps": "fp32", "N": "i32", "K": "i32"}
-    signature |= {name: "i32" for name in ("stride_xm", "stride_wn", "stride_om", "stride_gm", "stride_gh")}
-    signature |= {name: "i32" for name in ("conv_channels", "stride_cw_ch", "stride_cw_k")}
-    signature |= {name: "i32" for name in ("stride_cs_slot", "stride_cs_ch", "stride_cs_k")}
-    signature |= {"pf_base": "i64", "pf_bytes": "i32"}
-    constexprs = {"ROWS": 1, "MODE": 0, "HEAD_DIM": 1, "K_POW2": 1}
+    constexprs = decode_row_constexprs(mode=0, k_pow2=1, block_n=8, block_k=256)
     constexprs["SWIGLU_OUT"] = len(sys.argv) > 3 and sys.argv[3] == "1"
     constexprs["CONV_KW"] = int(sys.argv[5]) if len(sys.argv) > 5 else 0
-    constexprs |= {"BLOCK_N": 8, "BLOCK_K": 256}
-    constexprs["PREFETCH"] = True
     constexprs["PRELOAD"] = int(sys.argv[2]) if len(sys.argv) > 2 else 1
-    constexprs["USE_GDC"] = True
     for name in filter(None, (sys.argv[4] if len(sys.argv) > 4 else "").split(",")):
-        signature.pop(name)
         constexprs[name] = 1
-signature |= {name: "constexpr" for name in constexprs}
-source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    source = gemv_source(constexprs)
 print(compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"])
 """

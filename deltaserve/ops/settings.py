@@ -46,7 +46,8 @@ DEFAULT_GEMV_FUSIONS = "rmsnorm,swiglu_out,conv"
 # power of two) for the sum of squares before the first weight block. Compiled for sm_90 (Triton 3.9's
 # ptxas), the six tuned block shapes take 80-136 registers at 4,096 (the 4B's 2,560, where the fusion was
 # measured, and the 9B's 4,096) and 127-237 at 8,192, one of them spilling (the plain GEMV: 48-183).
-# The 27B's 5,120-wide rows stay on the measured path (the norm kernel, then the GEMV) until measured.
+# The 27B's 5,120-wide rows stay on the measured path (the norm kernel, then the GEMV) until measured
+# (python3 -m deltaserve.bench.gemv_registers prints the counts).
 RMS_NORM_FUSION_MAX_K = 4096
 
 
