@@ -20,6 +20,10 @@ graphs.
 
 With --preload: the same pairs, each linear loading its first weight block before the PDL wait
 (DELTASERVE_GEMV_PRELOAD) or not, with and without the 4 MiB prefetch.
+
+With --tma: one decode row's GEMV with the weight streamed through TMA (ops/triton/gemv_tma.py), autotuned
+and at each of its launch shapes, against the pointer GEMV as a decode step launches it, inside CUDA
+graphs.
 """
 
 from __future__ import annotations
@@ -248,6 +252,34 @@ def preload_main() -> None:
     )
 
 
+def tma_main() -> None:
+    """The TMA GEMV against the pointer GEMV at one row, each shape's weights cycling through more than L2."""
+    from deltaserve.ops.triton.gemv_tma import CONFIGS, gemv_tma
+
+    torch.manual_seed(0)
+    shapes = " ".join(f"{c.block_n}x{c.block_k}/{c.warps}w/{c.stages}s" for c in CONFIGS)
+    print(f"TMA launch shapes (rows x K / warps / stages): {shapes}")
+    print(f"{'linear':<14}{'gemv TB/s':>11}{'tma TB/s':>10}{'tma/gemv':>10}  tma TB/s at each launch shape")
+    for name, n, k in SHAPES:
+        copies = 2 if n * k * 2 > 256 * 2**20 else COPIES
+        weights = [torch.randn(n, k, device=DEV, dtype=DTYPE) * 0.02 for _ in range(copies)]
+        x = torch.randn(1, k, device=DEV, dtype=DTYPE)
+        want = F.linear(x.float(), weights[0].float())
+        torch.testing.assert_close(gemv_tma(x, weights[0]).float(), want, rtol=2**-7, atol=2e-2)
+        weight_bytes = n * k * 2
+
+        def tbs(ms: float, weight_bytes: int = weight_bytes) -> float:
+            return weight_bytes / (ms * 1e-3) / 1e12
+
+        t_gemv = graph_ms(lambda w, x=x: gemv(x, w), weights)
+        t_tma = graph_ms(lambda w, x=x: gemv_tma(x, w), weights)
+        each = [tbs(graph_ms(lambda w, x=x, c=c: gemv_tma(x, w, blocks=c), weights)) for c in CONFIGS]
+        print(
+            f"{name:<14}{tbs(t_gemv):>11.2f}{tbs(t_tma):>10.2f}{t_gemv / t_tma:>9.2f}x  "
+            + " ".join(f"{v:.2f}" for v in each)
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default=",".join(str(m) for m in range(1, GEMV_MAX_ROWS + 1)))
@@ -264,7 +296,15 @@ def main() -> None:
         action="store_true",
         help="each linear behind short kernels, its first weight block loaded before the PDL wait or not",
     )
+    parser.add_argument(
+        "--tma",
+        action="store_true",
+        help="the GEMV streaming its weight through TMA against the pointer GEMV",
+    )
     args = parser.parse_args()
+    if args.tma:
+        tma_main()
+        return
     if args.preload:
         preload_main()
         return
