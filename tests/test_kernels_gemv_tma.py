@@ -72,21 +72,29 @@ from deltaserve.ops.triton.gemv_tma import CONFIGS, _gemv_tma_kernel
 
 report = []
 for c in CONFIGS:
-    constexprs = {"ROWS": 1, "BLOCK_N": c.block_n, "BLOCK_K": c.block_k, "STAGES": c.stages}
+    constexprs = {"ROWS": 1, "BLOCK_N": c.block_n, "BLOCK_K": c.block_k, "STAGES": c.stages, "USE_GDC": True}
     signature = {"w_desc": f"tensordesc<bf16[{c.block_n}, {c.block_k}]>", "x_ptr": "*bf16", "out_ptr": "*bf16"}
     signature |= {"N": "i32", "K": "i32", "stride_xm": "i32", "stride_om": "i32"}
     signature |= {name: "constexpr" for name in constexprs}
     source = ASTSource(fn=_gemv_tma_kernel, signature=signature, constexprs=constexprs)
     kernel = compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": c.warps, "num_stages": c.stages})
     buffers = re.findall(r"memdesc<(\\d+)x" + str(c.block_n) + "x" + str(c.block_k) + "x", kernel.asm["ttgir"])
-    report.append({"stages": c.stages, "buffers": sorted({int(b) for b in buffers}), "bulk_copies": kernel.asm["ptx"].count("cp.async.bulk.tensor")})
+    ptx = kernel.asm["ptx"]
+    first_read = min(ptx.find(op) for op in ("cp.async.bulk.tensor", "ld.global") if op in ptx)
+    report.append({
+        "stages": c.stages,
+        "buffers": sorted({int(b) for b in buffers}),
+        "bulk_copies": ptx.count("cp.async.bulk.tensor"),
+        "waits_first": -1 < ptx.find("griddepcontrol.wait") < first_read,
+    })
 print(json.dumps(report))
 """
 
 
 def test_each_tuned_shape_keeps_weight_tiles_in_flight_through_tma():
     """Compiled for sm_90: the weight tiles come by bulk tensor copies into a ring of STAGES - 1 shared
-    buffers, so tiles after the one being summed are in flight (what the kernel is for)."""
+    buffers, so tiles after the one being summed are in flight (what the kernel is for), and nothing is
+    read before the PDL wait."""
     import json
     import os
     import subprocess
@@ -102,3 +110,4 @@ def test_each_tuned_shape_keeps_weight_tiles_in_flight_through_tma():
     for shape in report:
         assert shape["bulk_copies"] > 0, shape
         assert shape["buffers"] == [shape["stages"] - 1], shape
+        assert shape["waits_first"], shape

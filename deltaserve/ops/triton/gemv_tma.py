@@ -10,9 +10,9 @@ loop pipeliner issues the bulk copies and their barriers), so shared memory, not
 bytes in flight.
 
 Numerics are the pointer GEMV's: an elementwise fp32 accumulator [BLOCK_N, BLOCK_K] per row, reduced once
-at the end, so at the same (BLOCK_N, BLOCK_K) the two give the same bits. Plain rows only (no fusion, no
-PDL wait, no L2 prefetch): `python3 -m deltaserve.bench.linear_kernel --tma` measures it against the
-pointer GEMV before anything else is built on it.
+at the end, so at the same (BLOCK_N, BLOCK_K) the two give the same bits. Plain rows only, with the PDL
+wait of a decode step's kernels but no fusion and no L2 prefetch: `python3 -m deltaserve.bench.linear_kernel
+--tma` measures it against the pointer GEMV before anything else is built on it.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from deltaserve.ops.triton.activation import round_to
+from deltaserve.ops.triton.pdl import gdc_enter, launch_options
 
 MAX_ROWS = 4
 
@@ -68,7 +69,9 @@ def _gemv_tma_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    gdc_enter(USE_GDC)  # the PDL wait (ops/triton/pdl.py) before any load: tiles stream after it
     # The descriptor pads a tile past N or K with zeros, so only x's columns and the stored rows need
     # masks; tiles arrive STAGES - 1 ahead of the loop body through shared memory.
     n0 = tl.program_id(0) * BLOCK_N
@@ -143,7 +146,9 @@ def gemv_tma(x: torch.Tensor, weight: torch.Tensor, *, blocks: TmaBlocks | None 
     w_desc = TensorDescriptor.from_tensor(weight, shape)
     args = (w_desc, x, out, n, k, x.stride(0), out.stride(0))
     if blocks is None:
-        _gemv_tma_tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, ROWS=m)
+        _gemv_tma_tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
+            *args, ROWS=m, **launch_options(x.device)
+        )
     else:
         _gemv_tma_kernel[(triton.cdiv(n, blocks.block_n),)](
             *args,
@@ -153,5 +158,6 @@ def gemv_tma(x: torch.Tensor, weight: torch.Tensor, *, blocks: TmaBlocks | None 
             STAGES=blocks.stages,
             num_warps=blocks.warps,
             num_stages=blocks.stages,
+            **launch_options(x.device),
         )
     return out
