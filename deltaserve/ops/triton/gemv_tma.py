@@ -44,14 +44,15 @@ class TmaBlocks:
         return self.stages * self.block_n * self.block_k * itemsize
 
 
-# Candidates for the autotuner: tiles of 4-16 KB, 3-6 stages (24-64 KB of shared memory a program).
+# Candidates for the autotuner: tiles of 2-16 KB, 4-8 stages (16-64 KB of shared memory a program), no
+# tile dimension over 256 (a TMA box's limit, so no launch depends on how Triton splits a larger tile).
 CONFIGS = [
     TmaBlocks(8, 256, 4, 4),
-    TmaBlocks(8, 512, 4, 4),
     TmaBlocks(16, 256, 4, 4),
     TmaBlocks(16, 256, 4, 6),
-    TmaBlocks(4, 512, 4, 6),
-    TmaBlocks(16, 512, 8, 3),
+    TmaBlocks(32, 256, 8, 4),
+    TmaBlocks(8, 128, 4, 8),
+    TmaBlocks(32, 128, 4, 6),
 ]
 INTERPRETER_BLOCKS = TmaBlocks(8, 64, 4, 2)
 
