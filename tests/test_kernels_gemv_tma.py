@@ -111,3 +111,26 @@ def test_each_tuned_shape_keeps_weight_tiles_in_flight_through_tma():
         assert shape["bulk_copies"] > 0, shape
         assert shape["buffers"] == [shape["stages"] - 1], shape
         assert shape["waits_first"], shape
+
+
+def test_the_op_boundary_sends_gemv_rows_to_the_tma_gemv_only_when_switched_on(monkeypatch):
+    """ops.linear: with GEMV_TMA, on a Hopper GPU, a GEMV row whose weight a descriptor can take goes to
+    gemv_tma; a weight it cannot take (a misaligned base), or the switch off, keeps the pointer GEMV."""
+    from deltaserve import ops
+
+    calls = []
+    monkeypatch.setattr(ops, "_streams_weights", lambda x, w: True)
+    monkeypatch.setattr("deltaserve.ops.triton.device_info.hopper_or_later", lambda device: True)
+    monkeypatch.setattr(gemv_tma, "gemv_tma", lambda x, w: calls.append("tma") or F.linear(x, w))
+    monkeypatch.setattr(
+        triton_linear, "gemv", lambda x, w, prefetch=None: calls.append("gemv") or F.linear(x, w)
+    )
+    x = torch.randn(1, 64).bfloat16()
+    w = torch.randn(16, 65).bfloat16()
+    aligned, misaligned = w[:, :64].contiguous(), w[:, 1:]
+    monkeypatch.setattr(ops, "GEMV_TMA", True)
+    torch.testing.assert_close(ops.linear(x, aligned), F.linear(x, aligned))
+    ops.linear(x, misaligned)
+    monkeypatch.setattr(ops, "GEMV_TMA", False)
+    ops.linear(x, aligned)
+    assert calls == ["tma", "gemv", "gemv"]

@@ -22,6 +22,7 @@ from deltaserve.ops.batch import ForwardBatch, decode_rows_only
 from deltaserve.ops.settings import (
     FUSED_GEMV,
     GEMV_ROWS,
+    GEMV_TMA,
     L2_PREFETCH_MIB,
     MOE_DESCRIPTORS_FROM,
     MOE_GROUPED_FROM,
@@ -71,12 +72,19 @@ def _streams_weights(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, then: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight^T. One 16-bit row on the GPU (batch-1 decode; up to GEMV_ROWS rows when raised) takes
     the GEMV kernel, which streams the weight once for all its rows; up to 16 rows take the skinny GEMM
-    when it is switched on (SKINNY_GEMM); everything else is F.linear (cuBLAS). `then`: the projection
-    the step streams next, whose first bytes the GEMV prefetches into L2 as it ends
+    when it is switched on (SKINNY_GEMM); everything else is F.linear (cuBLAS). With GEMV_TMA, on a Hopper
+    GPU, GEMV rows take the TMA GEMV where a descriptor can take the weight. `then`: the projection the
+    step streams next, whose first bytes the GEMV prefetches into L2 as it ends
     (DELTASERVE_L2_PREFETCH_MIB, `_prefetch_target`). The same for the fused linears below."""
     rows = x.shape[0]
     if _streams_weights(x, weight):
         if 1 <= rows <= GEMV_ROWS:
+            if GEMV_TMA:
+                from deltaserve.ops.triton.device_info import hopper_or_later
+                from deltaserve.ops.triton.gemv_tma import gemv_tma, tma_refusal
+
+                if hopper_or_later(x.device) and tma_refusal(x, weight) is None:
+                    return gemv_tma(x, weight)
             from deltaserve.ops.triton.linear import gemv
 
             return gemv(x, weight, prefetch=_prefetch_target(rows, then))
