@@ -40,9 +40,6 @@ class TmaBlocks:
     warps: int
     stages: int
 
-    def smem_bytes(self, itemsize: int = 2) -> int:
-        return self.stages * self.block_n * self.block_k * itemsize
-
 
 # Candidates for the autotuner: tiles of 2-16 KB, 4-8 stages (16-64 KB of shared memory a program), no
 # tile dimension over 256 (a TMA box's limit, so no launch depends on how Triton splits a larger tile).
@@ -143,8 +140,9 @@ def gemv_tma(x: torch.Tensor, weight: torch.Tensor, *, blocks: TmaBlocks | None 
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if blocks is None and x.device.type != "cuda":
         blocks = INTERPRETER_BLOCKS
-    shape = [8, 64] if blocks is None else [blocks.block_n, blocks.block_k]
-    w_desc = TensorDescriptor.from_tensor(weight, shape)
+    # Autotuned, each config's pre-hook sets the descriptor's tile to its own.
+    tile = [8, 64] if blocks is None else [blocks.block_n, blocks.block_k]
+    w_desc = TensorDescriptor.from_tensor(weight, tile)
     args = (w_desc, x, out, n, k, x.stride(0), out.stride(0))
     if blocks is None:
         _gemv_tma_tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
