@@ -8,19 +8,25 @@ import subprocess
 import sys
 
 
-def hopper_ptx(script: str, *args: str) -> list[str]:
-    """The PTX instructions `script` prints (it compiles a kernel with `triton.compiler.compile` for
-    `GPUTarget("cuda", 90, 32)` and prints `.asm["ptx"]`), without directives, comments and braces."""
+def compiled_output(script: str, *args: str, timeout: int = 120) -> str:
+    """What `script` prints, run with `args` in a process of its own where Triton compiles instead of
+    interpreting (TRITON_INTERPRET unset); fails the test with its stderr when it fails."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run(
         [sys.executable, "-c", script, *args],
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    lines = (line.strip() for line in done.stdout.splitlines())
+    return done.stdout
+
+
+def hopper_ptx(script: str, *args: str) -> list[str]:
+    """The PTX instructions `script` prints (it compiles a kernel with `triton.compiler.compile` for
+    `GPUTarget("cuda", 90, 32)` and prints `.asm["ptx"]`), without directives, comments and braces."""
+    lines = (line.strip() for line in compiled_output(script, *args).splitlines())
     return [line for line in lines if line and not line.startswith((".", "//", ")")) and line not in "{}"]
 
 

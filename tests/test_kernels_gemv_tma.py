@@ -4,9 +4,12 @@ Triton's interpreter (tensor descriptors included)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
+from hopper_ptx import compiled_output
 
 gemv_tma = pytest.importorskip("deltaserve.ops.triton.gemv_tma")
 triton_linear = pytest.importorskip("deltaserve.ops.triton.linear")
@@ -95,17 +98,7 @@ def test_each_tuned_shape_keeps_weight_tiles_in_flight_through_tma():
     """Compiled for sm_90: the weight tiles come by bulk tensor copies into a ring of STAGES - 1 shared
     buffers, so tiles after the one being summed are in flight (what the kernel is for), and nothing is
     read before the PDL wait."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run(
-        [sys.executable, "-c", COMPILE_FOR_HOPPER], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    report = json.loads(done.stdout.splitlines()[-1])
+    report = json.loads(compiled_output(COMPILE_FOR_HOPPER, timeout=300).splitlines()[-1])
     assert len(report) == len(gemv_tma.CONFIGS)
     for shape in report:
         assert shape["bulk_copies"] > 0, shape
