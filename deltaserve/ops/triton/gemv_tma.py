@@ -1,5 +1,5 @@
 """The decode GEMV with its weight streamed through TMA (Hopper's tensor memory accelerator), an experiment
-for batch-1 decode, not yet called by the model.
+for batch-1 decode, called by the model only with DELTASERVE_GEMV_TMA=1 (ops/settings.py).
 
 The pointer GEMV (linear.py) holds each program's weight tile in registers, so the bytes in flight per SM
 are bounded by how many programs its registers hold: at the 4B shapes its layer projections stream at
@@ -8,6 +8,11 @@ are bounded by how many programs its registers hold: at the 4B shapes its layer 
 memory through a host-built tensor descriptor, STAGES - 1 tiles ahead of the one being summed (Triton's
 loop pipeliner issues the bulk copies and their barriers), so shared memory, not registers, sets the
 bytes in flight.
+
+Measured on an H100 (docs/benchmarks/2026-12-06-h100-gemv-tma.md): 3-16% slower than the pointer GEMV
+on the 4B's layer projections at every launch shape tried, level on the LM head, so the bytes in flight
+are not what holds the pointer GEMV back there; an H200, with ~40% more bandwidth to cover, is not yet
+measured.
 
 Numerics are the pointer GEMV's: an elementwise fp32 accumulator [BLOCK_N, BLOCK_K] per row, reduced once
 at the end, so at the same (BLOCK_N, BLOCK_K) the two give the same bits. Plain rows only, with the PDL
