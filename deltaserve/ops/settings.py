@@ -30,9 +30,9 @@ GEMV_ROWS = int(os.environ.get("DELTASERVE_GEMV_ROWS", "1"))
 if not 1 <= GEMV_ROWS <= 4:
     raise ValueError(f"DELTASERVE_GEMV_ROWS must be 1..4, got {GEMV_ROWS}")
 # DELTASERVE_GEMV_TMA=1 sends plain GEMV rows (no fusion) to the GEMV that streams its weight through TMA
-# (ops/triton/gemv_tma.py) where a descriptor can take the weight. Off by default: on an H100 it streams
-# the 4B's layer projections 4-16% slower than the pointer GEMV (docs/benchmarks/2026-12-06-h100-gemv-tma.md),
-# an H200 is not yet measured; it drops those GEMVs' L2 prefetch.
+# (ops/triton/gemv_tma.py) where a descriptor can take the weight. Off by default: on an H100, autotuned,
+# it streams the 4B's layer projections 4-16% slower than the pointer GEMV
+# (docs/benchmarks/2026-12-06-h100-gemv-tma.md); an H200 is not yet measured. It drops their L2 prefetch.
 GEMV_TMA = parse_switch("DELTASERVE_GEMV_TMA", os.environ.get("DELTASERVE_GEMV_TMA", "0"))
 # DELTASERVE_FUSED_GEMV moves a short op beside a GEMV row's projection into the GEMV, as a comma list
 # or "1" for all of them. Before the projection: "swiglu" (silu_and_mul_linear), "gate"
