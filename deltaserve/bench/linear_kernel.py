@@ -29,6 +29,8 @@ graphs.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +53,9 @@ from deltaserve.ops.triton.linear import (
     skinny_gemm,
 )
 from deltaserve.ops.triton.norm import gated_rms_norm, rms_norm
+
+if TYPE_CHECKING:
+    from deltaserve.ops.triton.gemv_tma import TmaBlocks
 
 DEV = torch.device("cuda")
 DTYPE = torch.bfloat16
@@ -252,12 +257,14 @@ def preload_main() -> None:
     )
 
 
-def tma_main() -> None:
-    """The TMA GEMV against the pointer GEMV at one row, each shape's weights cycling through more than L2."""
+def tma_main(launch_shapes: Sequence[TmaBlocks] | None = None) -> None:
+    """The TMA GEMV against the pointer GEMV at one row, each shape's weights cycling through more than L2:
+    autotuned over its CONFIGS, and at each of `launch_shapes` (None: CONFIGS)."""
     from deltaserve.ops.triton.gemv_tma import CONFIGS, gemv_tma
 
+    launch_shapes = CONFIGS if launch_shapes is None else launch_shapes
     torch.manual_seed(0)
-    shapes = " ".join(f"{c.block_n}x{c.block_k}/{c.warps}w/{c.stages}s" for c in CONFIGS)
+    shapes = " ".join(f"{c.block_n}x{c.block_k}/{c.warps}w/{c.stages}s" for c in launch_shapes)
     print(f"TMA launch shapes (rows x K / warps / stages): {shapes}")
     print(f"{'linear':<14}{'gemv TB/s':>11}{'tma TB/s':>10}{'tma/gemv':>10}  tma TB/s at each launch shape")
     for name, n, k in SHAPES:
@@ -273,7 +280,7 @@ def tma_main() -> None:
 
         t_gemv = graph_ms(lambda w, x=x: gemv(x, w), weights)
         t_tma = graph_ms(lambda w, x=x: gemv_tma(x, w), weights)
-        each = [tbs(graph_ms(lambda w, x=x, c=c: gemv_tma(x, w, blocks=c), weights)) for c in CONFIGS]
+        each = [tbs(graph_ms(lambda w, x=x, c=c: gemv_tma(x, w, blocks=c), weights)) for c in launch_shapes]
         print(
             f"{name:<14}{tbs(t_gemv):>11.2f}{tbs(t_tma):>10.2f}{t_gemv / t_tma:>9.2f}x  "
             + " ".join(f"{v:.2f}" for v in each)

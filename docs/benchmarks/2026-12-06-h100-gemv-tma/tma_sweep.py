@@ -1,11 +1,10 @@
 """The TMA GEMV at twelve launch shapes beyond its tuned six (python3 <this file>, needs CUDA)."""
 
-import deltaserve.ops.triton.gemv_tma as gemv_tma
 from deltaserve.bench import linear_kernel
+from deltaserve.ops.triton.gemv_tma import TmaBlocks as B
 
-B = gemv_tma.TmaBlocks
 # (rows, K columns, warps, stages): smaller and deeper pipelines than CONFIGS, 2-8 warps.
-gemv_tma.CONFIGS[:] = [
+LAUNCH_SHAPES = [
     B(8, 256, 4, 4),
     B(4, 256, 2, 8),
     B(8, 256, 2, 6),
@@ -19,4 +18,4 @@ gemv_tma.CONFIGS[:] = [
     B(4, 256, 4, 12),
     B(8, 128, 2, 12),
 ]
-linear_kernel.tma_main()
+linear_kernel.tma_main(LAUNCH_SHAPES)
