@@ -4,6 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # The CPU build, pinned, when no torch is installed yet: an unpinned "torch" would pull a multi-GB CUDA build.
 TORCH_CPU ?= torch==2.13.0
+# Test processes beside each other (a module's tests stay in one); the serial-marked modules run alone after.
+TEST_WORKERS ?= 2
 
 .PHONY: setup serve test lint format
 
@@ -22,7 +24,8 @@ serve: setup
 test: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/pytest -q -x --durations=15 tests
+	$(VENV)/bin/pytest -q -x -n $(TEST_WORKERS) --dist loadfile -m "not serial" --durations=10 tests
+	$(VENV)/bin/pytest -q -x -m serial --durations=5 tests
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -13,9 +13,13 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from deltaserve.bench.api import ApiProcessCost, format_api_cost
 from deltaserve.bench.matrix_server import free_port, start_server, stop_server, wait_ready
+
+# Asserts wall-clock bounds: `make test` runs it alone, after the tests it runs side by side.
+pytestmark = pytest.mark.serial
 
 
 def test_cost_per_token_and_core_share_by_hand() -> None:

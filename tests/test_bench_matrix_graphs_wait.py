@@ -8,6 +8,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 from deltaserve.bench.matrix_server import (
     AHEAD_OF_NEED_DONE,
     DECODE_AHEAD_DONE,
@@ -15,6 +17,9 @@ from deltaserve.bench.matrix_server import (
     ServerProcess,
     wait_graphs_ahead,
 )
+
+# Asserts wall-clock bounds: `make test` runs it alone, after the tests it runs side by side.
+pytestmark = pytest.mark.serial
 
 
 def _server(tmp_path, text: str) -> ServerProcess:

@@ -28,6 +28,9 @@ from deltaserve.bench.multi_turn import (
 )
 from deltaserve.bench.serve import add_bench_serve_arguments, arrival_offsets, main, run_bench_serve
 
+# Asserts wall-clock bounds: `make test` runs it alone, after the tests it runs side by side.
+pytestmark = pytest.mark.serial
+
 TTFT_S = 0.060  # stub delay before the first chunk
 ITL_S = 0.020  # stub delay between later chunks
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import zmq
 
 from deltaserve.engine.client_sockets import ClientAddress, ClientSockets
@@ -21,6 +22,9 @@ from deltaserve.engine.protocol import (
     encode_client_message,
 )
 from deltaserve.sampling_params import SamplingParams
+
+# Asserts wall-clock bounds: `make test` runs it alone, after the tests it runs side by side.
+pytestmark = pytest.mark.serial
 
 
 def _clients(ctx: zmq.Context, addresses: tuple[ClientAddress, ...]) -> list[tuple[zmq.Socket, zmq.Socket]]:

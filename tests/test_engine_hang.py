@@ -15,7 +15,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import pytest
 from server_fixture import ServerProcess, running_server
+
+# Asserts wall-clock bounds: `make test` runs it alone, after the tests it runs side by side.
+pytestmark = pytest.mark.serial
 
 LONG = {"max_tokens": 1500, "ignore_eos": True}
 

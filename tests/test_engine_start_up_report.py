@@ -5,7 +5,12 @@ from __future__ import annotations
 import multiprocessing
 import time
 
+import pytest
+
 from deltaserve.engine.client import wait_for_start_up_report
+
+# Asserts wall-clock bounds: `make test` runs it alone, after the tests it runs side by side.
+pytestmark = pytest.mark.serial
 
 
 class _LatePipe:

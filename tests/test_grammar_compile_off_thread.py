@@ -17,6 +17,9 @@ from deltaserve.engine.protocol import Shutdown
 from deltaserve.engine.structured import GrammarBackend
 from deltaserve.sampling_params import SamplingParams, StructuredOutputParams
 
+# Asserts wall-clock bounds: `make test` runs it alone, after the tests it runs side by side.
+pytestmark = pytest.mark.serial
+
 pytest.importorskip("xgrammar")
 
 EOS = 1

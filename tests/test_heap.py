@@ -5,7 +5,12 @@ from __future__ import annotations
 import gc
 import time
 
+import pytest
+
 from deltaserve.heap import collections_paused, freeze_startup_heap
+
+# Asserts wall-clock bounds: `make test` runs it alone, after the tests it runs side by side.
+pytestmark = pytest.mark.serial
 
 
 def test_a_full_collection_skips_the_frozen_start_up_heap():

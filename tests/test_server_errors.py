@@ -18,6 +18,9 @@ import openai
 import pytest
 from server_fixture import MODEL, ServerProcess, running_server
 
+# Asserts wall-clock bounds: `make test` runs it alone, after the tests it runs side by side.
+pytestmark = pytest.mark.serial
+
 KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 BODY_LIMIT = 65536

@@ -18,6 +18,9 @@ import openai
 import pytest
 from server_fixture import MODEL, SMALL_ENGINE, ServerProcess, running_server, wait_until_idle
 
+# Asserts wall-clock bounds: `make test` runs it alone, after the tests it runs side by side.
+pytestmark = pytest.mark.serial
+
 LONG = {"max_tokens": 1500, "ignore_eos": True}  # runs for many seconds unless something stops it
 FREED_WITHIN_S = 1.0  # a step of the tiny model on CPU is ~30 ms; this leaves room for a loaded CI host
 

@@ -17,6 +17,9 @@ import httpx
 import pytest
 from server_fixture import ServerProcess, running_server, wait_until_idle
 
+# Asserts wall-clock bounds: `make test` runs it alone, after the tests it runs side by side.
+pytestmark = pytest.mark.serial
+
 RESPONSIVE_S = 1.0  # /health and a small completion answer within this while a large input is in flight
 LONG = {"max_tokens": 1500, "ignore_eos": True}
 USER = [{"role": "user", "content": "Hi"}]

@@ -10,8 +10,12 @@ import time
 
 import httpx
 import openai
+import pytest
 import trustme
 from server_fixture import MODEL, SMALL_ENGINE, free_port
+
+# Asserts wall-clock bounds: `make test` runs it alone, after the tests it runs side by side.
+pytestmark = pytest.mark.serial
 
 
 def test_https_with_the_given_certificate(tmp_path) -> None:
